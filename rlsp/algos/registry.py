@@ -1,0 +1,100 @@
+"""Name -> function registries for advantage estimators and policy losses.
+
+Every advantage estimator shares one signature so the trainer calls them all alike::
+
+    fn(token_level_rewards_BR, response_mask_BR, index, *,
+       norm_adv_by_std=True, gamma=1.0, lam=1.0, values_BR=None, eps=1e-6)
+        -> (advantages_BR, returns_BR)
+
+``index`` holds one group id per row (samples of one prompt share it). An estimator that does not
+use one of the keyword arguments accepts it only at its default value (``None`` for ``values_BR``)
+and raises ValueError otherwise, so a setting never gets silently dropped (see
+:func:`check_unused_defaults`).
+
+Every policy loss shares::
+
+    fn(logprobs, old_logprobs, advantages, mask, **loss_kwargs) -> (loss_tokens, metrics)
+
+Estimators and losses register themselves from their own module; importing ``rlsp.algos`` imports
+all of them, so the registries are full whenever this module is reachable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_ADV_ESTIMATORS: dict[str, Callable[..., Any]] = {}
+_POLICY_LOSSES: dict[str, Callable[..., Any]] = {}
+
+# Defaults of the shared estimator keywords; an estimator that ignores a keyword insists on these.
+ESTIMATOR_DEFAULTS: dict[str, Any] = {
+    "norm_adv_by_std": True,
+    "gamma": 1.0,
+    "lam": 1.0,
+    "values_BR": None,
+}
+
+
+def _register(table: dict[str, Callable[..., Any]], kind: str, name: str) -> Callable[[F], F]:
+    def decorator(fn: F) -> F:
+        if name in table and table[name] is not fn:
+            raise ValueError(f"{kind} {name!r} is already registered (by {table[name].__qualname__})")
+        table[name] = fn
+        return fn
+
+    return decorator
+
+
+def _lookup(table: dict[str, Callable[..., Any]], kind: str, name: str) -> Callable[..., Any]:
+    if name not in table:
+        raise ValueError(f"unknown {kind} {name!r}; legal names: {', '.join(sorted(table))}")
+    return table[name]
+
+
+def register_adv_estimator(name: str) -> Callable[[F], F]:
+    """Decorator registering an advantage estimator under ``name``."""
+    return _register(_ADV_ESTIMATORS, "advantage estimator", name)
+
+
+def get_adv_estimator(name: str) -> Callable[..., Any]:
+    """The estimator registered as ``name``; ValueError listing the legal names otherwise."""
+    return _lookup(_ADV_ESTIMATORS, "advantage estimator", name)
+
+
+def list_adv_estimators() -> list[str]:
+    """Sorted names of all registered advantage estimators."""
+    return sorted(_ADV_ESTIMATORS)
+
+
+def register_policy_loss(name: str) -> Callable[[F], F]:
+    """Decorator registering a per-token policy loss under ``name``."""
+    return _register(_POLICY_LOSSES, "policy loss", name)
+
+
+def get_policy_loss(name: str) -> Callable[..., Any]:
+    """The policy loss registered as ``name``; ValueError listing the legal names otherwise."""
+    return _lookup(_POLICY_LOSSES, "policy loss", name)
+
+
+def list_policy_losses() -> list[str]:
+    """Sorted names of all registered policy losses."""
+    return sorted(_POLICY_LOSSES)
+
+
+def check_unused_defaults(estimator: str, **given: Any) -> None:
+    """Raise if a shared keyword that ``estimator`` ignores was set to a non-default value.
+
+    ``given`` maps keyword names (keys of :data:`ESTIMATOR_DEFAULTS`) to the values received.
+    """
+    for key, value in given.items():
+        default = ESTIMATOR_DEFAULTS[key]
+        same = value is None if default is None else value == default
+        if not same:
+            shown = "a tensor" if default is None else repr(value)
+            raise ValueError(
+                f"advantage estimator {estimator!r} does not use {key}; got {shown}, "
+                f"leave it at its default {default!r} (estimators using it: see rlsp.algos)"
+            )

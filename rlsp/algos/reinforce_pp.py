@@ -1,0 +1,91 @@
+"""REINFORCE++ advantages: discounted return-to-go whitened over the batch, and the group-baseline
+variant (outcome score minus its group mean, whitened over the batch).
+
+Shape legend: B rows (samples), R response length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from rlsp.algos.aggregation import group_mean_std, masked_sum, masked_whiten
+from rlsp.algos.registry import check_unused_defaults, register_adv_estimator
+
+
+def compute_returns_to_go(
+    token_level_rewards_BR: torch.Tensor, response_mask_BR: torch.Tensor, gamma: float
+) -> torch.Tensor:
+    """G_t = r_t + gamma * G_next over masked-in tokens only; 0 on masked-out tokens.
+
+    "next" is the next masked-in token of the row, so a hole in the mask (e.g. tokens not produced
+    by the policy) is skipped rather than discounted; rewards on masked-out tokens are dropped.
+    """
+    keep_BR = response_mask_BR.bool()
+    rewards_BR = torch.where(keep_BR, token_level_rewards_BR, torch.zeros_like(token_level_rewards_BR))
+    returns_BR = torch.zeros_like(rewards_BR)
+    running_B = rewards_BR.new_zeros(rewards_BR.shape[0])
+    for t in reversed(range(rewards_BR.shape[1])):
+        running_B = torch.where(keep_BR[:, t], rewards_BR[:, t] + gamma * running_B, running_B)
+        returns_BR[:, t] = torch.where(keep_BR[:, t], running_B, torch.zeros_like(running_B))
+    return returns_BR
+
+
+@register_adv_estimator("reinforce_plus_plus")
+def compute_reinforce_pp_advantages(
+    token_level_rewards_BR: torch.Tensor,
+    response_mask_BR: torch.Tensor,
+    index: Sequence[str] | np.ndarray | None = None,
+    *,
+    norm_adv_by_std: bool = True,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    values_BR: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages_BR, returns_BR).
+
+    returns = discounted return-to-go (:func:`compute_returns_to_go`); advantages = returns whitened
+    over all masked-in tokens of the batch (mean 0, unbiased variance 1, ``eps`` added to the
+    variance). Groups are not used (``index`` is ignored). Whitening is intrinsic, so
+    ``norm_adv_by_std``, ``lam`` and ``values_BR`` must stay at their defaults.
+    """
+    check_unused_defaults("reinforce_plus_plus", norm_adv_by_std=norm_adv_by_std, lam=lam, values_BR=values_BR)
+    returns_BR = compute_returns_to_go(token_level_rewards_BR, response_mask_BR, gamma)
+    advantages_BR = masked_whiten(returns_BR, response_mask_BR, eps=eps)
+    return advantages_BR, returns_BR
+
+
+@register_adv_estimator("reinforce_plus_plus_baseline")
+def compute_reinforce_pp_baseline_advantages(
+    token_level_rewards_BR: torch.Tensor,
+    response_mask_BR: torch.Tensor,
+    index: Sequence[str] | np.ndarray,
+    *,
+    norm_adv_by_std: bool = True,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    values_BR: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages_BR, returns_BR).
+
+    Row score s = summed token rewards; s - mean_g (group mean; 0 for a group of size 1, as in GRPO)
+    is broadcast over the row's response tokens (returns), then whitened over all masked-in tokens
+    of the batch (advantages). Outcome-level, so no discounting: ``gamma``, ``lam``,
+    ``norm_adv_by_std`` and ``values_BR`` must stay at their defaults.
+    """
+    check_unused_defaults(
+        "reinforce_plus_plus_baseline",
+        norm_adv_by_std=norm_adv_by_std,
+        gamma=gamma,
+        lam=lam,
+        values_BR=values_BR,
+    )
+    scores_B = masked_sum(token_level_rewards_BR, response_mask_BR, dim=-1)
+    mean_B, _, _ = group_mean_std(scores_B, index)
+    returns_BR = (scores_B - mean_B).unsqueeze(-1) * response_mask_BR.to(scores_B.dtype)
+    advantages_BR = masked_whiten(returns_BR, response_mask_BR, eps=eps)
+    return advantages_BR, returns_BR

@@ -1,0 +1,141 @@
+"""Typed configuration schema (dataclasses); verl-style key names. No torch import here.
+
+The YAML files under configs/ only hold values; every key a user can set is declared here, so a typo
+in an override fails in Hydra with the list of legal keys instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+TINY_MODEL = "builtin://tiny-qwen2"
+ARITH_TRAIN = "builtin://arithmetic/train"
+ARITH_TEST = "builtin://arithmetic/test"
+
+
+@dataclass
+class DataConfig:
+    train_files: Any = ARITH_TRAIN  # str or list[str] of parquet files
+    val_files: Any = ARITH_TEST
+    prompt_key: str = "prompt"
+    train_batch_size: int = 16  # prompts per step
+    val_batch_size: Optional[int] = None  # None = whole validation set in one batch
+    max_prompt_length: int = 32
+    max_response_length: int = 8
+    filter_overlong_prompts: bool = True
+    shuffle: bool = True
+    seed: int = 1
+
+
+@dataclass
+class ModelConfig:
+    path: str = TINY_MODEL
+    dtype: str = "float32"  # parameter/compute dtype of the trainer: float32 | bfloat16
+    enable_gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: list = field(default_factory=lambda: [0.9, 0.999])
+    warmup_steps: int = 0
+    grad_clip: float = 1.0
+
+
+@dataclass
+class ActorConfig:
+    strategy: str = "fsdp2"
+    ppo_mini_batch_size: int = 16  # prompts per optimizer step (x rollout.n samples), verl semantics
+    ppo_micro_batch_size_per_gpu: int = 32  # samples per forward/backward on one worker
+    ppo_epochs: int = 1
+    shuffle: bool = False
+    clip_ratio: float = 0.2
+    clip_ratio_low: Optional[float] = None  # None = clip_ratio
+    clip_ratio_high: Optional[float] = None
+    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
+    policy_loss: str = "vanilla"
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = True
+    kl_loss_coef: float = 0.01
+    kl_loss_type: str = "low_var_kl"
+    ulysses_sequence_parallel_size: int = 1
+    logprob_chunk_size: int = 1024
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+@dataclass
+class RefConfig:
+    log_prob_micro_batch_size_per_gpu: int = 64
+
+
+@dataclass
+class RolloutConfig:
+    name: str = "vllm"  # vllm | hf
+    n: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    dtype: str = "float32"
+    enforce_eager: bool = True
+    gpu_memory_utilization: float = 0.5
+    cpu_kvcache_space_gib: int = 1
+    log_prob_micro_batch_size_per_gpu: int = 64
+    val_temperature: float = 0.0  # greedy validation
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    norm_adv_by_std_in_grpo: bool = True
+    gamma: float = 1.0
+    lam: float = 1.0
+
+
+@dataclass
+class RewardConfig:
+    """Rule rewards are looked up by each row's data_source; a custom function overrides them."""
+
+    custom_function_path: Optional[str] = None
+    custom_function_name: str = "compute_score"
+
+
+@dataclass
+class TrainerConfig:
+    project_name: str = "rlsp"
+    experiment_name: str = "grpo_tiny"
+    device: str = "auto"  # auto | cpu | cuda
+    nnodes: int = 1
+    n_gpus_per_node: int = 2  # worker processes per node (CPU workers when device=cpu)
+    total_epochs: int = 1000
+    total_training_steps: int = 60
+    test_freq: int = 10  # validate every N steps (and at the start and end); <=0 disables
+    val_before_train: bool = True
+    default_local_dir: str = "outputs/${trainer.project_name}/${trainer.experiment_name}"
+    logger: list = field(default_factory=lambda: ["console", "jsonl"])
+    seed: int = 0
+    cache_dir: str = "~/.cache/rlsp"
+    ray_address: Optional[str] = None  # None = start or join a local Ray
+    sp_self_check: bool = True
+    sp_self_check_tol: float = 1e-4
+    plot: bool = True
+
+
+@dataclass
+class RLSPConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)

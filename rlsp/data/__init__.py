@@ -1,0 +1,1 @@
+"""Data: the Batch container, prompt datasets, packing into token streams, synthetic tasks."""

@@ -1,0 +1,164 @@
+"""Ulysses attention as a transformers attention function (`attn_implementation="rlsp_ulysses"`).
+
+The model is built with this implementation name; no model code is patched. The SP context is a
+forward kwarg (`model(..., sp_context=ctx)`) that transformers passes through its decoder layers to
+the attention function. The function:
+  1. exchanges [S tokens, all heads] for [T tokens, this rank's heads] (one fused q/k/v all-to-all),
+  2. runs causal attention inside every packed segment (cu_seqlens of the context),
+  3. exchanges the output back to [S tokens, all q heads] (one all-to-all).
+The model's own attention mask is not built: a mask policy registered under the same name returns
+None, and segment boundaries come from the context only.
+
+Inner attention: `flash_attn_varlen_func` on CUDA in fp16/bf16 when flash_attn is installed;
+otherwise `scaled_dot_product_attention` with `is_causal=True` per segment. The per-segment form is
+exact, never materialises a T x T block-diagonal mask (which would not shrink with sp) and skips
+the cross-segment blocks; segment bounds are computed once per micro-batch and cached on the context.
+
+Legend: S local tokens, T stream length, H heads, D head dim, hq / hkv this rank's q / kv heads.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from rlsp.parallel.ulysses import SPContext, ulysses_heads_to_seq, ulysses_qkv_to_heads
+
+try:  # optional fast path on GPU
+    from flash_attn import flash_attn_varlen_func as _flash_varlen
+except ImportError:  # pragma: no cover - depends on the installation
+    _flash_varlen = None
+
+ULYSSES_ATTN_IMPL = "rlsp_ulysses"
+
+
+def _no_model_mask(*args: Any, **kwargs: Any) -> None:
+    """Mask policy for rlsp_ulysses: the model builds no mask (segments come from the SP context)."""
+    return None
+
+
+def register_ulysses_attention() -> None:
+    """Register the attention function and its mask policy with transformers (idempotent)."""
+    AttentionInterface.register(ULYSSES_ATTN_IMPL, ulysses_attention)
+    AttentionMaskInterface.register(ULYSSES_ATTN_IMPL, _no_model_mask)
+
+
+def _cached(ctx: SPContext, key: tuple[Any, ...], build: Callable[[], Any]) -> Any:
+    if key not in ctx.cache:
+        ctx.cache[key] = build()
+    return ctx.cache[key]
+
+
+def _segment_bounds(ctx: SPContext) -> list[tuple[int, int]]:
+    def build() -> list[tuple[int, int]]:
+        cu = ctx.cu_seqlens.tolist()
+        return [(s, e) for s, e in zip(cu[:-1], cu[1:]) if e > s]
+
+    return _cached(ctx, ("segments",), build)
+
+
+def _kv_index(ctx: SPContext, device: torch.device) -> torch.Tensor:
+    """Local kv head read by each local q head (GQA mapping restricted to this rank's heads)."""
+    layout, rank = ctx.layout, ctx.sp_rank
+
+    def build() -> torch.Tensor:
+        (qs, qe), (ks, _) = layout.q_ranges[rank], layout.kv_ranges[rank]
+        return torch.arange(qs, qe, device=device) // layout.group_size - ks
+
+    return _cached(ctx, ("kv_index", str(device)), build)
+
+
+def _native_gqa_ok(kv_index: torch.Tensor, hq: int, hkv: int) -> bool:
+    """True when local heads follow the standard grouped layout (q head i reads kv i // (hq/hkv))."""
+    if hkv == 0 or hq % hkv != 0:
+        return False
+    return bool(torch.equal(kv_index, torch.arange(hq, device=kv_index.device) // (hq // hkv)))
+
+
+def _expand_kv(k_THD: torch.Tensor, v_THD: torch.Tensor, kv_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if k_THD.shape[1] == kv_index.shape[0] and _native_gqa_ok(kv_index, kv_index.shape[0], k_THD.shape[1]):
+        return k_THD, v_THD  # already one kv head per q head, in order
+    return k_THD.index_select(1, kv_index), v_THD.index_select(1, kv_index)
+
+
+def _segmented_sdpa(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, ctx: SPContext,
+                    scale: float, dropout: float) -> torch.Tensor:
+    outputs = []
+    for start, end in _segment_bounds(ctx):
+        q_HLD, k_HLD, v_HLD = (x[start:end].transpose(0, 1) for x in (q_THD, k_THD, v_THD))
+        o_HLD = F.scaled_dot_product_attention(q_HLD, k_HLD, v_HLD, dropout_p=dropout, is_causal=True, scale=scale)
+        outputs.append(o_HLD.transpose(0, 1))
+    return torch.cat(outputs, dim=0)
+
+
+def _use_flash(q_THD: torch.Tensor) -> bool:
+    return _flash_varlen is not None and q_THD.is_cuda and q_THD.dtype in (torch.float16, torch.bfloat16)
+
+
+def _local_attention(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, ctx: SPContext,
+                     scale: float, dropout: float) -> torch.Tensor:
+    """Causal attention within each segment of the full stream for this rank's heads -> [T, hq, D]."""
+    hq, hkv = q_THD.shape[1], k_THD.shape[1]
+    if hq == 0:
+        # A rank without heads (q heads < sp) still returns a graph-connected empty output so that
+        # its backward all-to-all runs in step with the other ranks.
+        return q_THD * 0.0
+    kv_index = _kv_index(ctx, q_THD.device)
+    if _use_flash(q_THD):
+        if not _native_gqa_ok(kv_index, hq, hkv):
+            k_THD, v_THD = _expand_kv(k_THD, v_THD, kv_index)
+        cu = _cached(ctx, ("cu_seqlens", str(q_THD.device)), lambda: ctx.cu_seqlens.to(q_THD.device))
+        return _flash_varlen(q_THD, k_THD, v_THD, cu, cu, ctx.max_seqlen, ctx.max_seqlen,
+                             dropout_p=dropout, softmax_scale=scale, causal=True)
+    k_THD, v_THD = _expand_kv(k_THD, v_THD, kv_index)
+    return _segmented_sdpa(q_THD, k_THD, v_THD, ctx, scale, dropout)
+
+
+def _check_call(module: torch.nn.Module, query: torch.Tensor, sp_context: Any, kwargs: dict[str, Any]) -> SPContext:
+    if not isinstance(sp_context, SPContext):
+        raise RuntimeError(
+            f"attn_implementation={ULYSSES_ATTN_IMPL!r} needs the forward kwarg sp_context=SPContext "
+            f"(got {type(sp_context).__name__}); build one with rlsp.parallel.ulysses.build_sp_context and "
+            "call model(input_ids=..., position_ids=..., sp_context=ctx), or load the model with "
+            "attn_implementation='sdpa' for use without sequence parallelism (e.g. generation)"
+        )
+    window = getattr(module, "sliding_window", None) or kwargs.get("sliding_window")
+    if window is not None:
+        raise ValueError(
+            f"layer {getattr(module, 'layer_idx', '?')} uses sliding-window attention (window={window}); "
+            f"{ULYSSES_ATTN_IMPL} supports full causal attention only: disable the sliding window in the "
+            "model config (use_sliding_window=False) or pick a model without it"
+        )
+    if query.dim() != 4 or query.shape[0] != 1:
+        raise ValueError(f"query has shape {tuple(query.shape)}; expected [1, H, S, D] (one packed stream)")
+    return sp_context
+
+
+def ulysses_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sp_context: SPContext | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: query [1, Hq, S, D], key/value [1, Hkv, S, D] -> ([1, S, Hq, D], None).
+
+    `attention_mask` is ignored (the mask policy makes it None); segments come from `sp_context`.
+    """
+    ctx = _check_call(module, query, sp_context, kwargs)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    q_THD, k_THD, v_THD = ulysses_qkv_to_heads(
+        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), ctx
+    )
+    o_THD = _local_attention(q_THD, k_THD, v_THD, ctx, scale, dropout)
+    o_SHD = ulysses_heads_to_seq(o_THD, ctx)
+    ctx.stats.attn_calls += 1
+    return o_SHD.unsqueeze(0), None

@@ -1,0 +1,77 @@
+"""TokenLogprobModel: a HF causal LM run on this rank's shard of a packed stream, returning token logprobs.
+
+The module takes the LOCAL shards (S = T / sp tokens: input ids, positions and labels already
+rolled on the full stream, then sliced with `rlsp.parallel.ulysses.shard_for_rank`) and the SP
+context of the micro-batch. Everything, parameter access included, happens inside `forward`, so the
+module can be wrapped by FSDP2 `fully_shard` at the root. The output layer is read as
+`lm.lm_head.weight`, which is also correct for tied embeddings.
+
+Legend: S local tokens, H hidden size, V vocabulary size.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rlsp.models.attention import ULYSSES_ATTN_IMPL
+from rlsp.models.logprobs import compute_token_logprobs
+from rlsp.parallel.ulysses import SPContext
+
+
+def compute_hidden_states(
+    lm: nn.Module, input_ids_S: torch.Tensor, position_ids_S: torch.Tensor, sp_context: SPContext
+) -> torch.Tensor:
+    """Final hidden states [S, H] of the decoder `lm.model`; checks every layer went through Ulysses attention."""
+    num_layers = int(lm.config.num_hidden_layers)
+    sp_context.stats.attn_calls = 0
+    out = lm.model(
+        input_ids=input_ids_S.unsqueeze(0),
+        position_ids=position_ids_S.unsqueeze(0),
+        sp_context=sp_context,
+        use_cache=False,
+    )
+    calls = sp_context.stats.attn_calls
+    if calls != num_layers:
+        raise RuntimeError(
+            f"attention did not go through {ULYSSES_ATTN_IMPL} in {num_layers - calls} of {num_layers} layers "
+            f"({calls} calls): unsupported architecture {type(lm).__name__} (model attn_implementation="
+            f"{getattr(lm.config, '_attn_implementation', None)!r}); see rlsp.models.loading.check_sp_support"
+        )
+    return out.last_hidden_state[0]
+
+
+class TokenLogprobModel(nn.Module):
+    """Wraps a HF causal LM (`self.lm`); forward returns per-token logprobs (and entropy) of local tokens."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(
+        self,
+        input_ids_S: torch.Tensor,
+        position_ids_S: torch.Tensor,
+        labels_S: torch.Tensor,
+        sp_context: SPContext,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Local shards [S] in -> (logprobs_S fp32, entropy_S fp32 or None).
+
+        logprobs_S[i] = log p(labels_S[i] | tokens up to local token i of its sequence); entries where
+        the packed batch's label_mask is False are meaningless and must be masked by the caller.
+        """
+        for name, x in (("input_ids", input_ids_S), ("position_ids", position_ids_S), ("labels", labels_S)):
+            if x.dim() != 1 or x.shape[0] != sp_context.local_len:
+                raise ValueError(
+                    f"{name} has shape {tuple(x.shape)}; expected the local shard [S={sp_context.local_len}] "
+                    f"(slice the packed stream with shard_for_rank)"
+                )
+        hidden_SH = compute_hidden_states(self.lm, input_ids_S, position_ids_S, sp_context)
+        lm_head = self.lm.lm_head
+        if getattr(lm_head, "bias", None) is not None:
+            raise RuntimeError("lm_head has a bias; the vocab-chunked logprobs support a bias-free output layer only")
+        return compute_token_logprobs(
+            hidden_SH, lm_head.weight, labels_S, temperature=temperature, with_entropy=with_entropy
+        )

@@ -1,0 +1,114 @@
+"""Load HF causal LMs for training with Ulysses attention, and check that an architecture supports it.
+
+Supported: decoder-only models whose every layer is full causal softmax attention with standard
+(grouped-query) heads, reached through transformers' attention interface, and a plain linear output
+layer (tied or not). Refused with a clear message: sliding-window layers, linear/hybrid attention
+layers, multi-latent attention, encoder-decoders, logit soft-capping or scaling (the vocab-chunked
+logprobs compute plain `hidden @ lm_head.weight.T`). An architecture that passes these checks but
+routes some layer around the attention interface is caught at runtime by the layer-count check of
+`rlsp.models.lm.TokenLogprobModel`.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from rlsp.models.attention import ULYSSES_ATTN_IMPL, register_ulysses_attention
+
+# Config attributes whose presence (with a truthy value) means the output or attention is not the
+# plain form rlsp computes; value = why.
+_UNSUPPORTED_ATTRS = {
+    "kv_lora_rank": "multi-latent attention (compressed kv) is not supported by the Ulysses head split",
+    "final_logit_softcapping": "logit soft-capping is not applied by the vocab-chunked logprobs",
+    "attn_logit_softcapping": "attention logit soft-capping is not supported by rlsp_ulysses",
+    "logit_scale": "scaled output logits are not applied by the vocab-chunked logprobs",
+}
+
+
+def num_heads(config: PretrainedConfig) -> tuple[int, int]:
+    """(num query heads, num kv heads) of a decoder config; raises if they are missing or inconsistent."""
+    q = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None)
+    if not isinstance(q, int) or q < 1:
+        raise ValueError(f"config {type(config).__name__} has num_attention_heads={q!r}; expected an integer >= 1")
+    if not isinstance(kv, int) or kv < 1:
+        raise ValueError(
+            f"config {type(config).__name__} has num_key_value_heads={kv!r}; rlsp needs an explicit "
+            "integer >= 1 (set it equal to num_attention_heads for multi-head attention)"
+        )
+    if q % kv != 0:
+        raise ValueError(f"num_attention_heads={q} is not a multiple of num_key_value_heads={kv}")
+    return q, kv
+
+
+def _check_layers(config: PretrainedConfig) -> None:
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        other = sorted({t for t in layer_types if t != "full_attention"})
+        if other:
+            raise ValueError(
+                f"{config.model_type}: layer types {other} are not supported by {ULYSSES_ATTN_IMPL}; "
+                "every layer must be 'full_attention' (disable sliding windows, e.g. use_sliding_window=False; "
+                "linear/hybrid attention layers cannot be sequence-parallelised this way)"
+            )
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True):
+        raise ValueError(
+            f"{config.model_type}: sliding_window={window} is enabled; {ULYSSES_ATTN_IMPL} supports full causal "
+            "attention only (set sliding_window=None or use_sliding_window=False)"
+        )
+
+
+def check_sp_support(config: PretrainedConfig, sp_size: int) -> None:
+    """Raise ValueError if this model cannot be trained with Ulysses attention at `sp_size`.
+
+    Every sp >= 1 is accepted for head counts (uneven head splits are supported); when sp exceeds
+    the number of query heads some ranks hold no heads inside attention, which is legal but idle.
+    """
+    if not isinstance(sp_size, int) or sp_size < 1:
+        raise ValueError(f"sp_size={sp_size!r}; it must be an integer >= 1")
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"{config.model_type}: encoder-decoder models are not supported; use a decoder-only LM")
+    if hasattr(config, "text_config") and not hasattr(config, "num_attention_heads"):
+        raise ValueError(
+            f"{config.model_type}: multimodal wrapper config; rlsp trains decoder-only text models "
+            "(pass the text model config/checkpoint)"
+        )
+    num_heads(config)
+    for attr, why in _UNSUPPORTED_ATTRS.items():
+        if getattr(config, attr, None):
+            raise ValueError(f"{config.model_type}: {attr}={getattr(config, attr)!r}: {why}")
+    _check_layers(config)
+
+
+def build_causal_lm_from_config(
+    config: PretrainedConfig, *, dtype: torch.dtype = torch.float32, attn_implementation: str = ULYSSES_ATTN_IMPL
+) -> PreTrainedModel:
+    """Random-init causal LM from a config with the given attention implementation (tests, tiny models).
+
+    The config is copied: transformers records the attention implementation on the config object,
+    and a model built later from the same object must not change this one's.
+    """
+    config = copy.deepcopy(config)
+    _prepare(config, attn_implementation)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
+    return model
+
+
+def load_causal_lm(
+    path: str, *, dtype: torch.dtype = torch.float32, attn_implementation: str = ULYSSES_ATTN_IMPL, **kwargs: Any
+) -> PreTrainedModel:
+    """Load a causal LM from a local path; registers rlsp_ulysses first and checks the architecture."""
+    config = AutoConfig.from_pretrained(path)
+    _prepare(config, attn_implementation)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation, **kwargs)
+
+
+def _prepare(config: PretrainedConfig, attn_implementation: str) -> None:
+    if attn_implementation == ULYSSES_ATTN_IMPL:
+        register_ulysses_attention()
+        check_sp_support(config, 1)

@@ -1,0 +1,144 @@
+"""In-process vLLM rollout engine; the only module in rlsp that imports vllm.
+
+`VLLMEngine` wraps a `vllm.LLM` living in the caller's process (V1 multiprocessing off), so the
+policy worker can hand it weights as plain tensors: `update_weights` reloads them in place through
+`collective_rpc("reload_weights", ...)` without touching disk.
+
+Process-state side effects (why callers seed after building the engine): building a `vllm.LLM`
+pins torch's intra-op thread count, re-seeds the global torch/numpy/python RNGs with `seed`, and on
+CPU may set an OpenMP thread binding / memory policy. Build the engine first, then seed training.
+
+CPU specifics: sleep/wake are no-ops (vLLM has no sleep mode on CPU); the KV cache size comes from
+`VLLM_CPU_KVCACHE_SPACE` (GiB), set here from `cpu_kvcache_space_gib` unless already set; eager
+mode avoids ~30 s of graph compilation at start-up.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from rlsp.rollout.base import RolloutOutput, SamplingConfig
+
+EMBED_NAME = "model.embed_tokens.weight"
+LM_HEAD_NAME = "lm_head.weight"
+
+
+def _prepare_environment(on_gpu: bool, cpu_kvcache_space_gib: int) -> None:
+    # Must be set before vllm reads its environment (first vllm import / engine build).
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if not on_gpu:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kvcache_space_gib))
+
+
+def _with_tied_head(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the tensors, adding `lm_head.weight` after the embedding when it was not sent.
+
+    With tied embeddings the trainer usually sends only the embedding, but vLLM on CPU keeps a
+    separate (repacked) output layer that is refreshed only by an explicit `lm_head.weight`.
+    """
+    sent_head = False
+    embed: torch.Tensor | None = None
+    for name, tensor in named_tensors:
+        sent_head = sent_head or name == LM_HEAD_NAME
+        if name == EMBED_NAME:
+            embed = tensor
+        yield name, tensor
+    if embed is not None and not sent_head:
+        yield LM_HEAD_NAME, embed
+
+
+class VLLMEngine:
+    """Rollout engine backed by an in-process `vllm.LLM` (see the module docstring)."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str = "float32",
+        max_model_len: int = 512,
+        seed: int = 0,
+        enforce_eager: bool = True,
+        gpu_memory_utilization: float = 0.5,
+        cpu_kvcache_space_gib: int = 1,
+        enable_prefix_caching: bool = True,
+        **llm_kwargs: Any,
+    ) -> None:
+        self.on_gpu = torch.cuda.is_available()
+        _prepare_environment(self.on_gpu, cpu_kvcache_space_gib)
+        import vllm  # noqa: PLC0415 -- deferred until the environment above is in place
+
+        self._vllm = vllm
+        if self.on_gpu:
+            llm_kwargs.setdefault("enable_sleep_mode", True)
+            llm_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        self.llm = vllm.LLM(
+            model=model_path,
+            dtype=dtype,  # explicit: vLLM would otherwise run an fp32 checkpoint in bf16
+            max_model_len=max_model_len,
+            seed=seed,
+            enforce_eager=enforce_eager,
+            enable_prefix_caching=enable_prefix_caching,
+            # Logprobs of the distribution actually sampled from (temperature, top-k/top-p applied).
+            logprobs_mode="processed_logprobs",
+            **llm_kwargs,
+        )
+        self.tie_word_embeddings = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
+        self.max_model_len = max_model_len
+        self._asleep = False
+
+    def _sampling_params(self, sampling: SamplingConfig, prompt_index: int) -> Any:
+        # vLLM seeds the j-th child of a request with seed + j; offsetting by prompt_index * n gives
+        # every sample of the batch its own stream.
+        seed = None if sampling.seed is None else sampling.seed + prompt_index * sampling.n
+        return self._vllm.SamplingParams(
+            n=sampling.n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            max_tokens=sampling.max_tokens,
+            seed=seed,
+            logprobs=0,  # 0 = only the sampled token's logprob
+            detokenize=False,
+        )
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> RolloutOutput:
+        prompts = [{"prompt_token_ids": list(ids)} for ids in prompt_ids]
+        params = [self._sampling_params(sampling, i) for i in range(len(prompts))]
+        results = self.llm.generate(prompts, params, use_tqdm=False)
+        out = RolloutOutput()
+        for i, result in enumerate(results):
+            for completion in sorted(result.outputs, key=lambda c: c.index):
+                ids = list(completion.token_ids)
+                logprobs = [float(completion.logprobs[t][tok].logprob) for t, tok in enumerate(ids)]
+                out.append(i, ids, logprobs, str(completion.finish_reason))
+        return out
+
+    def prompt_logprobs(self, token_ids: list[int]) -> list[float | None]:
+        params = self._vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        (result,) = self.llm.generate([{"prompt_token_ids": list(token_ids)}], params, use_tqdm=False)
+        values: list[float | None] = [None]
+        for pos, tok in enumerate(token_ids[1:], start=1):
+            values.append(float(result.prompt_logprobs[pos][tok].logprob))
+        return values
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors into the running model in place, then drop cached KV blocks."""
+        weights = _with_tied_head(named_tensors) if self.tie_word_embeddings else iter(named_tensors)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        # Prefix-cache blocks hold keys/values computed with the old weights.
+        self.llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        """Release weights and KV cache memory on GPU (level 1 keeps a CPU copy); no-op on CPU."""
+        if self.on_gpu and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def wake_up(self) -> None:
+        if self.on_gpu and self._asleep:
+            self.llm.wake_up()
+            self._asleep = False

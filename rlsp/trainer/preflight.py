@@ -1,0 +1,70 @@
+"""Checks that need more than config arithmetic — registries, the model's config, data files —
+run in the driver before any worker starts, so a bad run fails in seconds with a clear message."""
+
+from __future__ import annotations
+
+import os
+
+from omegaconf import DictConfig
+from transformers import AutoConfig
+
+from rlsp.algos.kl import KL_ESTIMATORS
+from rlsp.algos.registry import list_adv_estimators, list_policy_losses
+from rlsp.models.loading import check_sp_support
+from rlsp.rewards.loader import load_custom_reward_fn
+from rlsp.trainer.assets import resolve_data_files, resolve_model_path
+from rlsp.utils.logging import get_logger
+
+log = get_logger("rlsp.preflight")
+
+
+def _check_names(cfg: DictConfig, errors: list[str]) -> None:
+    actor = cfg.actor_rollout_ref.actor
+    for key, val, legal in (
+        ("algorithm.adv_estimator", cfg.algorithm.adv_estimator, list_adv_estimators()),
+        ("actor_rollout_ref.actor.policy_loss", actor.policy_loss, list_policy_losses()),
+        ("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type, sorted(KL_ESTIMATORS)),
+    ):
+        if val not in legal:
+            errors.append(f"{key}={val!r} is unknown; legal values: {legal}")
+
+
+def _check_model(cfg: DictConfig, errors: list[str]) -> None:
+    path = cfg.actor_rollout_ref.model.path
+    if not os.path.isdir(path):
+        errors.append(f"actor_rollout_ref.model.path={path!r} is not a local directory with a Hugging Face model")
+        return
+    config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
+    try:
+        check_sp_support(config, cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size)
+    except ValueError as exc:
+        errors.append(str(exc))
+    need = cfg.data.max_prompt_length + cfg.data.max_response_length
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and need > limit:
+        errors.append(f"data.max_prompt_length + data.max_response_length = {need} exceeds the model's "
+                      f"max_position_embeddings={limit}")
+
+
+def preflight(cfg: DictConfig) -> DictConfig:
+    """Resolve built-in assets into local paths (in place) and validate what needs the model/registries."""
+    cache = cfg.trainer.cache_dir
+    cfg.actor_rollout_ref.model.path = resolve_model_path(cfg.actor_rollout_ref.model.path, cache)
+    cfg.data.train_files = resolve_data_files(cfg.data.train_files, cache)
+    cfg.data.val_files = resolve_data_files(cfg.data.val_files, cache) or None
+    errors: list[str] = []
+    for f in list(cfg.data.train_files) + list(cfg.data.val_files or []):
+        if not os.path.exists(f):
+            errors.append(f"data file {f!r} does not exist")
+    if not cfg.data.train_files:
+        errors.append("data.train_files is empty; give at least one parquet file")
+    _check_names(cfg, errors)
+    _check_model(cfg, errors)
+    if cfg.reward.custom_function_path:
+        try:
+            load_custom_reward_fn(cfg.reward.custom_function_path, cfg.reward.custom_function_name)
+        except (ValueError, FileNotFoundError, AttributeError, TypeError) as exc:
+            errors.append(str(exc))
+    if errors:
+        raise ValueError("invalid rlsp config:\n  - " + "\n  - ".join(errors))
+    return cfg

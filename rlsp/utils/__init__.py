@@ -1,0 +1,1 @@
+"""Leaf helpers shared by every layer: logging, seeding, timing."""

@@ -1,0 +1,59 @@
+"""The actor's training loss on one sequence shard: policy loss + KL to the reference - entropy bonus.
+
+Every term is a share of the global token-mean over the mini-batch (divided by the global number of
+response tokens), so summing losses/gradients over micro-batches and ranks is exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlsp.algos.aggregation import aggregate_token_mean
+from rlsp.algos.kl import compute_kl
+from rlsp.algos.registry import get_policy_loss
+from rlsp.engine.fsdp_engine import LossFn, MicroBatch
+
+
+@dataclass(frozen=True)
+class ActorLossConfig:
+    policy_loss: str = "vanilla"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0
+    use_kl_loss: bool = True
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    entropy_coeff: float = 0.0
+
+
+def make_actor_loss(cfg: ActorLossConfig, global_tokens: float) -> LossFn:
+    policy_loss = get_policy_loss(cfg.policy_loss)
+
+    def loss_fn(logprobs_S: torch.Tensor, entropy_S: torch.Tensor | None, micro: MicroBatch):
+        mask_S = micro.response_local("response_mask").to(logprobs_S.device)
+        old_S = micro.response_local("old_logprobs").to(logprobs_S.device)
+        adv_S = micro.response_local("advantages").to(logprobs_S.device)
+        pg_tokens, pg_metrics = policy_loss(
+            logprobs_S, old_S, adv_S, mask_S,
+            clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
+        )
+        pg_loss = aggregate_token_mean(pg_tokens, mask_S, global_tokens)
+        loss = pg_loss
+        metrics = {"actor/pg_loss": pg_loss.detach()}
+        for name in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
+            metrics[f"actor/{name}"] = pg_metrics[f"{name}_sum"] / global_tokens
+        if cfg.use_kl_loss:
+            ref_S = micro.response_local("ref_logprobs").to(logprobs_S.device)
+            kl_loss = aggregate_token_mean(compute_kl(logprobs_S, ref_S, cfg.kl_loss_type), mask_S, global_tokens)
+            loss = loss + cfg.kl_loss_coef * kl_loss
+            metrics["actor/kl_loss"] = kl_loss.detach()
+        if entropy_S is not None:
+            entropy = aggregate_token_mean(entropy_S, mask_S, global_tokens)
+            if cfg.entropy_coeff != 0.0:
+                loss = loss - cfg.entropy_coeff * entropy
+            metrics["actor/entropy"] = entropy.detach()
+        return loss, metrics
+
+    return loss_fn

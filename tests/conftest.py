@@ -1,0 +1,7 @@
+"""Test-wide settings: in-process vLLM on CPU, quiet tokenizers, a private rlsp cache per session."""
+
+import os
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
