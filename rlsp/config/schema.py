@@ -20,11 +20,9 @@ class DataConfig:
     val_files: Any = ARITH_TEST
     prompt_key: str = "prompt"
     train_batch_size: int = 16  # prompts per step
-    val_batch_size: Optional[int] = None  # None = whole validation set in one batch
     max_prompt_length: int = 32
     max_response_length: int = 8
     filter_overlong_prompts: bool = True
-    shuffle: bool = True
     seed: int = 1
 
 
@@ -33,7 +31,6 @@ class ModelConfig:
     path: str = TINY_MODEL
     dtype: str = "float32"  # parameter/compute dtype of the trainer: float32 | bfloat16
     enable_gradient_checkpointing: bool = False
-    trust_remote_code: bool = False
 
 
 @dataclass
@@ -41,7 +38,7 @@ class OptimConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
     betas: list = field(default_factory=lambda: [0.9, 0.999])
-    warmup_steps: int = 0
+    warmup_steps: int = 0  # linear learning-rate warm-up over this many optimizer steps
     grad_clip: float = 1.0
 
 
@@ -51,7 +48,6 @@ class ActorConfig:
     ppo_mini_batch_size: int = 16  # prompts per optimizer step (x rollout.n samples), verl semantics
     ppo_micro_batch_size_per_gpu: int = 32  # samples per forward/backward on one worker
     ppo_epochs: int = 1
-    shuffle: bool = False
     clip_ratio: float = 0.2
     clip_ratio_low: Optional[float] = None  # None = clip_ratio
     clip_ratio_high: Optional[float] = None

@@ -109,7 +109,7 @@ def pack_sequences(
     input_ids[:n_real] = input_ids_BL[row_index, col_index].to(torch.int64)
     # Next token of the same sequence: shift left by one; the last token of a segment has none.
     ends_T = torch.repeat_interleave(cu_seqlens[1:].to(torch.int64), seg_lens_N)
-    label_mask = (torch.arange(total, device=device) + 1 < ends_T)
+    label_mask = torch.arange(total, device=device) + 1 < ends_T
     label_mask[n_real:] = False
     labels = torch.zeros(total, dtype=torch.int64, device=device)
     labels[:-1] = input_ids[1:]

@@ -65,6 +65,7 @@ class FSDPEngine:
         lr: float = 1e-6,
         betas: tuple[float, float] = (0.9, 0.999),
         weight_decay: float = 0.0,
+        warmup_steps: int = 0,
         grad_clip: float = 1.0,
         logprob_chunk_size: int = 1024,
         gradient_checkpointing: bool = False,
@@ -84,6 +85,11 @@ class FSDPEngine:
         self.optimizer = (
             torch.optim.AdamW(self.module.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
             if trainable
+            else None
+        )
+        self.scheduler = (
+            torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: min(1.0, (step + 1) / max(1, warmup_steps)))
+            if self.optimizer is not None
             else None
         )
 
@@ -158,10 +164,11 @@ class FSDPEngine:
         self.optimizer.zero_grad(set_to_none=True)
         out = self.backward_batch(batch, prompt_len, micro_size, temperature, loss_fn)
         grad_norm = self._clip_grad()
+        out["lr"] = self.optimizer.param_groups[0]["lr"]
         if torch.isfinite(grad_norm):
             self.optimizer.step()
+            self.scheduler.step()
         out["grad_norm"] = float(grad_norm)
-        out["lr"] = self.optimizer.param_groups[0]["lr"]
         return out
 
     def backward_batch(self, batch: Batch, prompt_len: int, micro_size: int, temperature: float, loss_fn: LossFn) -> dict[str, float]:

@@ -1,1 +1,1 @@
-"""Models: loading HF causal LMs, Ulysses attention, vocab-chunked token logprobs, the logprob module."""
+"""Models: HF model loading, value head, tiny-model factory, Ulysses attention, vocab-chunked logprobs."""

@@ -19,7 +19,8 @@ Legend: S local tokens, T stream length, H heads, D head dim, hq / hkv this rank
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -61,37 +62,43 @@ def _segment_bounds(ctx: SPContext) -> list[tuple[int, int]]:
     return _cached(ctx, ("segments",), build)
 
 
-def _kv_index(ctx: SPContext, device: torch.device) -> torch.Tensor:
-    """Local kv head read by each local q head (GQA mapping restricted to this rank's heads)."""
+def _kv_plan(ctx: SPContext, device: torch.device) -> tuple[torch.Tensor, bool]:
+    """(local kv head read by each local q head, whether that is the standard grouped order).
+
+    The standard order (local q head i reads local kv head i // (hq / hkv)) lets the kernels do GQA
+    natively; otherwise (a rank whose q range starts inside a GQA group, e.g. 10q/2kv at sp=4)
+    kv heads are expanded to one per local q head. Cached per micro-batch: no per-layer host sync.
+    """
     layout, rank = ctx.layout, ctx.sp_rank
 
-    def build() -> torch.Tensor:
-        (qs, qe), (ks, _) = layout.q_ranges[rank], layout.kv_ranges[rank]
-        return torch.arange(qs, qe, device=device) // layout.group_size - ks
+    def build() -> tuple[torch.Tensor, bool]:
+        (qs, qe), (ks, ke) = layout.q_ranges[rank], layout.kv_ranges[rank]
+        index = [h // layout.group_size - ks for h in range(qs, qe)]
+        hq, hkv = qe - qs, ke - ks
+        native = hkv > 0 and hq % hkv == 0 and index == [i // (hq // hkv) for i in range(hq)]
+        return torch.tensor(index, dtype=torch.int64, device=device), native
 
-    return _cached(ctx, ("kv_index", str(device)), build)
-
-
-def _native_gqa_ok(kv_index: torch.Tensor, hq: int, hkv: int) -> bool:
-    """True when local heads follow the standard grouped layout (q head i reads kv i // (hq/hkv))."""
-    if hkv == 0 or hq % hkv != 0:
-        return False
-    return bool(torch.equal(kv_index, torch.arange(hq, device=kv_index.device) // (hq // hkv)))
+    return _cached(ctx, ("kv_plan", str(device)), build)
 
 
-def _expand_kv(k_THD: torch.Tensor, v_THD: torch.Tensor, kv_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if k_THD.shape[1] == kv_index.shape[0] and _native_gqa_ok(kv_index, kv_index.shape[0], k_THD.shape[1]):
-        return k_THD, v_THD  # already one kv head per q head, in order
-    return k_THD.index_select(1, kv_index), v_THD.index_select(1, kv_index)
-
-
-def _segmented_sdpa(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, ctx: SPContext,
-                    scale: float, dropout: float) -> torch.Tensor:
+def _segmented_sdpa(
+    q_THD: torch.Tensor,
+    k_THD: torch.Tensor,
+    v_THD: torch.Tensor,
+    ctx: SPContext,
+    scale: float,
+    dropout: float,
+    gqa: bool,
+) -> torch.Tensor:
     outputs = []
     for start, end in _segment_bounds(ctx):
-        q_HLD, k_HLD, v_HLD = (x[start:end].transpose(0, 1) for x in (q_THD, k_THD, v_THD))
-        o_HLD = F.scaled_dot_product_attention(q_HLD, k_HLD, v_HLD, dropout_p=dropout, is_causal=True, scale=scale)
-        outputs.append(o_HLD.transpose(0, 1))
+        # [1, H, L, D]: the fused (flash / memory-efficient) SDPA kernels want 4-D inputs; with 3-D
+        # inputs CPU falls back to the math kernel, which stores the [H, L, L] attention weights.
+        q_1HLD, k_1HLD, v_1HLD = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (q_THD, k_THD, v_THD))
+        o_1HLD = F.scaled_dot_product_attention(
+            q_1HLD, k_1HLD, v_1HLD, dropout_p=dropout, is_causal=True, scale=scale, enable_gqa=gqa
+        )
+        outputs.append(o_1HLD[0].transpose(0, 1))
     return torch.cat(outputs, dim=0)
 
 
@@ -99,23 +106,34 @@ def _use_flash(q_THD: torch.Tensor) -> bool:
     return _flash_varlen is not None and q_THD.is_cuda and q_THD.dtype in (torch.float16, torch.bfloat16)
 
 
-def _local_attention(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, ctx: SPContext,
-                     scale: float, dropout: float) -> torch.Tensor:
+def _local_attention(
+    q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, ctx: SPContext, scale: float, dropout: float
+) -> torch.Tensor:
     """Causal attention within each segment of the full stream for this rank's heads -> [T, hq, D]."""
     hq, hkv = q_THD.shape[1], k_THD.shape[1]
     if hq == 0:
         # A rank without heads (q heads < sp) still returns a graph-connected empty output so that
         # its backward all-to-all runs in step with the other ranks.
         return q_THD * 0.0
-    kv_index = _kv_index(ctx, q_THD.device)
+    kv_index, native = _kv_plan(ctx, q_THD.device)
+    if not native:
+        k_THD, v_THD = k_THD.index_select(1, kv_index), v_THD.index_select(1, kv_index)
+        hkv = hq
     if _use_flash(q_THD):
-        if not _native_gqa_ok(kv_index, hq, hkv):
-            k_THD, v_THD = _expand_kv(k_THD, v_THD, kv_index)
         cu = _cached(ctx, ("cu_seqlens", str(q_THD.device)), lambda: ctx.cu_seqlens.to(q_THD.device))
-        return _flash_varlen(q_THD, k_THD, v_THD, cu, cu, ctx.max_seqlen, ctx.max_seqlen,
-                             dropout_p=dropout, softmax_scale=scale, causal=True)
-    k_THD, v_THD = _expand_kv(k_THD, v_THD, kv_index)
-    return _segmented_sdpa(q_THD, k_THD, v_THD, ctx, scale, dropout)
+        return _flash_varlen(
+            q_THD,
+            k_THD,
+            v_THD,
+            cu,
+            cu,
+            ctx.max_seqlen,
+            ctx.max_seqlen,
+            dropout_p=dropout,
+            softmax_scale=scale,
+            causal=True,
+        )
+    return _segmented_sdpa(q_THD, k_THD, v_THD, ctx, scale, dropout, gqa=hq != hkv)
 
 
 def _check_call(module: torch.nn.Module, query: torch.Tensor, sp_context: Any, kwargs: dict[str, Any]) -> SPContext:

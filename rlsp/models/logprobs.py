@@ -1,8 +1,8 @@
 """Token logprobs (and entropy) from final hidden states without materialising all [T, V] logits.
 
-Tokens are processed in chunks; each chunk computes its logits, upcasts to fp32, and reduces them
-to one logprob (and one entropy) per token under `torch.utils.checkpoint`, so only the chunk's
-inputs are kept for backward and the chunk's logits are recomputed there. Peak extra memory is
+Tokens are processed in chunks; each chunk computes its logits, upcasts them to fp32 (fp64 stays
+fp64) and reduces them to one logprob (and entropy) per token under `torch.utils.checkpoint`, so
+only the chunk's inputs are kept for backward and its logits are recomputed there. Peak extra memory is
 O(chunk_size * V) in forward and backward instead of O(T * V).
 
 Legend: T tokens, H hidden size, V vocabulary size, C chunk length.
@@ -17,7 +17,8 @@ from torch.utils.checkpoint import checkpoint
 def _chunk_logprobs(
     hidden_CH: torch.Tensor, weight_VH: torch.Tensor, labels_C: torch.Tensor, temperature: float, with_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    logits_CV = (hidden_CH @ weight_VH.t()).float() / temperature
+    # at least fp32 (bf16/fp16 models); fp64 stays fp64
+    logits_CV = (hidden_CH @ weight_VH.t()).to(torch.promote_types(hidden_CH.dtype, torch.float32)) / temperature
     lse_C = torch.logsumexp(logits_CV, dim=-1)
     logprobs_C = logits_CV.gather(-1, labels_C.unsqueeze(-1)).squeeze(-1) - lse_C
     if not with_entropy:
@@ -36,8 +37,9 @@ def compute_token_logprobs(
     chunk_size: int = 1024,
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log softmax(hidden @ weight.T / temperature)[label] per token, fp32; entropy of the same
-    distribution when `with_entropy` (else None). Exact: equal to the naive full-logits computation."""
+    """log softmax(hidden @ weight.T / temperature)[label] per token; entropy of the same
+    distribution when `with_entropy` (else None). Outputs are fp32 (fp64 for fp64 inputs); the
+    matmul runs in the model dtype. Exact: equal to the naive full-logits computation."""
     if hidden_TH.dim() != 2 or weight_VH.dim() != 2 or hidden_TH.shape[1] != weight_VH.shape[1]:
         raise ValueError(
             f"hidden {tuple(hidden_TH.shape)} and weight {tuple(weight_VH.shape)} must be [T, H] and [V, H]"
@@ -60,7 +62,7 @@ def compute_token_logprobs(
         logprob_chunks.append(lp_C)
         entropy_chunks.append(ent_C)
     if not logprob_chunks:  # empty input
-        empty_T = hidden_TH.new_zeros((0,), dtype=torch.float32)
+        empty_T = hidden_TH.new_zeros((0,), dtype=torch.promote_types(hidden_TH.dtype, torch.float32))
         return empty_T, (empty_T if with_entropy else None)
     logprobs_T = torch.cat(logprob_chunks)
     return logprobs_T, (torch.cat(entropy_chunks) if with_entropy else None)

@@ -1,9 +1,17 @@
 """Character-level tokenizer for the tiny random-init test models.
 
 One token per character over a small fixed alphabet (digits, lowercase letters, space, newline and a
-little punctuation) plus Qwen-style chat special tokens. It is a real `tokenizers` tokenizer wrapped
-in a `PreTrainedTokenizerFast`, so transformers and vLLM load it from a saved directory like any
-other Hugging Face tokenizer.
+little punctuation) plus Qwen-style chat special tokens.
+
+Why a byte-level BPE with no merges rather than a WordLevel model: a saved model whose config says
+`model_type: qwen2` is always loaded by `AutoTokenizer` as `Qwen2Tokenizer` (transformers 5 forces
+the class for qwen2), which rebuilds the tokenizer as byte-level BPE from the saved vocabulary and
+merges, discarding any other model/pre-tokenizer/decoder. So the tokenizer is built here as exactly
+that: a `Qwen2Tokenizer` whose vocabulary holds one byte-level symbol per alphabet character and no
+merges. Every character is then its own token, the ByteLevel decoder joins tokens without adding
+spaces, and the tokenizer built here, the one `AutoTokenizer` loads and the one vLLM loads encode
+identically. Characters outside the alphabet are dropped when encoding (Qwen2's BPE has no unknown
+token); `<|unk|>` is registered as the unknown token for completeness.
 
 The assistant turn ends with `<|im_end|>`, which is therefore the EOS token; `<|endoftext|>` is a
 second stop id listed in the model's `generation_config.json` (see `rlsp.models.tiny`).
@@ -13,8 +21,8 @@ from __future__ import annotations
 
 import string
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
+from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
 
 PAD_TOKEN = "<|pad|>"
 ENDOFTEXT_TOKEN = "<|endoftext|>"
@@ -39,9 +47,23 @@ CHAT_TEMPLATE = (
 )
 
 
+def _byte_level_symbol(char: str) -> str:
+    """The printable stand-in byte-level BPE uses for an ASCII character (GPT-2 convention).
+
+    Printable bytes map to themselves; the others (space, newline, ...) are shifted past 255 in
+    byte order: the n-th non-printable byte becomes chr(256 + n)."""
+    code = ord(char)
+    printable = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
+    if code > 0x7F:
+        raise ValueError(f"character {char!r} is not ASCII; the char vocabulary is {ALPHABET!r}")
+    if code in printable:
+        return char
+    return chr(256 + sum(1 for b in range(code) if b not in printable))
+
+
 def char_vocab() -> dict[str, int]:
-    """Token -> id map: the special tokens first, then one entry per alphabet character."""
-    tokens = list(SPECIAL_TOKENS) + list(ALPHABET)
+    """Token -> id map: the special tokens first, then one byte-level symbol per alphabet character."""
+    tokens = list(SPECIAL_TOKENS) + [_byte_level_symbol(c) for c in ALPHABET]
     if len(set(tokens)) != len(tokens):
         raise RuntimeError(f"duplicate entries in the character vocabulary: {tokens}")
     return {tok: i for i, tok in enumerate(tokens)}
@@ -49,17 +71,13 @@ def char_vocab() -> dict[str, int]:
 
 def build_char_tokenizer() -> PreTrainedTokenizerFast:
     """Build the character tokenizer with the chat template; `len(tokenizer)` is 58."""
-    core = Tokenizer(models.WordLevel(vocab=char_vocab(), unk_token=UNK_TOKEN))
-    # Oniguruma `(?m).` (its dotall flag) matches every single character including the newline; "isolated" keeps each one
-    # as its own pre-token so spaces survive as tokens.
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)."), behavior="isolated")
-    # Fuse joins the tokens back with no separator, so decode(encode(s)) == s.
-    core.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        pad_token=PAD_TOKEN,
-        eos_token=IM_END_TOKEN,
+    tokenizer = Qwen2Tokenizer(
+        vocab=char_vocab(),
+        merges=[],  # no merges: every character stays a token of its own
         unk_token=UNK_TOKEN,
+        bos_token=None,
+        eos_token=IM_END_TOKEN,
+        pad_token=PAD_TOKEN,
         additional_special_tokens=[ENDOFTEXT_TOKEN, IM_START_TOKEN],
         clean_up_tokenization_spaces=False,
         model_max_length=4096,

@@ -2,7 +2,8 @@
 
 Inside attention every sp rank holds the full token stream for a subset of heads. Query heads are
 split contiguously and as evenly as possible (sizes differ by at most one, so any sp works, also
-when sp does not divide the head count). Each rank receives exactly the key/value heads its query
+when sp does not divide the head count); among such splits the one that sends the fewest kv
+heads is chosen (range borders placed on GQA group borders where possible). Each rank receives exactly the key/value heads its query
 heads read (GQA: query head h reads kv head h // group, group = q_heads // kv_heads). When
 kv_heads >= sp and sp divides both counts this is a plain split; when kv_heads < sp a kv head is
 sent to every rank whose query heads read it, i.e. replicated only as often as needed, never
@@ -86,6 +87,38 @@ def _check_positive_int(name: str, value: int) -> None:
         raise ValueError(f"{name}={value!r}; it must be an integer >= 1")
 
 
+def _kv_needed(start: int, end: int, group: int) -> int:
+    return (end - 1) // group - start // group + 1 if end > start else 0
+
+
+def _balanced_sizes(num_q_heads: int, group: int, sp_size: int) -> list[int]:
+    """Per-rank q-head counts, each floor or ceil of q/sp, ordered to minimise kv heads received.
+
+    Which ranks get the extra head decides where range borders fall; a border inside a GQA group
+    sends that group's kv head to two ranks. Dynamic programme over (rank, big ranks so far); the
+    position of rank r's first head is r * base + bigs. Ties prefer big ranks first.
+    """
+    base, extra = divmod(num_q_heads, sp_size)
+    inf = float("inf")
+    # best[r][b]: min kv heads for ranks r.. given b big ranks among the first r
+    best = [[inf] * (extra + 1) for _ in range(sp_size + 1)]
+    best[sp_size][extra] = 0
+    for r in range(sp_size - 1, -1, -1):
+        for b in range(min(r, extra) + 1):
+            pos = r * base + b
+            if b < extra:
+                best[r][b] = _kv_needed(pos, pos + base + 1, group) + best[r + 1][b + 1]
+            if r - b < sp_size - extra:
+                best[r][b] = min(best[r][b], _kv_needed(pos, pos + base, group) + best[r + 1][b])
+    sizes, b = [], 0
+    for r in range(sp_size):
+        pos = r * base + b
+        take_big = b < extra and best[r][b] == _kv_needed(pos, pos + base + 1, group) + best[r + 1][b + 1]
+        sizes.append(base + 1 if take_big else base)
+        b += int(take_big)
+    return sizes
+
+
 def plan_head_layout(num_q_heads: int, num_kv_heads: int, sp_size: int) -> HeadLayout:
     """Split heads over `sp_size` ranks (see the module docstring for the rules)."""
     _check_positive_int("num_q_heads", num_q_heads)
@@ -97,18 +130,15 @@ def plan_head_layout(num_q_heads: int, num_kv_heads: int, sp_size: int) -> HeadL
             "grouped-query attention needs q_heads = group * kv_heads"
         )
     group = num_q_heads // num_kv_heads
-    base, extra = divmod(num_q_heads, sp_size)
+    sizes = _balanced_sizes(num_q_heads, group, sp_size)
     q_ranges: list[tuple[int, int]] = []
     kv_ranges: list[tuple[int, int]] = []
     start = 0
-    for rank in range(sp_size):
-        end = start + base + (1 if rank < extra else 0)
+    for size in sizes:
+        end = start + size
         q_ranges.append((start, end))
-        if end > start:
-            kv_ranges.append((start // group, (end - 1) // group + 1))
-        else:
-            # No q heads -> no kv heads; anchor the empty range where the neighbour's range ends.
-            kv_ranges.append((start // group, start // group))
+        # A rank without q heads gets an empty kv range anchored where its q range would start.
+        kv_ranges.append((start // group, (end - 1) // group + 1) if size else (start // group, start // group))
         start = end
     return HeadLayout(
         num_q_heads=num_q_heads,

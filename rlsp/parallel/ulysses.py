@@ -83,8 +83,7 @@ def build_sp_context(
     total = packed.total_len
     if total % sp_size != 0:
         raise ValueError(
-            f"packed stream has {total} tokens, not a multiple of sp={sp_size}; "
-            f"pack with pad_to_multiple={sp_size}"
+            f"packed stream has {total} tokens, not a multiple of sp={sp_size}; pack with pad_to_multiple={sp_size}"
         )
     return SPContext(
         group=group,
@@ -104,13 +103,12 @@ def shard_for_rank(x_T: torch.Tensor, ctx: SPContext) -> torch.Tensor:
     return x_T.narrow(0, ctx.sp_rank * ctx.local_len, ctx.local_len)
 
 
-def _exchange(send: torch.Tensor, send_splits: list[int], recv_splits: list[int], ctx: SPContext,
-              backward: bool) -> torch.Tensor:
+def _exchange(
+    send: torch.Tensor, send_splits: list[int], recv_splits: list[int], ctx: SPContext, backward: bool
+) -> torch.Tensor:
     recv = send.new_empty(sum(recv_splits))
     start = time.perf_counter()
-    dist.all_to_all_single(
-        recv, send, output_split_sizes=recv_splits, input_split_sizes=send_splits, group=ctx.group
-    )
+    dist.all_to_all_single(recv, send, output_split_sizes=recv_splits, input_split_sizes=send_splits, group=ctx.group)
     stats = ctx.stats
     stats.a2a_seconds += time.perf_counter() - start
     nbytes = send.numel() * send.element_size()
@@ -127,8 +125,9 @@ class _AllToAll(torch.autograd.Function):
     """all_to_all_single of a flat buffer; backward sends gradients back along the same routes."""
 
     @staticmethod
-    def forward(fctx: Any, send: torch.Tensor, send_splits: list[int], recv_splits: list[int],
-                ctx: SPContext) -> torch.Tensor:
+    def forward(
+        fctx: Any, send: torch.Tensor, send_splits: list[int], recv_splits: list[int], ctx: SPContext
+    ) -> torch.Tensor:
         fctx.splits = (send_splits, recv_splits)
         fctx.sp_ctx = ctx
         return _exchange(send.contiguous(), send_splits, recv_splits, ctx, backward=False)

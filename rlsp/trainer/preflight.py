@@ -34,7 +34,7 @@ def _check_model(cfg: DictConfig, errors: list[str]) -> None:
     if not os.path.isdir(path):
         errors.append(f"actor_rollout_ref.model.path={path!r} is not a local directory with a Hugging Face model")
         return
-    config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
+    config = AutoConfig.from_pretrained(path)
     try:
         check_sp_support(config, cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size)
     except ValueError as exc:

@@ -55,17 +55,20 @@ class PolicyWorker:
         if self.device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         self.device = torch.device(self.device_type)
-        # The rollout engine first: vLLM re-seeds the global RNG and pins threads when it starts.
+        tokenizer = AutoTokenizer.from_pretrained(arr.model.path)
+        self.pad_token_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+        os.environ.update(RANK=str(self.rank), LOCAL_RANK="0", WORLD_SIZE=str(self.world_size),
+                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        dist.init_process_group(
+            backend_for(self.device_type), init_method=f"tcp://{master_addr}:{master_port}",
+            rank=self.rank, world_size=self.world_size,
+        )
+        # vLLM joins the existing world ("external_launcher": every rank runs its own engine) instead
+        # of creating a default process group of its own. Build it before seeding: it re-seeds RNGs.
         self.rollout = build_rollout_engine(
             arr.rollout.name, arr.model.path, dtype=arr.rollout.dtype, seed=self.cfg.trainer.seed + self.rank,
             max_model_len=self.cfg.data.max_prompt_length + self.cfg.data.max_response_length,
             **self._engine_kwargs(),
-        )
-        tokenizer = AutoTokenizer.from_pretrained(arr.model.path)
-        self.pad_token_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
-        dist.init_process_group(
-            backend_for(self.device_type), init_method=f"tcp://{master_addr}:{master_port}",
-            rank=self.rank, world_size=self.world_size,
         )
         seed_everything(self.cfg.trainer.seed)
         self.dims = build_parallel_dims(arr.actor.ulysses_sequence_parallel_size, self.device_type)
@@ -79,7 +82,7 @@ class PolicyWorker:
         r = self.cfg.actor_rollout_ref.rollout
         if r.name == "vllm":
             return {"enforce_eager": r.enforce_eager, "gpu_memory_utilization": r.gpu_memory_utilization,
-                    "cpu_kvcache_space_gib": r.cpu_kvcache_space_gib}
+                    "cpu_kvcache_space_gib": r.cpu_kvcache_space_gib, "distributed_executor_backend": "external_launcher"}
         return {"device": self.device_type}
 
     def _build_engine(self, trainable: bool) -> FSDPEngine:
@@ -87,7 +90,8 @@ class PolicyWorker:
         optim = arr.actor.optim
         return FSDPEngine(
             arr.model.path, self.dims, self.device, dtype=arr.model.dtype, trainable=trainable,
-            lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay, grad_clip=optim.grad_clip,
+            lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay, warmup_steps=optim.warmup_steps,
+            grad_clip=optim.grad_clip,
             logprob_chunk_size=arr.actor.logprob_chunk_size,
             gradient_checkpointing=arr.model.enable_gradient_checkpointing and trainable,
         )
@@ -95,6 +99,9 @@ class PolicyWorker:
     # ------------------------------------------------------------------ rollout (per rank, not collective)
     def generate(self, prompts: Batch, sampling: dict[str, Any]) -> Batch:
         """Sample `n` responses per prompt; rows of one prompt are contiguous and share its meta."""
+        if sampling.get("seed") is not None:
+            # Distinct, far-apart streams per rank: vLLM derives per-sample seeds from consecutive values.
+            sampling = {**sampling, "seed": int(sampling["seed"]) + 1_000_003 * self.rank}
         cfg = SamplingConfig(**sampling)
         prompt_ids: list[list[int]] = prompts.meta["prompt_ids"]
         t0 = time.perf_counter()

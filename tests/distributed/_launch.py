@@ -13,19 +13,30 @@ import multiprocessing
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _worker(rank: int, fn: Callable[..., Any], world_size: int, init_file: str, out_dir: str,
-            args: tuple[Any, ...], collective_timeout_s: float) -> None:
+def _worker(
+    rank: int,
+    fn: Callable[..., Any],
+    world_size: int,
+    init_file: str,
+    out_dir: str,
+    args: tuple[Any, ...],
+    collective_timeout_s: float,
+) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
         timeout=timedelta(seconds=collective_timeout_s),
     )
     try:

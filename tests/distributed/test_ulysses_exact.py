@@ -17,18 +17,20 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from transformers import Qwen2Config
+from transformers import AutoModelForCausalLM, GPT2Config, Qwen2Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import run_distributed  # noqa: E402
 
 from rlsp.data.packing import PackedBatch, pack_sequences  # noqa: E402
+from rlsp.models.attention import ULYSSES_ATTN_IMPL, register_ulysses_attention  # noqa: E402
 from rlsp.models.lm import TokenLogprobModel  # noqa: E402
-from rlsp.models.loading import build_causal_lm_from_config  # noqa: E402
+from rlsp.models.loading import build_causal_lm_from_config, check_sp_support, num_heads  # noqa: E402
+from rlsp.parallel.heads import HeadLayout  # noqa: E402
 from rlsp.parallel.ulysses import SPContext, build_sp_context, gather_from_ranks, shard_for_rank  # noqa: E402
 
-LOGPROB_ATOL = 1e-5
-GRAD_RTOL = 1e-5
+# (logprob abs tolerance, per-parameter ||dg|| / ||g|| tolerance) per dtype
+TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float64: (1e-10, 1e-10)}
 VOCAB = 50
 NUM_LAYERS = 2
 
@@ -40,17 +42,24 @@ class Case:
     sp: int
     tie: bool = False
     row_lens: tuple[int, ...] = (7, 13, 0, 5, 10)  # 35 real tokens; 0 = empty row
-    corrupt_kv: bool = False
+    dtype: torch.dtype = torch.float32
+    corrupt: str | None = None  # None, 'kv_mapping' or 'head_order' (see _corrupt)
 
 
 def _model(case: Case) -> TokenLogprobModel:
     config = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=NUM_LAYERS,
-        num_attention_heads=case.q_heads, num_key_value_heads=case.kv_heads, head_dim=8,
-        tie_word_embeddings=case.tie, initializer_range=0.2,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=case.q_heads,
+        num_key_value_heads=case.kv_heads,
+        head_dim=8,
+        tie_word_embeddings=case.tie,
+        initializer_range=0.2,
     )
     torch.manual_seed(0)
-    return TokenLogprobModel(build_causal_lm_from_config(config))
+    return TokenLogprobModel(build_causal_lm_from_config(config, dtype=case.dtype))
 
 
 def _batch(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,17 +77,33 @@ def _batch(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
 def _run(model: TokenLogprobModel, packed: PackedBatch, ctx: SPContext) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Local logprobs and entropies [S, 2] and parameter grads of a weighted sum over local tokens."""
     gen = torch.Generator().manual_seed(2)
-    w_lp_T = torch.randn(packed.total_len, generator=gen) * packed.label_mask
-    w_ent_T = torch.randn(packed.total_len, generator=gen)
+    w_lp_T = torch.randn(packed.total_len, generator=gen, dtype=torch.float64) * packed.label_mask
+    w_ent_T = torch.randn(packed.total_len, generator=gen, dtype=torch.float64)
     model.zero_grad(set_to_none=True)
     lp_S, ent_S = model(
-        shard_for_rank(packed.input_ids, ctx), shard_for_rank(packed.position_ids, ctx),
-        shard_for_rank(packed.labels, ctx), ctx, temperature=0.7, with_entropy=True,
+        shard_for_rank(packed.input_ids, ctx),
+        shard_for_rank(packed.position_ids, ctx),
+        shard_for_rank(packed.labels, ctx),
+        ctx,
+        temperature=0.7,
+        with_entropy=True,
     )
     loss = (shard_for_rank(w_lp_T, ctx) * lp_S).sum() + 0.1 * (shard_for_rank(w_ent_T, ctx) * ent_S).sum()
     loss.backward()
     grads = {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
     return torch.stack([lp_S, ent_S], dim=1).detach(), grads
+
+
+def _corrupt(layout: HeadLayout, mode: str, rank: int) -> HeadLayout:
+    """Deliberately broken layouts (sp=2, 8q/4kv). A layout shared by all ranks is self-consistent
+    for the kv mapping, so a wrong mapping needs ranks that disagree: in 'kv_mapping' rank 0 sends
+    rank 1 the kv heads of rank 0 (same count, so shapes still fit). In 'head_order' all ranks
+    swap their q and kv ranges, so attention is right per head but heads come back permuted."""
+    if mode == "kv_mapping":
+        return layout if rank != 0 else dataclasses.replace(layout, kv_ranges=(layout.kv_ranges[0],) * 2)
+    if mode == "head_order":
+        return dataclasses.replace(layout, q_ranges=layout.q_ranges[::-1], kv_ranges=layout.kv_ranges[::-1])
+    raise ValueError(f"unknown corruption {mode!r}")
 
 
 def _worker(rank: int, world: int, case: Case) -> dict[str, Any]:
@@ -88,9 +113,8 @@ def _worker(rank: int, world: int, case: Case) -> dict[str, Any]:
     ref_T2, ref_grads = _run(model, packed, build_sp_context(None, packed, case.q_heads, case.kv_heads))
 
     ctx = build_sp_context(dist.group.WORLD, packed, case.q_heads, case.kv_heads)
-    if case.corrupt_kv:  # every rank reads the kv heads meant for its neighbour
-        kv = ctx.layout.kv_ranges
-        ctx.layout = dataclasses.replace(ctx.layout, kv_ranges=kv[1:] + kv[:1])
+    if case.corrupt is not None:
+        ctx.layout = _corrupt(ctx.layout, case.corrupt, rank)
     local_S2, grads = _run(model, packed, ctx)
     full_T2 = gather_from_ranks(local_S2, ctx)
     rel = {}
@@ -115,7 +139,10 @@ CASES = {
     "10q2kv_sp4_q_not_divisible": Case(10, 2, 4),
     "2q1kv_sp4_idle_ranks": Case(2, 1, 4),
     "4q2kv_sp2_tied": Case(4, 2, 2, tie=True),
-    "4q2kv_sp4_pure_padding_shard": Case(4, 2, 4, row_lens=(2, 0)),
+    # 2 real tokens for 4 ranks: ranks 2 and 3 hold only padding. With sequences of 1-2 tokens the
+    # q/k gradients are small differences of O(1) terms, so fp32 roundoff relative to them is
+    # ~1e-5; the case runs in fp64, where any systematic error would stand out by many digits.
+    "4q2kv_sp4_pure_padding_shard": Case(4, 2, 4, row_lens=(2, 0), dtype=torch.float64),
 }
 
 
@@ -124,11 +151,12 @@ CASES = {
 def test_sp_matches_sp1(name: str) -> None:
     case = CASES[name]
     results = run_distributed(_worker, case.sp, case)
+    lp_atol, grad_rtol = TOLERANCES[case.dtype]
     for rank, res in enumerate(results):
         assert res["total"] % case.sp == 0 and res["num_real"] == sum(case.row_lens)
-        assert res["lp_err"] <= LOGPROB_ATOL, (rank, res["lp_err"])
-        assert res["ent_err"] <= LOGPROB_ATOL, (rank, res["ent_err"])
-        bad = {n: r for n, r in res["grad_rel"].items() if not r <= GRAD_RTOL}
+        assert res["lp_err"] <= lp_atol, (rank, res["lp_err"])
+        assert res["ent_err"] <= lp_atol, (rank, res["ent_err"])
+        bad = {n: r for n, r in res["grad_rel"].items() if not r <= grad_rtol}
         assert not bad, (rank, bad)
         # two all-to-alls per layer each way (the sp=1 reference issues none)
         assert res["stats"]["a2a_calls_fwd"] == 2 * NUM_LAYERS
@@ -139,7 +167,83 @@ def test_sp_matches_sp1(name: str) -> None:
 
 
 @pytest.mark.distributed
-def test_corrupted_head_layout_is_caught() -> None:
-    """A wrong kv mapping must show up as a large logprob difference (what a self-check relies on)."""
-    results = run_distributed(_worker, 2, Case(8, 4, 2, corrupt_kv=True))
-    assert max(res["lp_err"] for res in results) > 1e-2
+@pytest.mark.parametrize("mode", ["kv_mapping", "head_order"])
+def test_corrupted_head_layout_is_caught(mode: str) -> None:
+    """A broken layout must show up as a large logprob difference (what a self-check relies on)."""
+    results = run_distributed(_worker, 2, Case(8, 4, 2, corrupt=mode))
+    assert max(res["lp_err"] for res in results) > 1e-2, [res["lp_err"] for res in results]
+
+
+# Single-process checks of the same stack (sp=1, no process group): guards and the HF reference.
+
+
+def test_sp1_matches_hf_sdpa_on_padded_rows() -> None:
+    """The rlsp_ulysses path at sp=1 on a packed stream equals stock HF sdpa attention run per row."""
+    case = Case(4, 2, 1)
+    model = _model(case)
+    reference = build_causal_lm_from_config(model.lm.config, attn_implementation="sdpa")
+    reference.load_state_dict(model.lm.state_dict())
+    ids_BL, mask_BL = _batch(case)
+    packed = pack_sequences(ids_BL, mask_BL, pad_to_multiple=3)
+    ctx = build_sp_context(None, packed, 4, 2)
+    with torch.no_grad():
+        lp_T, _ = model(packed.input_ids, packed.position_ids, packed.labels, ctx)
+        for b in range(ids_BL.shape[0]):
+            tokens = ids_BL[b][mask_BL[b].bool()]
+            if tokens.numel() < 2:
+                continue
+            logp = torch.log_softmax(reference(input_ids=tokens[None]).logits[0].double(), dim=-1)
+            expected = logp[:-1].gather(-1, tokens[1:, None])[:, 0]
+            stream_pos = (packed.row_index == b).nonzero()[:-1, 0]
+            torch.testing.assert_close(lp_T[stream_pos].double(), expected, atol=1e-5, rtol=0)
+
+
+def test_missing_context_and_wrong_attention_are_refused() -> None:
+    model = _model(Case(4, 2, 1))
+    ids = torch.tensor([[3, 4, 5]])
+    with pytest.raises(RuntimeError, match="sp_context"):
+        model.lm.model(input_ids=ids, position_ids=torch.arange(3)[None])
+    sdpa = TokenLogprobModel(build_causal_lm_from_config(model.lm.config, attn_implementation="sdpa"))
+    packed = pack_sequences(ids, torch.ones_like(ids))
+    with pytest.raises(RuntimeError, match="did not go through rlsp_ulysses in 2 of 2 layers"):
+        sdpa(packed.input_ids, packed.position_ids, packed.labels, build_sp_context(None, packed, 4, 2))
+
+
+def test_sliding_window_refused_by_attention_and_by_check() -> None:
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_sliding_window=True,
+        sliding_window=4,
+        max_window_layers=1,
+    )
+    with pytest.raises(ValueError, match="sliding_attention"):
+        check_sp_support(config, 2)
+    register_ulysses_attention()
+    lm = AutoModelForCausalLM.from_config(config, attn_implementation=ULYSSES_ATTN_IMPL)
+    packed = pack_sequences(torch.tensor([[3, 4, 5, 6]]), torch.ones(1, 4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="sliding-window"):
+        TokenLogprobModel(lm)(
+            packed.input_ids, packed.position_ids, packed.labels, build_sp_context(None, packed, 4, 2)
+        )
+
+
+def test_check_sp_support_rejects_unsupported_configs() -> None:
+    ok = Qwen2Config(num_attention_heads=40, num_key_value_heads=8)
+    for sp in (1, 3, 5, 16, 64):
+        check_sp_support(ok, sp)  # any sp: uneven head splits are supported
+    assert num_heads(ok) == (40, 8)
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        check_sp_support(GPT2Config(), 2)
+    with pytest.raises(ValueError, match="linear_attention"):
+        check_sp_support(Qwen2Config(layer_types=["full_attention", "linear_attention"], num_hidden_layers=2), 2)
+    softcap = Qwen2Config()
+    softcap.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match="soft-capping"):
+        check_sp_support(softcap, 2)
+    with pytest.raises(ValueError, match="sp_size"):
+        check_sp_support(ok, 0)

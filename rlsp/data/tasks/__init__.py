@@ -1,0 +1,1 @@
+"""Synthetic tasks written as parquet datasets with verl's columns."""
