@@ -13,6 +13,7 @@ Legend: B rows, P prompt width, R response width, T packed stream, S = T / sp lo
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -78,7 +79,7 @@ class FSDPEngine:
         self.num_q_heads, self.num_kv_heads = num_heads(lm.config)
         self.tied = bool(getattr(lm.config, "tie_word_embeddings", False))
         lm.to(device)
-        self.module = TokenLogprobModel(lm)
+        self.module = TokenLogprobModel(lm, chunk_size=logprob_chunk_size)
         self._apply_fsdp2()
         if not trainable:
             self.module.requires_grad_(False)
@@ -132,7 +133,7 @@ class FSDPEngine:
         for rows in batch.split(micro_size):
             micro = self.prepare(rows, prompt_len)
             logprobs_S, _ = self.forward(micro, temperature, with_entropy=False)
-            logprobs_T = gather_from_ranks(logprobs_S.float().cpu(), micro.ctx)
+            logprobs_T = gather_from_ranks(logprobs_S.float(), micro.ctx).cpu()
             resp_BR = stream_to_response(logprobs_T, micro.packed, prompt_len, micro.response_len)
             outs.append(resp_BR * rows["response_mask"])
         return torch.cat(outs, dim=0)
@@ -147,7 +148,7 @@ class FSDPEngine:
         self.module.eval()
         sharded = self.prepare(rows, prompt_len)
         lp_S, _ = self.forward(sharded, temperature, with_entropy=False)
-        lp_T = gather_from_ranks(lp_S.float().cpu(), sharded.ctx)
+        lp_T = gather_from_ranks(lp_S.float(), sharded.ctx).cpu()
         packed = pack_sequences(rows["input_ids"], rows["attention_mask"], pad_to_multiple=1)
         ctx = build_sp_context(None, packed, self.num_q_heads, self.num_kv_heads)
         full = MicroBatch(rows=rows, packed=packed, ctx=ctx, prompt_len=prompt_len, response_len=sharded.response_len)
@@ -175,14 +176,25 @@ class FSDPEngine:
         """Accumulate gradients of `loss_fn` over the micro-batches of `batch`; returns reduced metrics."""
         self.module.train()
         sums: dict[str, torch.Tensor] = {}
+        sp_local = torch.zeros(4, dtype=torch.float64)  # local tokens, pad tokens, a2a seconds, total seconds
         for rows in batch.split(micro_size):
+            t0 = time.perf_counter()
             micro = self.prepare(rows, prompt_len)
             logprobs_S, entropy_S = self.forward(micro, temperature, with_entropy=True)
             loss, metrics = loss_fn(logprobs_S, entropy_S, micro)
             loss.backward()
             for key, val in metrics.items():
                 sums[key] = sums.get(key, 0.0) + val.detach().float().cpu()
-        return self._reduce_metrics(sums)
+            sp_local += torch.tensor([micro.ctx.local_len, micro.packed.num_pad / self.dims.sp_size,
+                                      micro.ctx.stats.a2a_seconds, time.perf_counter() - t0], dtype=torch.float64)
+        return {**self._reduce_metrics(sums), **self._sp_metrics(sp_local)}
+
+    def _sp_metrics(self, local: torch.Tensor) -> dict[str, float]:
+        """Rank averages of sequence-parallel load: tokens per rank, padding share, all-to-all time share."""
+        dist.all_reduce(local, op=dist.ReduceOp.SUM)
+        tokens, pad, a2a_s, total_s = (local / self.dims.world_size).tolist()
+        return {"sp/tokens_per_rank": tokens, "sp/pad_fraction": pad / max(tokens, 1.0),
+                "sp/a2a_time_share": a2a_s / max(total_s, 1e-9)}
 
     def iter_full_grads(self) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named full gradients (collective); for checks and tests."""

@@ -44,9 +44,10 @@ def compute_hidden_states(
 class TokenLogprobModel(nn.Module):
     """Wraps a HF causal LM (`self.lm`); forward returns per-token logprobs (and entropy) of local tokens."""
 
-    def __init__(self, lm: nn.Module) -> None:
+    def __init__(self, lm: nn.Module, chunk_size: int = 1024) -> None:
         super().__init__()
         self.lm = lm
+        self.chunk_size = chunk_size  # tokens per vocab-projection chunk (memory O(chunk_size * V))
 
     def forward(
         self,
@@ -73,5 +74,6 @@ class TokenLogprobModel(nn.Module):
         if getattr(lm_head, "bias", None) is not None:
             raise RuntimeError("lm_head has a bias; the vocab-chunked logprobs support a bias-free output layer only")
         return compute_token_logprobs(
-            hidden_SH, lm_head.weight, labels_S, temperature=temperature, with_entropy=with_entropy
+            hidden_SH, lm_head.weight, labels_S, temperature=temperature, chunk_size=self.chunk_size,
+            with_entropy=with_entropy,
         )
