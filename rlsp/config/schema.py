@@ -7,7 +7,7 @@ in an override fails in Hydra with the list of legal keys instead of being silen
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 TINY_MODEL = "builtin://tiny-qwen2"
 ARITH_TRAIN = "builtin://arithmetic/train"
@@ -49,8 +49,8 @@ class ActorConfig:
     ppo_micro_batch_size_per_gpu: int = 32  # samples per forward/backward on one worker
     ppo_epochs: int = 1
     clip_ratio: float = 0.2
-    clip_ratio_low: Optional[float] = None  # None = clip_ratio
-    clip_ratio_high: Optional[float] = None
+    clip_ratio_low: float | None = None  # None = clip_ratio
+    clip_ratio_high: float | None = None
     clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
     policy_loss: str = "vanilla"
     loss_agg_mode: str = "token-mean"
@@ -103,7 +103,7 @@ class AlgorithmConfig:
 class RewardConfig:
     """Rule rewards are looked up by each row's data_source; a custom function overrides them."""
 
-    custom_function_path: Optional[str] = None
+    custom_function_path: str | None = None
     custom_function_name: str = "compute_score"
 
 
@@ -122,7 +122,7 @@ class TrainerConfig:
     logger: list = field(default_factory=lambda: ["console", "jsonl"])
     seed: int = 0
     cache_dir: str = "~/.cache/rlsp"
-    ray_address: Optional[str] = None  # None = start or join a local Ray
+    ray_address: str | None = None  # None = start or join a local Ray
     sp_self_check: bool = True
     sp_self_check_tol: float = 1e-4
     plot: bool = True

@@ -27,7 +27,7 @@ class Batch:
 
     @classmethod
     def from_dict(cls, tensors: dict[str, torch.Tensor], meta: dict[str, list] | None = None,
-                  info: dict | None = None) -> "Batch":
+                  info: dict | None = None) -> Batch:
         sizes = {t.shape[0] for t in tensors.values()}
         if len(sizes) != 1:
             raise ValueError(f"tensors disagree on batch size: { {k: v.shape for k, v in tensors.items()} }")
@@ -46,7 +46,7 @@ class Batch:
     def set(self, key: str, value: torch.Tensor) -> None:
         self.tensors.set(key, value)
 
-    def select_rows(self, index: torch.Tensor | list[int] | slice) -> "Batch":
+    def select_rows(self, index: torch.Tensor | list[int] | slice) -> Batch:
         if isinstance(index, slice):
             rows = list(range(len(self)))[index]
         else:
@@ -55,26 +55,26 @@ class Batch:
         meta = {k: [v[i] for i in rows] for k, v in self.meta.items()}
         return Batch(self.tensors[idx], meta, dict(self.info))
 
-    def chunk(self, n_chunks: int) -> list["Batch"]:
+    def chunk(self, n_chunks: int) -> list[Batch]:
         """Split into `n_chunks` equal contiguous parts (B must be divisible)."""
         if len(self) % n_chunks != 0:
             raise ValueError(f"cannot split a batch of {len(self)} rows into {n_chunks} equal chunks")
         size = len(self) // n_chunks
         return [self.select_rows(slice(i * size, (i + 1) * size)) for i in range(n_chunks)]
 
-    def split(self, size: int) -> list["Batch"]:
+    def split(self, size: int) -> list[Batch]:
         """Contiguous parts of at most `size` rows (last may be smaller)."""
         return [self.select_rows(slice(i, i + size)) for i in range(0, len(self), size)]
 
     @staticmethod
-    def concat(parts: list["Batch"]) -> "Batch":
+    def concat(parts: list[Batch]) -> Batch:
         if not parts:
             raise ValueError("cannot concatenate an empty list of batches")
         tensors = torch.cat([p.tensors for p in parts], dim=0)
         meta = {k: [x for p in parts for x in p.meta[k]] for k in parts[0].meta}
         return Batch(tensors, meta, dict(parts[0].info))
 
-    def update(self, other: "Batch") -> "Batch":
+    def update(self, other: Batch) -> Batch:
         """Add `other`'s tensors and meta (same rows) into this batch, in place; returns self."""
         if len(other) != len(self):
             raise ValueError(f"cannot merge batches of {len(self)} and {len(other)} rows")
