@@ -107,9 +107,9 @@ def test_weights_change_sync_and_sp2_matches_sp1(tmp_path, ray_session):
         # After the final sync, vLLM scores a fixed sequence exactly like the updated trainer.
         seq = batch["input_ids"][0][batch["attention_mask"][0].bool()].tolist()
         vllm_lp = trainer.wg.call_all("rollout_prompt_logprobs", seq)[0][1:]
-        row = batch.select_rows([0])
-        trained = trainer.wg.dispatch_batch_by_dp("compute_old_logprobs", row)["old_logprobs"][0]
-        n_resp = int(row["response_mask"].sum())
+        rows = batch.select_rows([0, 1])  # one row per dp rank
+        trained = trainer.wg.dispatch_batch_by_dp("compute_old_logprobs", rows)["old_logprobs"][0]
+        n_resp = int(rows["response_mask"][0].sum())
         assert torch.allclose(torch.tensor(vllm_lp[-n_resp:]), trained[:n_resp], atol=1e-4)
     finally:
         trainer.shutdown()
