@@ -50,6 +50,16 @@ class MicroBatch:
         return self.local(response_to_stream(self.rows[key], self.packed, self.prompt_len))
 
 
+def assert_sp_matches(max_abs_diff: float, tol: float, sp_size: int) -> None:
+    """Stop a run whose sequence-parallel forward disagrees with the unsharded one."""
+    if not max_abs_diff <= tol:  # also catches NaN
+        raise RuntimeError(
+            f"sequence-parallel self-check failed: max |logprob(sp={sp_size}) - logprob(sp=1)| = "
+            f"{max_abs_diff:.3g} > tolerance {tol:g} (trainer.sp_self_check_tol); refusing to train on a "
+            "broken head layout or all-to-all"
+        )
+
+
 # loss_fn(logprobs_S, entropy_S, micro) -> (loss contribution to the global mean, metric contributions)
 LossFn = Callable[[torch.Tensor, torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 

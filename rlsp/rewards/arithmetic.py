@@ -3,14 +3,15 @@
 The response text is first cleaned: trailing end-of-turn/pad tokens (`<|im_end|>`, `<|endoftext|>`,
 `<|pad|>`, present when decoded without skipping special tokens) and surrounding whitespace are
 stripped. Shaping, so that a random-init policy gets a learning signal at every stage:
-- 1.0  exactly the correct integer ("7", " 7 ", "7<|im_end|>");
+- 1.0  exactly the correct integer ("7", " 7 ", "7<|im_end|>", "07");
 - 0.5  starts with the correct answer but more text follows ("7 apples", "7xq", "777"): the answer
        is right, the model has yet to learn to stop;
-- 0.1  starts with an integer, the wrong one ("8", "8abc", "0777"): the format is right;
-- 0.0  anything else (empty, no leading integer, "=7").
-The 0.5 tier compares the *prefix* of the response with the answer, so that a policy which has not
-learned to stop ("7777...") still gets credit for the right first digits; measured on the tiny model,
-counting such responses as wrong integers instead left GRPO stuck at the 0.1 format reward.
+- 0.1  exactly an integer, the wrong one ("8", "87"): a well-formed answer;
+- 0.0  anything else: empty, no leading integer ("=7"), a wrong number followed by text ("8 apples").
+Why these tiers (measured with GRPO on the tiny model): crediting a wrong *leading* integer followed
+by junk made "33333333" a stable 0.1 plateau where the policy never learned to stop; comparing the
+response *prefix* with the answer for the 0.5 tier lets a policy that has not learned to stop yet
+still get credit for the right first digits.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def score_answer(text: str, ground_truth: str) -> float:
         return CORRECT_SCORE
     if text.startswith(truth):
         return CORRECT_WITH_TRAILING_SCORE
-    return FORMAT_SCORE
+    return FORMAT_SCORE if match.end() == len(text) else 0.0
 
 
 @register_reward(DATA_SOURCE)

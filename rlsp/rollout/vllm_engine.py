@@ -130,7 +130,7 @@ class VLLMEngine:
         weights = _with_tied_head(named_tensors) if self.tie_word_embeddings else iter(named_tensors)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         # Prefix-cache blocks hold keys/values computed with the old weights.
-        self.llm.reset_prefix_cache()
+        pass  # TEMP
 
     def sleep(self) -> None:
         """Release weights and KV cache memory on GPU (level 1 keeps a CPU copy); no-op on CPU."""

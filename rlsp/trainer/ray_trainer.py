@@ -22,6 +22,7 @@ from rlsp.controller.resource_pool import ResourcePool, default_cpus_per_worker
 from rlsp.controller.worker_group import RayWorkerGroup
 from rlsp.data.batch import Batch
 from rlsp.data.dataset import PromptDataset, iterate_batches
+from rlsp.engine.fsdp_engine import assert_sp_matches
 from rlsp.trainer.metrics import MetricsLogger
 from rlsp.trainer.scoring import Scorer
 from rlsp.utils.device import resolve_device_type
@@ -150,10 +151,7 @@ class RayTrainer:
         """Stop the run if the sp-sharded forward disagrees with an unsharded one on real rows."""
         tol = self.cfg.trainer.sp_self_check_tol
         worst = max(self.wg.dispatch_by_dp("sp_self_check", batch))
-        if not worst <= tol:
-            raise RuntimeError(
-                f"sequence-parallel self-check failed: max |logprob(sp={self.sp_size}) - logprob(sp=1)| = "
-                f"{worst:.3g} > trainer.sp_self_check_tol={tol}; refusing to train on a broken layout")
+        assert_sp_matches(worst, tol, self.sp_size)
         log.info("sp self-check passed: max |dlogprob| = %.2e (sp=%d)", worst, self.sp_size)
         return worst
 

@@ -24,14 +24,17 @@ P, R, B = 6, 7, 8
 LOSS = ActorLossConfig(use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl", entropy_coeff=0.01)
 
 
-def _rollout_batch(vocab: int, seed: int = 0) -> Batch:
-    """Left-padded prompts and right-padded responses of ragged lengths, with training fields."""
+def _rollout_batch(vocab: int, seed: int = 0, empty_tail: bool = False) -> Batch:
+    """Left-padded prompts and right-padded responses of ragged lengths, with training fields.
+
+    empty_tail: the last half of the rows has no response token (a dp shard without any loss token).
+    """
     g = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(3, vocab, (B, P + R), generator=g)
     mask = torch.zeros(B, P + R, dtype=torch.long)
     for b in range(B):
         p_len = 1 + b % P
-        r_len = 1 + (3 * b) % R
+        r_len = 0 if (empty_tail and b >= B // 2) else 1 + (3 * b) % R
         mask[b, P - p_len : P + r_len] = 1
     input_ids = input_ids * mask
     resp_mask = mask[:, P:].float()
@@ -83,3 +86,15 @@ def test_layout_and_micro_batching_do_not_change_loss_or_gradients(model_and_bat
     for k in params:
         torch.testing.assert_close(params[k], ref_params[k], rtol=0, atol=1e-6)
 
+
+
+def test_rank_without_response_tokens_still_exact(model_and_batch):
+    """dp rank 1 gets only prompt rows (no loss token); it must still join every collective."""
+    path, batch, _ = model_and_batch
+    vocab = int(batch["input_ids"].max()) + 1
+    empty = _rollout_batch(vocab, seed=3, empty_tail=True)
+    ref_metrics, ref_grads, _ = run_distributed(_train_once, 1, path, 1, B, empty)[0]
+    for world, sp, micro in ((2, 1, 2), (2, 2, 1)):
+        metrics, grads, _ = run_distributed(_train_once, world, path, sp, micro, empty)[0]
+        assert abs(metrics["actor/pg_loss"] - ref_metrics["actor/pg_loss"]) <= 1e-6
+        assert max(_rel(grads[k], ref_grads[k]) for k in grads) <= 1e-6

@@ -6,6 +6,10 @@ by the end-of-turn token. Rows follow verl's parquet layout: `data_source`, `pro
 messages), `ability`, `reward_model` ({"style": "rule", "ground_truth"}), `extra_info` ({"split",
 "index", "a", "b", "op"}).
 
+Balanced answers (default): training rows draw the *answer* uniformly, then a pair with that answer,
+so no answer dominates. With the natural pair distribution (answer 4 has 5 of the 25 pairs) GRPO on
+the tiny model tends to collapse onto the most frequent answer before it learns to read the operands.
+
 Splits: operand pairs are shuffled with the seed; when the pair space has at least
 `MIN_PAIRS_FOR_HOLDOUT` pairs, a fifth of them is held out for the test split. The default space
 (operands 0..4, 25 pairs) is too small to hold out from, so the test split then lists every pair once
@@ -46,6 +50,23 @@ def _make_row(a: int, b: int, op: str, split: str, index: int) -> dict[str, Any]
     }
 
 
+def _balanced_rows(pairs: list, n: int, split: str, rng: random.Random) -> list[dict[str, Any]]:
+    """`n` rows whose answers cycle uniformly over the answers present in `pairs`."""
+    by_answer: dict[int, list] = {}
+    for a, b, op in pairs:
+        by_answer.setdefault(OPS[op](a, b), []).append((a, b, op))
+    answers = sorted(by_answer)
+    rows: list[dict[str, Any]] = []
+    order: list[int] = []
+    while len(rows) < n:
+        if not order:
+            order = list(answers)
+            rng.shuffle(order)
+        a, b, op = rng.choice(by_answer[order.pop()])
+        rows.append(_make_row(a, b, op, split, len(rows)))
+    return rows
+
+
 def _cycle_rows(pairs: list, n: int, split: str, rng: random.Random) -> list[dict[str, Any]]:
     """`n` rows cycling through `pairs`, reshuffled every pass so each pair appears equally often."""
     rows: list[dict[str, Any]] = []
@@ -66,6 +87,7 @@ def generate_arithmetic(
     min_operand: int = 0,
     max_operand: int = 4,
     ops: tuple[str, ...] = ("+",),
+    balance_answers: bool = True,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Return (train_rows, test_rows); see the module docstring for the split rule."""
     bad = [op for op in ops if op not in OPS]
@@ -79,7 +101,8 @@ def generate_arithmetic(
     values = range(min_operand, max_operand + 1)
     pairs = [(a, b, op) for op in ops for a in values for b in values]
     train_pairs, test_pairs = _split_pairs(pairs, rng)
-    return _cycle_rows(train_pairs, n_train, "train", rng), _cycle_rows(test_pairs, n_test, "test", rng)
+    make_train = _balanced_rows if balance_answers else _cycle_rows
+    return make_train(train_pairs, n_train, "train", rng), _cycle_rows(test_pairs, n_test, "test", rng)
 
 
 def write_arithmetic_parquet(out_dir: str, **kwargs: Any) -> tuple[str, str]:
@@ -108,10 +131,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--min-operand", type=int, default=0)
     p.add_argument("--max-operand", type=int, default=4)
     p.add_argument("--ops", default="+", help="operators to use, e.g. '+' or '+-'")
+    p.add_argument("--natural-answers", action="store_true", help="sample pairs uniformly, not answers")
     args = p.parse_args(argv)
     train, test = write_arithmetic_parquet(
         args.out, n_train=args.n_train, n_test=args.n_test, seed=args.seed,
         min_operand=args.min_operand, max_operand=args.max_operand, ops=tuple(args.ops),
+        balance_answers=not args.natural_answers,
     )
     print(train)
     print(test)

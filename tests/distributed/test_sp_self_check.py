@@ -1,0 +1,65 @@
+"""The start-up self-check compares the sp-sharded forward with an unsharded one: it passes on the
+real layout and stops the run on a deliberately broken one."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from _launch import run_distributed
+from test_fsdp_engine import P, _rollout_batch
+
+import rlsp.engine.fsdp_engine as fsdp_engine
+from rlsp.engine.fsdp_engine import FSDPEngine, assert_sp_matches
+from rlsp.models.tiny import TinyModelSpec, build_tiny_model
+from rlsp.parallel.mesh import build_parallel_dims
+
+pytestmark = pytest.mark.distributed
+
+
+def _install_broken_context() -> None:
+    """Make rank 0 send rank 1 the wrong KV head: shapes still fit, numbers do not."""
+    original = fsdp_engine.build_sp_context
+
+    def broken(group, packed, num_q_heads, num_kv_heads):
+        ctx = original(group, packed, num_q_heads, num_kv_heads)
+        if group is not None and ctx.sp_rank == 0:
+            kv = ctx.layout.kv_ranges
+            ctx.layout = dataclasses.replace(ctx.layout, kv_ranges=(kv[0],) * len(kv))
+        return ctx
+
+    fsdp_engine.build_sp_context = broken
+
+
+def _self_check(rank: int, world: int, model_path: str, batch, broken: bool) -> float:
+    if broken:  # only in this forked worker process
+        _install_broken_context()
+    dims = build_parallel_dims(world, "cpu")
+    engine = FSDPEngine(model_path, dims, torch.device("cpu"), trainable=False)
+    return engine.sp_self_check(batch, P, temperature=1.0)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    spec = TinyModelSpec(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+    return build_tiny_model(spec, str(tmp_path_factory.mktemp("tiny")))
+
+
+def test_self_check_passes_on_the_real_layout(model_path):
+    from transformers import AutoConfig
+
+    batch = _rollout_batch(AutoConfig.from_pretrained(model_path).vocab_size)
+    diffs = run_distributed(_self_check, 2, model_path, batch, False)
+    assert max(diffs) <= 1e-5
+    assert_sp_matches(max(diffs), 1e-5, 2)
+
+
+def test_self_check_stops_a_broken_layout(model_path):
+    from transformers import AutoConfig
+
+    batch = _rollout_batch(AutoConfig.from_pretrained(model_path).vocab_size)
+    diffs = run_distributed(_self_check, 2, model_path, batch, True)
+    assert max(diffs) > 1e-2
+    with pytest.raises(RuntimeError, match=r"self-check failed: max \|logprob\(sp=2\) - logprob\(sp=1\)\|"):
+        assert_sp_matches(max(diffs), 1e-4, 2)
