@@ -105,7 +105,10 @@ class PolicyWorker:
         cfg = SamplingConfig(**sampling)
         prompt_ids: list[list[int]] = prompts.meta["prompt_ids"]
         t0 = time.perf_counter()
+        self.rollout.wake_up()
         out = self.rollout.generate(prompt_ids, cfg)
+        # Free the engine's accelerator memory for training (no-op on CPU); sync_weights wakes it.
+        self.rollout.sleep()
         gen_s = time.perf_counter() - t0
         rows = build_rollout_rows(
             [prompt_ids[i] for i in out.prompt_index], out.response_ids, out.response_logprobs,
@@ -172,6 +175,7 @@ class PolicyWorker:
         """Push the actor's full weights into this rank's rollout engine, parameter by parameter."""
         t0 = time.perf_counter()
         dtype = DTYPES[self.cfg.actor_rollout_ref.rollout.dtype]
+        self.rollout.wake_up()
         self.rollout.update_weights(self.actor.iter_full_params(dtype))
         return {"timing/weight_sync_s": time.perf_counter() - t0}
 
@@ -183,6 +187,7 @@ class PolicyWorker:
         return total
 
     def rollout_prompt_logprobs(self, token_ids: list[int]) -> list[float | None]:
+        self.rollout.wake_up()
         return self.rollout.prompt_logprobs(token_ids)
 
     def sp_self_check(self, batch: Batch) -> float:
