@@ -92,7 +92,8 @@ def _rollout(trainer: RayTrainer) -> object:
 
 
 def test_weights_change_sync_and_sp2_matches_sp1(tmp_path, ray_session):
-    trainer = RayTrainer(_cfg(tmp_path))
+    # An entropy bonus guarantees a non-zero gradient even if every sampled reward ties (no advantage).
+    trainer = RayTrainer(_cfg(tmp_path, **{"actor_rollout_ref.actor.entropy_coeff": 0.01}))
     try:
         trainer.start_workers()
         before = trainer.wg.call_all("actor_param_checksum")[0]
