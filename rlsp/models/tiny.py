@@ -124,21 +124,31 @@ def _write_model(spec: TinyModelSpec, out_dir: str) -> None:
 def build_tiny_model(spec: TinyModelSpec, out_dir: str) -> str:
     """Write the tiny model + tokenizer to `out_dir` (replacing it) and return its absolute path.
 
-    The directory appears atomically: it is written next to `out_dir` and renamed into place, so
-    concurrent readers never see a half-written model.
+    The model is written next to `out_dir` and renamed into place, so readers never see a
+    half-written directory.
     """
-    out_dir = os.path.abspath(out_dir)
+    return _build(spec, os.path.abspath(out_dir), keep_matching=False)
+
+
+def _build(spec: TinyModelSpec, out_dir: str, keep_matching: bool) -> str:
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".tiny-build-", dir=parent)
     try:
         _write_model(spec, staging)
         os.chmod(staging, 0o755)  # mkdtemp creates it owner-only
+        # Another process may have installed the same build meanwhile: keep it rather than delete
+        # a directory someone may be reading.
+        if keep_matching and _built_digest(out_dir) == spec.digest():
+            shutil.rmtree(staging)
+            return out_dir
         if os.path.exists(out_dir):
             shutil.rmtree(out_dir)
         os.replace(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
+        if keep_matching and _built_digest(out_dir) == spec.digest():
+            return out_dir  # lost a rename race against an identical build
         raise
     return out_dir
 
@@ -157,13 +167,7 @@ def ensure_tiny_model(out_dir: str, spec: TinyModelSpec | None = None) -> str:
     out_dir = os.path.abspath(out_dir)
     if _built_digest(out_dir) == spec.digest():
         return out_dir
-    try:
-        return build_tiny_model(spec, out_dir)
-    except OSError:
-        # Another process may have renamed an identical build into place first.
-        if _built_digest(out_dir) == spec.digest():
-            return out_dir
-        raise
+    return _build(spec, out_dir, keep_matching=True)
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -44,8 +44,20 @@ def _seeded(seed: int | None, device: torch.device) -> Iterator[None]:
 class HFEngine:
     """Rollout engine using `transformers` generate on one device."""
 
-    def __init__(self, model_path: str, dtype: str | torch.dtype = "float32", device: str = "cpu") -> None:
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str | torch.dtype = "float32",
+        device: str = "cpu",
+        seed: int | None = None,
+        max_model_len: int | None = None,
+    ) -> None:
+        """`seed` makes unseeded `generate` calls reproducible (call k samples with seed + k, as a
+        seeded vLLM engine's sampler stream would); `max_model_len` bounds prompt + response."""
         self.device = torch.device(device)
+        self.seed = seed
+        self.max_model_len = max_model_len
+        self._calls = 0
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_resolve_dtype(dtype)).to(self.device)
         self.model.eval()
         tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -85,8 +97,17 @@ class HFEngine:
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> RolloutOutput:
         if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
             raise ValueError("generate needs at least one prompt and every prompt needs >= 1 token")
+        longest = max(len(p) for p in prompt_ids)
+        if self.max_model_len is not None and longest + sampling.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt of {longest} tokens + max_tokens={sampling.max_tokens} exceeds max_model_len={self.max_model_len}"
+            )
+        seed = sampling.seed
+        if seed is None and self.seed is not None:
+            seed = self.seed + self._calls
+        self._calls += 1
         input_ids_BP, attention_mask_BP = self._left_pad(prompt_ids)
-        with _seeded(sampling.seed, self.device):
+        with _seeded(seed, self.device):
             result = self.model.generate(
                 input_ids=input_ids_BP,
                 attention_mask=attention_mask_BP,

@@ -126,11 +126,15 @@ class VLLMEngine:
         return values
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors into the running model in place, then drop cached KV blocks."""
+        """Load HF-named tensors into the running model in place, then drop cached KV blocks.
+
+        Without the prefix-cache reset, prompts cached before the update would be continued from
+        keys/values of the old weights (the e2e test catches this with a prompt longer than one
+        KV block; on CPU a block is 128 tokens, so shorter prompts are never prefix-cached)."""
         weights = _with_tied_head(named_tensors) if self.tie_word_embeddings else iter(named_tensors)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         # Prefix-cache blocks hold keys/values computed with the old weights.
-        pass  # TEMP
+        self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:
         """Release weights and KV cache memory on GPU (level 1 keeps a CPU copy); no-op on CPU."""

@@ -40,8 +40,7 @@ def resolve_data_files(files: str | list[str] | None, cache_dir: str) -> list[st
         if f not in legal:
             raise ValueError(f"unknown built-in dataset {name!r}; legal: {list(legal)} or parquet paths")
         data_dir = _cache(cache_dir, "data", "arithmetic")
-        train, test = (os.path.join(data_dir, "train.parquet"), os.path.join(data_dir, "test.parquet"))
-        if not (os.path.exists(train) and os.path.exists(test)):
-            train, test = write_arithmetic_parquet(data_dir)
+        # Regenerated every run (milliseconds, atomic rename): a cache never outlives a change of the task.
+        train, test = write_arithmetic_parquet(data_dir)
         out.append(train if name.endswith("train") else test)
     return out

@@ -63,7 +63,7 @@ def preflight(cfg: DictConfig) -> DictConfig:
     if cfg.reward.custom_function_path:
         try:
             load_custom_reward_fn(cfg.reward.custom_function_path, cfg.reward.custom_function_name)
-        except (ValueError, FileNotFoundError, AttributeError, TypeError) as exc:
+        except (ValueError, RuntimeError, FileNotFoundError, AttributeError, TypeError) as exc:
             errors.append(str(exc))
     if errors:
         raise ValueError("invalid rlsp config:\n  - " + "\n  - ".join(errors))

@@ -21,6 +21,8 @@ TOL = 1e-4  # fp32 engine vs fp64 reference; measured max diffs are ~1e-6
 # "<|im_start|>user\n3+4=<|im_end|>\n<|im_start|>assistant\n7<|im_end|>" as char-token ids.
 SEQUENCE = [2, 37, 35, 21, 34, 5, 10, 43, 11, 46, 3, 5, 2, 17, 35, 35, 25, 35, 36, 17, 30, 36, 5, 12, 3]
 PROMPTS = [SEQUENCE[:23], SEQUENCE[2:23], [2, 37, 35, 21, 34, 5, 8, 43, 12, 46, 3, 5, 2, 17, 35, 35, 25, 35, 36, 17, 30, 36, 5, 5]]
+# Longer than one CPU KV block (128 tokens), so vLLM's prefix cache actually holds blocks of it.
+LONG_PROMPTS = [SEQUENCE[:6] + [6 + i % 40 for i in range(150)] + SEQUENCE[10:23]]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +40,7 @@ def current(model_path: str) -> dict:
 def vllm_engine(model_path: str) -> RolloutEngine:
     pytest.importorskip("vllm")
     t0 = time.perf_counter()
-    engine = build_rollout_engine("vllm", model_path, dtype="float32", max_model_len=128, seed=0)
+    engine = build_rollout_engine("vllm", model_path, dtype="float32", max_model_len=256, seed=0)
     print(f"\nvLLM engine build: {time.perf_counter() - t0:.1f}s")
     return engine
 
@@ -56,13 +58,15 @@ def max_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b))
 
 
-def sample_logprob_diff(engine: RolloutEngine, model: torch.nn.Module, sampling: SamplingConfig) -> float:
+def sample_logprob_diff(
+    engine: RolloutEngine, model: torch.nn.Module, sampling: SamplingConfig, prompts: list[list[int]] = PROMPTS
+) -> float:
     """Generate, check the grouping, and return the max |engine - reference| over all sampled tokens."""
-    out = engine.generate(PROMPTS, sampling)
-    assert out.prompt_index == [i for i in range(len(PROMPTS)) for _ in range(sampling.n)]
+    out = engine.generate(prompts, sampling)
+    assert out.prompt_index == [i for i in range(len(prompts)) for _ in range(sampling.n)]
     worst = 0.0
     for prompt_index, ids, logprobs, finish in zip(out.prompt_index, out.response_ids, out.response_logprobs, out.finish_reason):
-        prompt = PROMPTS[prompt_index]
+        prompt = prompts[prompt_index]
         assert 1 <= len(ids) <= sampling.max_tokens and len(logprobs) == len(ids)
         assert finish == ("stop" if ids[-1] in (1, 3) else "length")
         assert all(tok not in (1, 3) for tok in ids[:-1])  # generation ends at the first stop id
@@ -94,7 +98,7 @@ def test_prompt_logprobs_match_transformers(vllm_engine: RolloutEngine, current:
 def test_weight_sync_reaches_vllm(vllm_engine: RolloutEngine, current: dict) -> None:
     model = current["model"]
     sampling = SamplingConfig(n=4, temperature=1.0, max_tokens=6, seed=11)
-    vllm_engine.generate(PROMPTS, sampling)  # fills the prefix cache with the old weights' KV
+    vllm_engine.generate(LONG_PROMPTS, sampling)  # fills the prefix cache with the old weights' KV
     old = reference_logprobs(model, SEQUENCE)
     perturb_(model, seed=1)
     new = reference_logprobs(model, SEQUENCE)
@@ -105,7 +109,7 @@ def test_weight_sync_reaches_vllm(vllm_engine: RolloutEngine, current: dict) -> 
     print(f"\nafter sync: max diff vs perturbed {diff_new:.2e}, vs old {diff_old:.2e}")
     assert diff_new < TOL and diff_old > 0.05
     # Sampling after the sync must use the new weights too (no stale prefix-cache KV).
-    assert sample_logprob_diff(vllm_engine, model, sampling) < TOL
+    assert sample_logprob_diff(vllm_engine, model, sampling, LONG_PROMPTS) < TOL
 
 
 def test_generate_logprobs_match_recomputation(vllm_engine: RolloutEngine, current: dict) -> None:
@@ -130,8 +134,12 @@ def test_seeded_generation_repeats_and_greedy_is_argmax(vllm_engine: RolloutEngi
 
 
 def test_hf_engine_same_protocol(model_path: str) -> None:
-    engine = build_rollout_engine("hf", model_path, dtype="float32", device="cpu")
+    # The keyword set a policy worker passes to either engine.
+    engine = build_rollout_engine("hf", model_path, dtype="float32", seed=7, max_model_len=128, device="cpu")
+    twin = build_rollout_engine("hf", model_path, dtype="float32", seed=7, max_model_len=128, device="cpu")
     assert isinstance(engine, RolloutEngine)
+    unseeded = SamplingConfig(n=4, max_tokens=8)
+    assert engine.generate(PROMPTS, unseeded).response_ids == twin.generate(PROMPTS, unseeded).response_ids
     reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64).eval()
     assert max_diff(reference_logprobs(reference, SEQUENCE), engine.prompt_logprobs(SEQUENCE)[1:]) < TOL
     # Prompts of different lengths exercise left padding.
@@ -141,3 +149,5 @@ def test_hf_engine_same_protocol(model_path: str) -> None:
     assert max_diff(reference_logprobs(reference, SEQUENCE), engine.prompt_logprobs(SEQUENCE)[1:]) < TOL
     with pytest.raises(ValueError, match="unknown parameter 'model.nope'"):
         engine.update_weights([("model.nope", torch.zeros(1))])
+    with pytest.raises(ValueError, match="exceeds max_model_len=128"):
+        engine.generate(LONG_PROMPTS, unseeded)

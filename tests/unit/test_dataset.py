@@ -23,7 +23,7 @@ def _content(row: dict) -> str:
 
 
 def test_rows_have_verl_columns_and_correct_answers() -> None:
-    train, test = generate_arithmetic(n_train=200, n_test=25, seed=3)
+    train, test = generate_arithmetic(n_train=200, n_test=25, seed=3, max_operand=4)
     for row in train + test:
         assert row["data_source"] == "rlsp/arithmetic" and row["ability"] == "math"
         assert row["prompt"][0]["role"] == "user" and row["reward_model"]["style"] == "rule"
@@ -35,7 +35,10 @@ def test_rows_have_verl_columns_and_correct_answers() -> None:
 
 
 def test_small_space_test_split_is_every_pair_once() -> None:
-    _, test = generate_arithmetic(n_train=10, n_test=25, seed=0)
+    train, test = generate_arithmetic(seed=0)  # defaults: operands 0..2, 9 test rows
+    assert sorted(_content(r) for r in test) == sorted(f"{a}+{b}=" for a in range(3) for b in range(3))
+    assert len(train) == 2048 and {_content(r) for r in train} == {_content(r) for r in test}
+    _, test = generate_arithmetic(n_train=10, n_test=25, seed=0, max_operand=4)
     assert sorted(_content(r) for r in test) == sorted(f"{a}+{b}=" for a in range(5) for b in range(5))
 
 
@@ -46,10 +49,10 @@ def test_large_space_holds_out_test_pairs() -> None:
 
 
 def test_balanced_answers_are_uniform_and_natural_ones_are_not() -> None:
-    balanced, _ = generate_arithmetic(n_train=900, n_test=1, seed=1)
+    balanced, _ = generate_arithmetic(n_train=900, n_test=1, seed=1, max_operand=4)
     counts = Counter(r["reward_model"]["ground_truth"] for r in balanced)
     assert sorted(counts) == [str(i) for i in range(9)] and set(counts.values()) == {100}
-    natural, _ = generate_arithmetic(n_train=900, n_test=1, seed=1, balance_answers=False)
+    natural, _ = generate_arithmetic(n_train=900, n_test=1, seed=1, max_operand=4, balance_answers=False)
     counts = Counter(r["reward_model"]["ground_truth"] for r in natural)
     assert counts["4"] == 180 and counts["0"] == 36  # 5/25 and 1/25 of the rows
 
@@ -67,9 +70,9 @@ def test_generator_rejects_bad_arguments() -> None:
 
 
 def test_dataset_reads_generated_parquet(tmp_path, tokenizer) -> None:
-    train_path, test_path = write_arithmetic_parquet(str(tmp_path), n_train=64, n_test=25, seed=0)
+    train_path, test_path = write_arithmetic_parquet(str(tmp_path), n_train=64, seed=0)
     ds = PromptDataset([train_path, test_path], tokenizer, max_prompt_length=64)
-    assert len(ds) == 89
+    assert len(ds) == 64 + 9
     item = ds[0]
     assert set(item) == {"prompt_ids", "prompt_text", "data_source", "ground_truth", "extra_info", "index"}
     frame = pd.read_parquet(train_path)

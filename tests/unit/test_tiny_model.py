@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -131,3 +132,13 @@ def test_cli_builds_requested_shape(tmp_path, capsys) -> None:
     assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads, config.hidden_size) == (1, 2, 1, 64)
     assert config.intermediate_size == 128
     assert capsys.readouterr().out.strip().endswith("cli")
+
+
+def test_concurrent_ensure_leaves_one_valid_model(tmp_path) -> None:
+    out = str(tmp_path / "shared")
+    spec = TinyModelSpec(hidden_size=64, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
+    with ThreadPoolExecutor(3) as pool:
+        paths = list(pool.map(lambda _: ensure_tiny_model(out, spec), range(3)))
+    assert paths == [os.path.abspath(out)] * 3
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".tiny-build-")]  # no staging left behind
+    assert AutoConfig.from_pretrained(out).hidden_size == 64

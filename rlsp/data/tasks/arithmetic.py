@@ -1,19 +1,27 @@
-"""Synthetic arithmetic task: "a+b=" prompts with single-token-ish integer answers.
+"""Synthetic arithmetic task: "a+b=" prompts with single-digit integer answers.
 
 Small enough for a tiny random-init model to learn with GRPO on a CPU in minutes: the prompt is the
-user message `"3+4="` (rendered through the chat template), the expected response is `"7"` followed
+user message `"2+1="` (rendered through the chat template), the expected response is `"3"` followed
 by the end-of-turn token. Rows follow verl's parquet layout: `data_source`, `prompt` (chat
 messages), `ability`, `reward_model` ({"style": "rule", "ground_truth"}), `extra_info` ({"split",
 "index", "a", "b", "op"}).
 
+Default operands 0..2 (answers 0..4). Measured with a plain GRPO loop on the tiny model (16 prompts
+x 8 samples, <= 8 new tokens, lr 1e-3, no KL or entropy term; mean reward starts at ~0.03):
+- operands 0..2: 3 of 5 seeds reached 0.5-0.7 by step 200; 2 settled at ~0.35, mostly one answer
+  for every prompt (which alone scores 0.1 + 0.9/5 = 0.28); rerun with an entropy bonus of 0.02,
+  one of those two reached 0.91 (94% exact), the other stayed at ~0.35;
+- operands 0..4 (`max_operand=4`): 3 of 6 seeds reached ~0.5 by step 200, 3 collapsed onto one
+  answer at ~0.22; with an entropy bonus of 0.02, 4 of 4 seeds learned (0.28-0.48 at step 200).
+
 Balanced answers (default): training rows draw the *answer* uniformly, then a pair with that answer,
-so no answer dominates. With the natural pair distribution (answer 4 has 5 of the 25 pairs) GRPO on
-the tiny model tends to collapse onto the most frequent answer before it learns to read the operands.
+so no answer dominates. With the natural pair distribution (the middle answer has the most pairs)
+GRPO tends to collapse onto the most frequent answer before it learns to read the operands.
 
 Splits: operand pairs are shuffled with the seed; when the pair space has at least
 `MIN_PAIRS_FOR_HOLDOUT` pairs, a fifth of them is held out for the test split. The default space
-(operands 0..4, 25 pairs) is too small to hold out from, so the test split then lists every pair once
-and validation measures greedy accuracy on the table the policy is trained on.
+(9 pairs) is too small to hold out from, so the test split then lists every pair once and validation
+measures greedy accuracy on the table the policy is trained on.
 
 CLI: `python -m rlsp.data.tasks.arithmetic --out DIR [--n-train N --n-test M --max-operand K]`.
 """
@@ -82,10 +90,10 @@ def _cycle_rows(pairs: list, n: int, split: str, rng: random.Random) -> list[dic
 
 def generate_arithmetic(
     n_train: int = 2048,
-    n_test: int = 25,
+    n_test: int = 9,
     seed: int = 0,
     min_operand: int = 0,
-    max_operand: int = 4,
+    max_operand: int = 2,
     ops: tuple[str, ...] = ("+",),
     balance_answers: bool = True,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -126,10 +134,10 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="Write the synthetic arithmetic task as verl-style parquet.")
     p.add_argument("--out", required=True)
     p.add_argument("--n-train", type=int, default=2048)
-    p.add_argument("--n-test", type=int, default=25)
+    p.add_argument("--n-test", type=int, default=9)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--min-operand", type=int, default=0)
-    p.add_argument("--max-operand", type=int, default=4)
+    p.add_argument("--max-operand", type=int, default=2)
     p.add_argument("--ops", default="+", help="operators to use, e.g. '+' or '+-'")
     p.add_argument("--natural-answers", action="store_true", help="sample pairs uniformly, not answers")
     args = p.parse_args(argv)
