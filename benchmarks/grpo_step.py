@@ -29,6 +29,7 @@ WORKLOAD = {
     "data.max_response_length": 32,
     "actor_rollout_ref.rollout.n": 8,
     "actor_rollout_ref.actor.ppo_mini_batch_size": 16,
+    "actor_rollout_ref.actor.optim.lr": 1e-3,
     "trainer.n_gpus_per_node": 2,
     "trainer.device": "cpu",
     "trainer.total_training_steps": 8,

@@ -11,7 +11,8 @@ exec .venv/bin/python -m rlsp.main \
     actor_rollout_ref.actor.ppo_mini_batch_size=16 \
     actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32 \
     actor_rollout_ref.actor.use_kl_loss=true actor_rollout_ref.actor.kl_loss_coef=0.01 \
+    actor_rollout_ref.actor.entropy_coeff=0.02 \
     actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.n=8 actor_rollout_ref.rollout.temperature=1.0 \
     trainer.device=cpu trainer.n_gpus_per_node=2 trainer.nnodes=1 \
-    trainer.total_training_steps=60 trainer.test_freq=10 \
+    trainer.total_training_steps=150 trainer.test_freq=10 \
     trainer.experiment_name=grpo_tiny_cpu "$@"

@@ -1,5 +1,8 @@
 """Typed configuration schema (dataclasses); verl-style key names. No torch import here.
 
+Defaults are those a verl user expects for a real model; configs/rlsp.yaml (the demo) overrides
+the few that suit the tiny built-in model instead (learning rate, KL and entropy coefficients).
+
 The YAML files under configs/ only hold values; every key a user can set is declared here, so a typo
 in an override fails in Hydra with the list of legal keys instead of being silently ignored.
 """
@@ -35,7 +38,7 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-3
+    lr: float = 1e-6
     weight_decay: float = 0.0
     betas: list = field(default_factory=lambda: [0.9, 0.999])
     warmup_steps: int = 0  # linear learning-rate warm-up over this many optimizer steps
@@ -56,7 +59,7 @@ class ActorConfig:
     loss_agg_mode: str = "token-mean"
     entropy_coeff: float = 0.0
     use_kl_loss: bool = True
-    kl_loss_coef: float = 0.01
+    kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     ulysses_sequence_parallel_size: int = 1
     logprob_chunk_size: int = 1024
@@ -115,7 +118,7 @@ class TrainerConfig:
     nnodes: int = 1
     n_gpus_per_node: int = 2  # worker processes per node (CPU workers when device=cpu)
     total_epochs: int = 1000
-    total_training_steps: int = 60
+    total_training_steps: int = 100
     test_freq: int = 10  # validate every N steps (and at the start and end); <=0 disables
     val_before_train: bool = True
     default_local_dir: str = "outputs/${trainer.project_name}/${trainer.experiment_name}"

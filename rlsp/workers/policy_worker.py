@@ -112,13 +112,10 @@ class PolicyWorker:
         gen_s = time.perf_counter() - t0
         rows = build_rollout_rows(
             [prompt_ids[i] for i in out.prompt_index], out.response_ids, out.response_logprobs,
-            self.cfg.data.max_prompt_length, cfg.max_tokens, self._pad_id(),
+            self.cfg.data.max_prompt_length, cfg.max_tokens, self.pad_token_id,
         )
         meta = {k: [v[i] for i in out.prompt_index] for k, v in prompts.meta.items() if k != "prompt_ids"}
         return Batch.from_dict(rows, meta=meta, info={"timing/gen_worker_s": gen_s})
-
-    def _pad_id(self) -> int:
-        return self.pad_token_id
 
     # ------------------------------------------------------------------ training (collective)
     def compute_old_logprobs(self, batch: Batch) -> Batch:

@@ -36,6 +36,7 @@ SMALL = {
     "trainer.device": "cpu",
     "trainer.total_training_steps": 3,
     "trainer.test_freq": 2,
+    "actor_rollout_ref.actor.optim.lr": 1e-3,
 }
 
 
