@@ -76,7 +76,7 @@ class RayTrainer:
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
             "VLLM_CPU_KVCACHE_SPACE": str(self.cfg.actor_rollout_ref.rollout.cpu_kvcache_space_gib),
             "TOKENIZERS_PARALLELISM": "false",
-            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
             "RLSP_LOG_LEVEL": os.environ.get("RLSP_LOG_LEVEL", "INFO"),
         }
         config = OmegaConf.to_container(self.cfg, resolve=True)
