@@ -98,8 +98,7 @@ class ActorRolloutRefConfig:
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     norm_adv_by_std_in_grpo: bool = True
-    gamma: float = 1.0
-    lam: float = 1.0
+    gamma: float = 1.0  # discount of REINFORCE++ returns
 
 
 @dataclass

@@ -16,6 +16,7 @@ from rlsp.trainer.assets import resolve_data_files, resolve_model_path
 from rlsp.utils.logging import get_logger
 
 log = get_logger("rlsp.preflight")
+CRITIC_ESTIMATORS = ("gae",)
 
 
 def _check_names(cfg: DictConfig, errors: list[str]) -> None:
@@ -27,6 +28,10 @@ def _check_names(cfg: DictConfig, errors: list[str]) -> None:
     ):
         if val not in legal:
             errors.append(f"{key}={val!r} is unknown; legal values: {legal}")
+    if cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS:
+        usable = [e for e in list_adv_estimators() if e not in CRITIC_ESTIMATORS]
+        errors.append(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} needs a value model (critic "
+                      f"workers), which this version does not build; usable estimators: {usable}")
 
 
 def _check_model(cfg: DictConfig, errors: list[str]) -> None:

@@ -1,0 +1,40 @@
+"""Preflight: checks that need the registries, the model config or files fail before workers start."""
+
+import pytest
+from omegaconf import OmegaConf
+
+from rlsp.config.schema import RLSPConfig
+from rlsp.trainer.preflight import preflight
+
+
+def make(tmp_path, **overrides):
+    cfg = OmegaConf.structured(RLSPConfig)
+    OmegaConf.update(cfg, "trainer.cache_dir", str(tmp_path / "cache"))
+    for key, val in overrides.items():
+        OmegaConf.update(cfg, key, val)
+    return cfg
+
+
+def test_builtin_assets_resolve_to_local_files(tmp_path):
+    cfg = preflight(make(tmp_path))
+    assert cfg.actor_rollout_ref.model.path.startswith(str(tmp_path))
+    assert cfg.data.train_files[0].endswith("train.parquet") and cfg.data.val_files[0].endswith("test.parquet")
+
+
+@pytest.mark.parametrize(
+    "key,val,needle",
+    [
+        ("algorithm.adv_estimator", "ppo2", "legal values: ['gae', 'grpo'"),
+        ("algorithm.adv_estimator", "gae", "needs a value model"),
+        ("actor_rollout_ref.actor.kl_loss_type", "k7", "kl_loss_type='k7' is unknown"),
+        ("actor_rollout_ref.actor.policy_loss", "gspo", "legal values: ['vanilla']"),
+        ("data.max_response_length", 500, "exceeds the model's max_position_embeddings"),
+        ("actor_rollout_ref.model.path", "/nonexistent/model", "is not a local directory"),
+        ("data.train_files", "/nonexistent/train.parquet", "does not exist"),
+        ("reward.custom_function_path", "/nonexistent/score.py", "custom reward file not found: /nonexistent/score.py"),
+    ],
+)
+def test_bad_values_fail_with_the_value_named(tmp_path, key, val, needle):
+    with pytest.raises(ValueError) as err:
+        preflight(make(tmp_path, **{key: val}))
+    assert needle in str(err.value)
