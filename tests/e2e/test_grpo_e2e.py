@@ -78,6 +78,19 @@ def test_main_runs_grpo_and_writes_metrics(tmp_path):
     assert (tmp_path / "run" / "reward.png").stat().st_size > 1000
 
 
+def test_main_hf_rollout_rloo_with_sp2(tmp_path):
+    """The transformers rollout fallback, another estimator and Ulysses sp=2 through the same CLI."""
+    proc = _main(tmp_path, "actor_rollout_ref.rollout.name=hf", "algorithm.adv_estimator=rloo",
+                 "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "trainer.total_training_steps=2")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "sp self-check passed" in proc.stderr
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2]
+    for r in lines:
+        assert r["rollout/logprob_diff"] < 1e-3 and 0.0 <= r["reward/mean"] <= 1.0
+        assert r["sp/tokens_per_rank"] > 0 and 0.0 <= r["sp/pad_fraction"] < 1.0 and r["sp/a2a_time_share"] > 0.0
+
+
 def test_bad_config_fails_before_workers(tmp_path):
     proc = _main(tmp_path, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=3")
     assert proc.returncode == 2
