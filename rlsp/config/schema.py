@@ -128,6 +128,7 @@ class TrainerConfig:
     sp_self_check: bool = True
     sp_self_check_tol: float = 1e-4
     plot: bool = True
+    save_final_model: bool = True  # write the trained actor to <default_local_dir>/actor_hf
 
 
 @dataclass

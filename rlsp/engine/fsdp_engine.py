@@ -13,12 +13,14 @@ Legend: B rows, P prompt width, R response width, T packed stream, S = T / sp lo
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from rlsp.data.batch import Batch
@@ -237,3 +239,14 @@ class FSDPEngine:
             yield name, full
             if self.tied and name == "model.embed_tokens.weight":
                 yield "lm_head.weight", full
+
+    def save_hf(self, path: str) -> None:
+        """Write the full weights + config as a Hugging Face checkpoint (collective; rank 0 writes)."""
+        state = {name: t.cpu().contiguous() for name, t in self.iter_full_params()}
+        if dist.get_rank() != 0:
+            return
+        if self.tied:
+            state.pop("lm_head.weight", None)  # tied: the embedding is the output layer
+        os.makedirs(path, exist_ok=True)
+        save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        self.config.save_pretrained(path)

@@ -181,6 +181,9 @@ class RayTrainer:
                 metrics.update(self.validate())
             self.metrics.log(step, metrics)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['timing/step_s']:.2f}")
+        if t.save_final_model:
+            saved = self.wg.call_all("save_model", os.path.abspath(os.path.join(self.run_dir, "actor_hf")))[0]
+            log.info("trained actor (Hugging Face format): %s", saved)
         if t.plot:
             path = self.metrics.plot_rewards()
             log.info("reward plot: %s", path)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, GenerationConfig
 
 from rlsp.data.batch import Batch
 from rlsp.engine.fsdp_engine import DTYPES, FSDPEngine
@@ -175,6 +175,16 @@ class PolicyWorker:
         self.rollout.wake_up()
         self.rollout.update_weights(self.actor.iter_full_params(dtype))
         return {"timing/weight_sync_s": time.perf_counter() - t0}
+
+    def save_model(self, path: str) -> str:
+        """Save the actor as a Hugging Face model directory (weights, config, tokenizer); collective."""
+        self.actor.save_hf(path)
+        if self.rank == 0:
+            source = self.cfg.actor_rollout_ref.model.path
+            AutoTokenizer.from_pretrained(source).save_pretrained(path)
+            if os.path.exists(os.path.join(source, "generation_config.json")):  # stop ids for generation
+                GenerationConfig.from_pretrained(source).save_pretrained(path)
+        return path
 
     def actor_param_checksum(self) -> float:
         """Sum of |w| over the full actor weights (collective): lets tests see that training moved them."""

@@ -76,6 +76,14 @@ def test_main_runs_grpo_and_writes_metrics(tmp_path):
         assert r["rollout/logprob_diff"] < 1e-3
     assert "val/accuracy" in lines[0] and "val/accuracy" in lines[1] and "val/accuracy" in lines[2]
     assert (tmp_path / "run" / "reward.png").stat().st_size > 1000
+    # The trained actor is saved as a Hugging Face model that differs from the initial weights.
+    from transformers import AutoModelForCausalLM
+
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "actor_hf")
+    initial = AutoModelForCausalLM.from_pretrained(tmp_path.parent / "cache" / "models" / "tiny-qwen2")
+    deltas = [float((a - b).abs().max()) for a, b in zip(trained.parameters(), initial.parameters())]
+    assert len(deltas) > 0 and max(deltas) > 1e-5
+    assert (tmp_path / "run" / "actor_hf" / "generation_config.json").exists()
 
 
 def test_main_hf_rollout_rloo_with_sp2(tmp_path):
