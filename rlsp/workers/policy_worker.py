@@ -104,18 +104,16 @@ class PolicyWorker:
             sampling = {**sampling, "seed": int(sampling["seed"]) + 1_000_003 * self.rank}
         cfg = SamplingConfig(**sampling)
         prompt_ids: list[list[int]] = prompts.meta["prompt_ids"]
-        t0 = time.perf_counter()
         self.rollout.wake_up()
         out = self.rollout.generate(prompt_ids, cfg)
         # Free the engine's accelerator memory for training (no-op on CPU); sync_weights wakes it.
         self.rollout.sleep()
-        gen_s = time.perf_counter() - t0
         rows = build_rollout_rows(
             [prompt_ids[i] for i in out.prompt_index], out.response_ids, out.response_logprobs,
             self.cfg.data.max_prompt_length, cfg.max_tokens, self.pad_token_id,
         )
         meta = {k: [v[i] for i in out.prompt_index] for k, v in prompts.meta.items() if k != "prompt_ids"}
-        return Batch.from_dict(rows, meta=meta, info={"timing/gen_worker_s": gen_s})
+        return Batch.from_dict(rows, meta=meta)
 
     # ------------------------------------------------------------------ training (collective)
     def compute_old_logprobs(self, batch: Batch) -> Batch:
