@@ -1,4 +1,4 @@
-"""Test-wide settings: in-process vLLM on CPU, quiet tokenizers, a private rlsp cache per session."""
+"""Test-wide settings: in-process vLLM on CPU and quiet tokenizers (tests pass their own cache dirs)."""
 
 import os
 
