@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 MODEL=${MODEL:-$HOME/models/Qwen2.5-0.5B-Instruct}
 DATA=${DATA:-$HOME/data/gsm8k}
-exec .venv/bin/python -m rlsp.main \
+exec .venv/bin/python -m rlsp.main --config-name grpo \
     algorithm.adv_estimator=grpo \
     data.train_files=$DATA/train.parquet data.val_files=$DATA/test.parquet \
     data.train_batch_size=256 data.max_prompt_length=512 data.max_response_length=1024 \
