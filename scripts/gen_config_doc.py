@@ -16,7 +16,8 @@ HEADER = """# Configuration
 
 Every key below can be overridden on the command line (`python -m rlsp.main key=value ...`). Names
 follow verl where a verl user would expect them. The schema is `rlsp/config/schema.py` (this page is
-generated from it by `scripts/gen_config_doc.py`); `configs/rlsp.yaml` overrides a few defaults for
+generated from it by `scripts/gen_config_doc.py`); `configs/grpo.yaml` uses them as they are, and
+`configs/rlsp.yaml` (the default config) overrides a few for
 the tiny CPU demo. Values are checked at start-up (`rlsp/config/validate.py`,
 `rlsp/trainer/preflight.py`) before any worker starts.
 
