@@ -65,7 +65,7 @@ def _measure(rank: int, world: int) -> dict[str, Any]:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        lp_S, _ = model(*(shard_for_rank(x, ctx) for x in (packed.input_ids, packed.position_ids, packed.labels)), ctx)
+        lp_S = model(*(shard_for_rank(x, ctx) for x in (packed.input_ids, packed.position_ids, packed.labels)), ctx)["logprobs"]
     (lp_S * shard_for_rank(packed.label_mask, ctx)).sum().backward()  # the graph is valid end to end
     return {"saved_bytes": sum(saved.values()), "tokens": packed.total_len, "local_tokens": ctx.local_len}
 

@@ -61,7 +61,7 @@ def main(argv: list[str]) -> None:
         "sp": layout.sp_size, "steps": len(history), "machine": f"{platform.machine()} {os.cpu_count()} cpus",
         "step_s_median": med("timing/step_s"), "gen_s": med("timing/gen_s"),
         "logprob_s": round(statistics.median(h["timing/old_logprob_s"] + h.get("timing/ref_s", 0.0) for h in steady), 4),
-        "update_s": med("timing/update_s"), "weight_sync_s": med("timing/weight_sync_s"),
+        "update_s": med("timing/update_actor_s"), "weight_sync_s": med("timing/weight_sync_s"),
         "tokens_per_s": med("throughput/tokens_per_s"), "wall_s_incl_startup": round(wall, 1),
     }))
 

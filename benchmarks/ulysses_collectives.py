@@ -62,7 +62,7 @@ def _worker(rank: int, world: int, q_heads: int, kv_heads: int) -> dict[str, Any
     mask_BL = (torch.arange(width)[None, :] < torch.tensor(ROW_LENS)[:, None]).long()
     packed = pack_sequences(ids_BL, mask_BL, pad_to_multiple=world)
     ctx = build_sp_context(dist.group.WORLD, packed, q_heads, kv_heads)
-    lp_S, _ = model(*(shard_for_rank(x, ctx) for x in (packed.input_ids, packed.position_ids, packed.labels)), ctx)
+    lp_S = model(*(shard_for_rank(x, ctx) for x in (packed.input_ids, packed.position_ids, packed.labels)), ctx)["logprobs"]
     (lp_S * shard_for_rank(packed.label_mask, ctx)).sum().backward()
     return {
         "stats": dataclasses.asdict(ctx.stats),

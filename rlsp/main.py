@@ -43,12 +43,11 @@ def run(cfg: DictConfig) -> list[dict[str, Any]]:
 
 
 def train(cfg: DictConfig, layout: Any) -> list[dict[str, Any]]:
-    log.info("run dir: %s | world=%d dp=%d sp=%d", cfg.trainer.default_local_dir,
-             layout.world_size, layout.dp_size, layout.sp_size)
+    log.info("run dir: %s | %s", cfg.trainer.default_local_dir, layout.describe())
     os.makedirs(cfg.trainer.default_local_dir, exist_ok=True)
     OmegaConf.save(cfg, os.path.join(cfg.trainer.default_local_dir, "config.yaml"), resolve=True)
     _init_ray(cfg, layout.world_size)
-    trainer = RayTrainer(cfg)
+    trainer = RayTrainer(cfg, layout)
     try:
         trainer.start_workers()
         return trainer.fit()

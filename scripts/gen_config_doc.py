@@ -8,7 +8,6 @@ import re
 import sys
 from pathlib import Path
 
-from rlsp.config import schema
 from rlsp.config.schema import RLSPConfig
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "config.md"
@@ -34,31 +33,35 @@ dp = workers / sp groups, and every rank of an sp group gets the same rows.
 """
 
 
-def _comments() -> dict[str, str]:
-    src = inspect.getsource(schema)
+def _comments(cls: type) -> dict[str, str]:
+    """Trailing comments of the field lines of `cls` and its dataclass bases (the class's own win)."""
     found: dict[str, str] = {}
-    for m in re.finditer(r"^\s+(\w+): [^=\n]+= [^\n#]*?(?:#\s*(.*))?$", src, re.M):
-        if m.group(2):
-            found.setdefault(m.group(1), m.group(2).replace("|", "\\|"))
+    for klass in cls.__mro__:
+        if not dataclasses.is_dataclass(klass):
+            continue
+        for m in re.finditer(r"^\s+(\w+): [^=\n]+= [^\n#]*?(?:#\s*(.*))?$", inspect.getsource(klass), re.M):
+            if m.group(2):
+                found.setdefault(m.group(1), m.group(2).replace("|", "\\|"))
     return found
 
 
-def _rows(cls: type, prefix: str, notes: dict[str, str]) -> list[str]:
+def _rows(cls: type, prefix: str) -> list[str]:
     rows = []
+    notes = _comments(cls)
     for f in dataclasses.fields(cls):
         if f.default is not dataclasses.MISSING:
             default = f.default
         else:
             default = f.default_factory()  # type: ignore[misc]
         if dataclasses.is_dataclass(default):
-            rows += _rows(type(default), f"{prefix}{f.name}.", notes)
+            rows += _rows(type(default), f"{prefix}{f.name}.")
         else:
             rows.append(f"| `{prefix}{f.name}` | `{default!r}` | {notes.get(f.name, '')} |")
     return rows
 
 
 def render() -> str:
-    return HEADER + "\n".join(_rows(RLSPConfig, "", _comments())) + "\n"
+    return HEADER + "\n".join(_rows(RLSPConfig, "")) + "\n"
 
 
 if __name__ == "__main__":

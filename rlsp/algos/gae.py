@@ -14,7 +14,7 @@ from rlsp.algos.aggregation import masked_whiten
 from rlsp.algos.registry import check_unused_defaults, register_adv_estimator
 
 
-@register_adv_estimator("gae")
+@register_adv_estimator("gae", uses=("gamma", "lam", "values_BR"))
 def compute_gae_advantages(
     token_level_rewards_BR: torch.Tensor,
     response_mask_BR: torch.Tensor,

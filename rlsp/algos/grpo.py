@@ -14,7 +14,7 @@ from rlsp.algos.aggregation import group_mean_std, masked_sum
 from rlsp.algos.registry import check_unused_defaults, register_adv_estimator
 
 
-@register_adv_estimator("grpo")
+@register_adv_estimator("grpo", uses=("norm_adv_by_std",))
 def compute_grpo_advantages(
     token_level_rewards_BR: torch.Tensor,
     response_mask_BR: torch.Tensor,

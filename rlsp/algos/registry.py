@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 F = TypeVar("F", bound=Callable[..., Any])
 
 _ADV_ESTIMATORS: dict[str, Callable[..., Any]] = {}
+_ADV_USES: dict[str, tuple[str, ...]] = {}
 _POLICY_LOSSES: dict[str, Callable[..., Any]] = {}
 
 # Defaults of the shared estimator keywords; an estimator that ignores a keyword insists on these.
@@ -54,9 +55,32 @@ def _lookup(table: dict[str, Callable[..., Any]], kind: str, name: str) -> Calla
     return table[name]
 
 
-def register_adv_estimator(name: str) -> Callable[[F], F]:
-    """Decorator registering an advantage estimator under ``name``."""
+def register_adv_estimator(name: str, uses: tuple[str, ...] = ()) -> Callable[[F], F]:
+    """Decorator registering an advantage estimator under ``name``; ``uses`` names the shared
+    keywords (keys of :data:`ESTIMATOR_DEFAULTS`) it reads, so callers can pass exactly those."""
+    unknown = sorted(set(uses) - set(ESTIMATOR_DEFAULTS))
+    if unknown:
+        raise ValueError(f"estimator {name!r} declares unknown keywords {unknown}; legal: {sorted(ESTIMATOR_DEFAULTS)}")
+    _ADV_USES[name] = tuple(uses)
     return _register(_ADV_ESTIMATORS, "advantage estimator", name)
+
+
+def estimator_uses(name: str) -> tuple[str, ...]:
+    """The shared keywords estimator ``name`` reads (e.g. ("gamma", "lam", "values_BR") for GAE)."""
+    _lookup(_ADV_ESTIMATORS, "advantage estimator", name)
+    return _ADV_USES[name]
+
+
+def compute_advantages(name: str, token_level_rewards_BR: Any, response_mask_BR: Any, index: Any,
+                       **settings: Any) -> tuple[Any, Any]:
+    """Run estimator ``name`` with the subset of ``settings`` it declared in ``uses``.
+
+    ``settings`` carries every shared keyword the caller knows (from the config); the ones the
+    estimator does not read are left out, so it sees only what it declared.
+    """
+    fn = get_adv_estimator(name)
+    kwargs = {key: settings[key] for key in _ADV_USES[name] if key in settings}
+    return fn(token_level_rewards_BR, response_mask_BR, index, **kwargs)
 
 
 def get_adv_estimator(name: str) -> Callable[..., Any]:

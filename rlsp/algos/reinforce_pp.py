@@ -33,7 +33,7 @@ def compute_returns_to_go(
     return returns_BR
 
 
-@register_adv_estimator("reinforce_plus_plus")
+@register_adv_estimator("reinforce_plus_plus", uses=("gamma",))
 def compute_reinforce_pp_advantages(
     token_level_rewards_BR: torch.Tensor,
     response_mask_BR: torch.Tensor,

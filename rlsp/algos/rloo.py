@@ -14,7 +14,7 @@ from rlsp.algos.aggregation import group_mean_std, masked_sum
 from rlsp.algos.registry import check_unused_defaults, register_adv_estimator
 
 
-@register_adv_estimator("rloo")
+@register_adv_estimator("rloo", uses=())
 def compute_rloo_advantages(
     token_level_rewards_BR: torch.Tensor,
     response_mask_BR: torch.Tensor,

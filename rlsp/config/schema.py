@@ -51,6 +51,7 @@ class ActorConfig:
     ppo_mini_batch_size: int = 16  # prompts per optimizer step (x rollout.n samples), verl semantics
     ppo_micro_batch_size_per_gpu: int = 32  # samples per forward/backward on one worker
     ppo_epochs: int = 1
+    shuffle: bool = True  # reshuffle rows into mini-batches every epoch (when there is more than one)
     clip_ratio: float = 0.2
     clip_ratio_low: float | None = None  # None = clip_ratio
     clip_ratio_high: float | None = None
@@ -78,7 +79,7 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    dtype: str = "float32"
+    dtype: str = "float32"  # weights dtype of the rollout engine
     enforce_eager: bool = True
     gpu_memory_utilization: float = 0.5
     cpu_kvcache_space_gib: int = 1
@@ -95,10 +96,53 @@ class ActorRolloutRefConfig:
 
 
 @dataclass
+class CriticModelConfig:
+    path: str | None = None  # None = initialise from the actor's checkpoint (actor_rollout_ref.model.path)
+    dtype: str | None = None  # compute dtype; None = actor_rollout_ref.model.dtype (master weights stay fp32)
+    enable_gradient_checkpointing: bool = False
+
+
+@dataclass
+class CriticOptimConfig(OptimConfig):
+    lr: float = 1e-5
+
+
+@dataclass
+class CriticConfig:
+    """The value model (PPO with algorithm.adv_estimator=gae). Built only when an estimator needs it."""
+
+    strategy: str = "fsdp2"
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
+    optim: CriticOptimConfig = field(default_factory=CriticOptimConfig)
+    ppo_mini_batch_size: int = 16  # prompts per optimizer step (x rollout.n samples), verl semantics
+    ppo_micro_batch_size_per_gpu: int = 32  # samples per forward/backward on one worker
+    forward_micro_batch_size_per_gpu: int = 64  # samples per value forward (no grad)
+    ppo_epochs: int = 1
+    shuffle: bool = True
+    cliprange_value: float = 0.5  # clip of the new value around the rollout-time value
+    ulysses_sequence_parallel_size: int = 1
+    colocate: bool = True  # share the actor's workers and devices (verl's hybrid layout); False = own pool
+    nnodes: int = 1  # own pool only (critic.colocate=false)
+    n_gpus_per_node: int = 1  # own pool only: critic worker processes per node
+
+
+@dataclass
+class KLControlConfig:
+    type: str = "fixed"  # fixed | adaptive
+    kl_coef: float = 0.001  # (initial) coefficient of the KL penalty in the reward
+    target_kl: float = 0.1  # adaptive: the KL the coefficient steers towards
+    horizon: int = 10000  # adaptive: samples over which a proportional error is corrected
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     norm_adv_by_std_in_grpo: bool = True
-    gamma: float = 1.0  # discount of REINFORCE++ returns
+    gamma: float = 1.0  # discount (GAE, REINFORCE++)
+    lam: float = 1.0  # GAE lambda
+    use_kl_in_reward: bool = False  # subtract kl_ctrl.kl_coef * KL(actor || ref) from the token rewards
+    kl_penalty: str = "kl"  # estimator of that KL: kl | abs | mse | low_var_kl
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
 
 
 @dataclass
@@ -118,6 +162,7 @@ class TrainerConfig:
     n_gpus_per_node: int = 2  # worker processes per node (CPU workers when device=cpu)
     total_epochs: int = 1000
     total_training_steps: int = 100
+    critic_warmup: int = 0  # the first N steps update only the critic (the actor and rollout stay put)
     test_freq: int = 10  # validate every N steps (and at the start and end); <=0 disables
     val_before_train: bool = True
     default_local_dir: str = "outputs/${trainer.project_name}/${trainer.experiment_name}"
@@ -135,6 +180,7 @@ class TrainerConfig:
 class RLSPConfig:
     data: DataConfig = field(default_factory=DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

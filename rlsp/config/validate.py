@@ -6,20 +6,13 @@ Checks here are arithmetic on config values only; checks that need the model or 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
+from rlsp.config.layout import CRITIC_ESTIMATORS, MeshLayout, ParallelLayout
 
-@dataclass(frozen=True)
-class ParallelLayout:
-    """How the training world is split: world = dp * sp; rollout uses all `world` workers as dp."""
-
-    world_size: int
-    sp_size: int
-
-    @property
-    def dp_size(self) -> int:
-        return self.world_size // self.sp_size
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# KL estimators for the in-reward penalty (names as verl's algorithm.kl_penalty).
+KL_PENALTIES = ("kl", "abs", "mse", "low_var_kl")
 
 
 def _divisors(n: int) -> list[int]:
@@ -31,20 +24,38 @@ def _require(cond: bool, msg: str, errors: list[str]) -> None:
         errors.append(msg)
 
 
-def _check_parallel(cfg: Any, errors: list[str]) -> ParallelLayout | None:
-    t = cfg.trainer
-    world = t.nnodes * t.n_gpus_per_node
-    if t.nnodes < 1 or t.n_gpus_per_node < 1:
-        errors.append(f"trainer.nnodes={t.nnodes} and trainer.n_gpus_per_node={t.n_gpus_per_node} must be >= 1")
+def _check_mesh(prefix: str, nnodes: int, per_node: int, sp: int, sp_key: str, errors: list[str]) -> MeshLayout | None:
+    if nnodes < 1 or per_node < 1:
+        errors.append(f"{prefix}nnodes={nnodes} and {prefix}n_gpus_per_node={per_node} must be >= 1")
         return None
-    sp = cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size
+    world = nnodes * per_node
     if sp < 1 or world % sp != 0:
-        errors.append(
-            f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp} does not divide the "
-            f"{world} training workers (nnodes*n_gpus_per_node); legal values: {_divisors(world)}"
-        )
+        errors.append(f"{sp_key}={sp} does not divide the {world} training workers ({prefix}nnodes*"
+                      f"{prefix}n_gpus_per_node); legal values: {_divisors(world)}")
         return None
-    return ParallelLayout(world_size=world, sp_size=sp)
+    if nnodes > 1 and per_node % sp != 0:
+        errors.append(f"{sp_key}={sp} would make sequence-parallel groups span nodes ({per_node} workers per "
+                      f"node); legal values: {_divisors(per_node)}")
+        return None
+    return MeshLayout(nnodes, per_node, sp)
+
+
+def _check_parallel(cfg: Any, errors: list[str]) -> ParallelLayout | None:
+    t, critic = cfg.trainer, cfg.critic
+    policy = _check_mesh("trainer.", t.nnodes, t.n_gpus_per_node,
+                         cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size,
+                         "actor_rollout_ref.actor.ulysses_sequence_parallel_size", errors)
+    if policy is None:
+        return None
+    if cfg.algorithm.adv_estimator not in CRITIC_ESTIMATORS:
+        return ParallelLayout(policy)
+    sp_key = "critic.ulysses_sequence_parallel_size"
+    if critic.colocate:
+        mesh = _check_mesh("trainer.", t.nnodes, t.n_gpus_per_node, critic.ulysses_sequence_parallel_size, sp_key, errors)
+    else:
+        mesh = _check_mesh("critic.", critic.nnodes, critic.n_gpus_per_node, critic.ulysses_sequence_parallel_size,
+                           sp_key, errors)
+    return None if mesh is None else ParallelLayout(policy, mesh, critic_colocated=bool(critic.colocate))
 
 
 def _check_batches(cfg: Any, layout: ParallelLayout, errors: list[str]) -> None:
@@ -80,13 +91,58 @@ def _check_batches(cfg: Any, layout: ParallelLayout, errors: list[str]) -> None:
         _require(val >= 1, f"{key}={val} must be >= 1", errors)
 
 
+def _check_critic(cfg: Any, layout: ParallelLayout, errors: list[str]) -> None:
+    if layout.critic is None:
+        return
+    c, n, batch = cfg.critic, cfg.actor_rollout_ref.rollout.n, cfg.data.train_batch_size
+    dp = layout.critic.dp_size
+    _require((batch * n) % dp == 0, f"data.train_batch_size*rollout.n={batch * n} samples must split evenly over "
+             f"the critic's dp={dp} ranks", errors)
+    _require(c.ppo_mini_batch_size >= 1 and batch % c.ppo_mini_batch_size == 0,
+             f"critic.ppo_mini_batch_size={c.ppo_mini_batch_size} must divide data.train_batch_size={batch}; "
+             f"legal values: {_divisors(batch)}", errors)
+    _require(c.ppo_mini_batch_size >= 1 and (c.ppo_mini_batch_size * n) % dp == 0,
+             f"critic.ppo_mini_batch_size*rollout.n={c.ppo_mini_batch_size * n} samples must split evenly over "
+             f"the critic's dp={dp} ranks", errors)
+    for key, val in (("critic.ppo_micro_batch_size_per_gpu", c.ppo_micro_batch_size_per_gpu),
+                     ("critic.forward_micro_batch_size_per_gpu", c.forward_micro_batch_size_per_gpu),
+                     ("critic.ppo_epochs", c.ppo_epochs)):
+        _require(val >= 1, f"{key}={val} must be >= 1", errors)
+    _require(c.cliprange_value > 0.0, f"critic.cliprange_value={c.cliprange_value} must be > 0", errors)
+    _require(c.optim.lr > 0.0, f"critic.optim.lr={c.optim.lr} must be > 0", errors)
+    _require(c.strategy in ("fsdp2", "fsdp"), f"critic.strategy={c.strategy!r} is not supported; legal values: "
+             "['fsdp2', 'fsdp']", errors)
+    _require(c.model.dtype in (None, *DTYPE_NAMES), f"critic.model.dtype={c.model.dtype!r} is not supported; legal "
+             f"values: {[None, *DTYPE_NAMES]}", errors)
+
+
+def _check_algorithm(cfg: Any, errors: list[str]) -> None:
+    alg = cfg.algorithm
+    _require(0.0 <= alg.gamma <= 1.0, f"algorithm.gamma={alg.gamma} must be in [0, 1]", errors)
+    _require(0.0 <= alg.lam <= 1.0, f"algorithm.lam={alg.lam} must be in [0, 1]", errors)
+    _require(alg.kl_penalty in KL_PENALTIES, f"algorithm.kl_penalty={alg.kl_penalty!r} is not supported; legal "
+             f"values: {list(KL_PENALTIES)}", errors)
+    k = alg.kl_ctrl
+    _require(k.type in ("fixed", "adaptive"), f"algorithm.kl_ctrl.type={k.type!r} is not supported; legal values: "
+             "['fixed', 'adaptive']", errors)
+    _require(k.kl_coef >= 0.0, f"algorithm.kl_ctrl.kl_coef={k.kl_coef} must be >= 0", errors)
+    if k.type == "adaptive":
+        _require(k.target_kl > 0.0, f"algorithm.kl_ctrl.target_kl={k.target_kl} must be > 0", errors)
+        _require(k.horizon >= 1, f"algorithm.kl_ctrl.horizon={k.horizon} must be >= 1", errors)
+    warmup = cfg.trainer.critic_warmup
+    _require(warmup >= 0, f"trainer.critic_warmup={warmup} must be >= 0", errors)
+    if warmup > 0 and alg.adv_estimator not in CRITIC_ESTIMATORS:
+        errors.append(f"trainer.critic_warmup={warmup} needs a critic, but algorithm.adv_estimator="
+                      f"{alg.adv_estimator!r} does not use one (critic estimators: {list(CRITIC_ESTIMATORS)})")
+
+
 def _check_choices(cfg: Any, errors: list[str]) -> None:
     arr = cfg.actor_rollout_ref
     choices = (
         ("trainer.device", cfg.trainer.device, ("auto", "cpu", "cuda")),
         ("actor_rollout_ref.rollout.name", arr.rollout.name, ("vllm", "hf")),
-        ("actor_rollout_ref.model.dtype", arr.model.dtype, ("float32", "bfloat16", "float16")),
-        ("actor_rollout_ref.rollout.dtype", arr.rollout.dtype, ("float32", "bfloat16", "float16")),
+        ("actor_rollout_ref.model.dtype", arr.model.dtype, DTYPE_NAMES),
+        ("actor_rollout_ref.rollout.dtype", arr.rollout.dtype, DTYPE_NAMES),
         ("actor_rollout_ref.actor.strategy", arr.actor.strategy, ("fsdp2", "fsdp")),
         ("actor_rollout_ref.actor.loss_agg_mode", arr.actor.loss_agg_mode, ("token-mean",)),
     )
@@ -122,6 +178,8 @@ def validate_config(cfg: Any) -> ParallelLayout:
     layout = _check_parallel(cfg, errors)
     if layout is not None:
         _check_batches(cfg, layout, errors)
+        _check_critic(cfg, layout, errors)
+    _check_algorithm(cfg, errors)
     _check_choices(cfg, errors)
     _check_ranges(cfg, errors)
     if errors:

@@ -1,12 +1,17 @@
-"""A placement group reserving one bundle per worker process (a GPU each, or CPU cores on CPU)."""
+"""A placement group reserving one bundle per worker process (a GPU each, or CPU cores on CPU).
+
+Ranks are handed out node by node: after the reservation the bundles are ordered by the node Ray put
+them on, so consecutive ranks (an sp group) share a node. A placement that would make an sp group
+straddle nodes is refused with the per-node bundle counts.
+"""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 
 from rlsp.utils.logging import get_logger
 
@@ -19,9 +24,9 @@ class ResourcePool:
     procs_per_node: int
     device_type: str  # cpu | cuda
     cpus_per_worker: int = 1
-
-    def __post_init__(self) -> None:
-        self.pg: PlacementGroup | None = None
+    name: str = "policy"
+    pg: PlacementGroup | None = field(default=None, init=False)
+    rank_to_bundle: list[int] = field(default_factory=list, init=False)
 
     @property
     def world_size(self) -> int:
@@ -33,18 +38,37 @@ class ResourcePool:
             b["GPU"] = 1.0
         return b
 
-    def create(self, timeout_s: float = 120.0) -> PlacementGroup:
+    def create(self, sp_sizes: tuple[int, ...] = (1,), timeout_s: float = 120.0) -> PlacementGroup:
         bundles = [self.bundle() for _ in range(self.world_size)]
-        self.pg = placement_group(bundles, strategy="PACK")
-        ready = self.pg.wait(timeout_seconds=timeout_s)
-        if not ready:
+        self.pg = placement_group(bundles, strategy="PACK" if self.nnodes == 1 else "SPREAD", name="")
+        if not self.pg.wait(timeout_seconds=timeout_s):
             avail = ray.available_resources()
+            self.release()
             raise RuntimeError(
-                f"could not reserve {self.world_size} x {self.bundle()} within {timeout_s:.0f}s; the Ray "
-                f"cluster has {avail}. Lower trainer.n_gpus_per_node/nnodes or add resources."
+                f"could not reserve {self.world_size} x {self.bundle()} for the {self.name} workers within "
+                f"{timeout_s:.0f}s; the Ray cluster has {avail}. Lower trainer.n_gpus_per_node/nnodes or add resources."
             )
-        log.info("reserved %d worker bundles %s", self.world_size, self.bundle())
+        self.rank_to_bundle = self._order_by_node(sp_sizes)
+        log.info("reserved %d %s worker bundles %s", self.world_size, self.name, self.bundle())
         return self.pg
+
+    def _order_by_node(self, sp_sizes: tuple[int, ...]) -> list[int]:
+        nodes = self._bundle_nodes()
+        order = sorted(range(self.world_size), key=lambda b: (nodes[b], b))
+        for sp in sp_sizes:
+            if any(len({nodes[b] for b in order[i:i + sp]}) > 1 for i in range(0, self.world_size, sp)):
+                counts = {n[:8]: nodes.count(n) for n in dict.fromkeys(nodes)}
+                self.release()
+                raise RuntimeError(f"the {self.name} bundles landed on nodes {counts}: a sequence-parallel group of "
+                                   f"{sp} ranks would span nodes; give every node a multiple of {sp} workers")
+        return order
+
+    def _bundle_nodes(self) -> list[str]:
+        table = placement_group_table(self.pg)["bundles_to_node_id"]
+        return [str(table[b]) for b in range(self.world_size)]
+
+    def node_of_rank(self, rank: int) -> str:
+        return self._bundle_nodes()[self.rank_to_bundle[rank]]
 
     def release(self) -> None:
         if self.pg is not None:

@@ -1,9 +1,8 @@
-"""RayWorkerGroup: spawn one Ray actor per rank from a plain worker class; dispatch and collect.
+"""RayWorkerGroup: one Ray actor per rank of a training world, hosting a `Worker` and its roles.
 
-Dispatch modes:
-  * by rank: the batch is split into `world` equal parts (generation: every rank samples its part);
-  * by dp:   the batch is split into `dp` parts; every sp rank of dp group g gets part g, and the
-             result of each group's sp-rank 0 is collected (all ranks must run: the call is collective).
+Calls name a role and a method; the dispatch contract is the one the role method declares
+(rlsp/workers/dispatch.py), never chosen at the call site. BY_DP splits over the dp groups of the
+*role's* mesh (the critic may use another sp size than the actor on the same workers).
 """
 
 from __future__ import annotations
@@ -13,29 +12,36 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rlsp.config.layout import ParallelLayout
 from rlsp.controller.resource_pool import ResourcePool
 from rlsp.data.batch import Batch
 from rlsp.utils.logging import get_logger
+from rlsp.workers.dispatch import Dispatch, dispatch_mode
+from rlsp.workers.roles import ROLE_CLASSES
+from rlsp.workers.worker import Worker
 
 log = get_logger("rlsp.controller")
 
 
 class RayWorkerGroup:
-    def __init__(self, worker_cls: type, pool: ResourcePool, config: dict[str, Any], sp_size: int,
+    def __init__(self, pool: ResourcePool, config: dict[str, Any], layout: ParallelLayout, group: str,
                  env_vars: dict[str, str] | None = None) -> None:
-        self.pool, self.sp_size = pool, sp_size
+        self.pool, self.layout, self.group = pool, layout, group
+        self.roles = layout.roles_of(group)
         self.world_size = pool.world_size
-        pg = pool.pg if pool.pg is not None else pool.create()
-        remote_cls = ray.remote(worker_cls)
+        sp_sizes = tuple(sorted({layout.role_mesh(r).sp_size for r in self.roles}))
+        pg = pool.pg if pool.pg is not None else pool.create(sp_sizes)
+        remote_cls = ray.remote(Worker)
         bundle = pool.bundle()
         self.workers = []
         for rank in range(self.world_size):
             env = {**(env_vars or {}), **self._rank_env(rank)}
             self.workers.append(remote_cls.options(
                 num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
-                runtime_env={"env_vars": env},
-            ).remote(config, rank, self.world_size))
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    pg, placement_group_bundle_index=pool.rank_to_bundle[rank]),
+                runtime_env={"env_vars": env}, name=f"rlsp-{group}-{rank}-{id(self):x}",
+            ).remote(config, layout, group, rank))
 
     def _rank_env(self, rank: int) -> dict[str, str]:
         env = {"RANK": str(rank), "WORLD_SIZE": str(self.world_size)}
@@ -47,36 +53,39 @@ class RayWorkerGroup:
             env["OMP_NUM_THREADS"] = str(c)
         return env
 
-    @property
-    def dp_size(self) -> int:
-        return self.world_size // self.sp_size
-
     def init_workers(self) -> list[dict[str, Any]]:
         addr, port = ray.get(self.workers[0].rendezvous_address.remote())
-        infos = ray.get([w.init_worker.remote(addr, port) for w in self.workers])
-        log.info("%d workers initialised (dp=%d, sp=%d)", self.world_size, self.dp_size, self.sp_size)
+        infos = self.call_worker("init_worker", addr, port)
+        log.info("%d %s workers initialised (%s)", self.world_size, self.group, self.layout.describe())
         return infos
 
-    def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+    # ------------------------------------------------------------------ calls
+    def call(self, role: str, method: str, *args: Any) -> Any:
+        """Call `role.method` on the workers with the contract the method declares."""
+        if role not in self.roles:
+            raise ValueError(f"role {role!r} is not hosted by the {self.group} workers (they host {list(self.roles)})")
+        mode = dispatch_mode(ROLE_CLASSES[role], method)
+        sp = self.layout.role_mesh(role).sp_size
+        return self._dispatch(mode, sp, lambda w, *a: w.execute.remote(role, method, *a), args)
 
-    def dispatch_by_rank(self, method: str, batch: Batch, *args: Any) -> Batch:
-        parts = batch.chunk(self.world_size)
-        refs = [getattr(w, method).remote(p, *args) for w, p in zip(self.workers, parts)]
-        return Batch.concat(ray.get(refs))
+    def call_worker(self, method: str, *args: Any) -> Any:
+        """Call a method of the worker itself (set-up, weight sync, shutdown); always ALL."""
+        mode = dispatch_mode(Worker, method)
+        return self._dispatch(mode, 1, lambda w, *a: getattr(w, method).remote(*a), args)
 
-    def dispatch_by_dp(self, method: str, batch: Batch | None, *args: Any) -> list[Any]:
-        """Returns one result per dp group (from its sp-rank 0), in dp order."""
-        parts = batch.chunk(self.dp_size) if batch is not None else [None] * self.dp_size
-        refs = []
-        for rank, w in enumerate(self.workers):
-            part = parts[rank // self.sp_size]
-            refs.append(getattr(w, method).remote(*(() if part is None else (part,)), *args))
-        results = ray.get(refs)
-        return [results[g * self.sp_size] for g in range(self.dp_size)]
-
-    def dispatch_batch_by_dp(self, method: str, batch: Batch) -> Batch:
-        return Batch.concat(self.dispatch_by_dp(method, batch))
+    def _dispatch(self, mode: Dispatch, sp: int, submit, args: tuple[Any, ...]) -> Any:
+        if mode is Dispatch.ALL:
+            return ray.get([submit(w, *args) for w in self.workers])
+        batch, rest = args[0], args[1:]
+        if mode is Dispatch.BY_RANK:
+            parts = batch.chunk(self.world_size)
+            return Batch.concat(ray.get([submit(w, p, *rest) for w, p in zip(self.workers, parts)]))
+        # BY_DP: one shard per dp group, shipped once and shared by the group's sp ranks.
+        dp = self.world_size // sp
+        part_refs = [ray.put(p) for p in batch.chunk(dp)]
+        results = ray.get([submit(w, part_refs[rank // sp], *rest) for rank, w in enumerate(self.workers)])
+        firsts = [results[g * sp] for g in range(dp)]
+        return Batch.concat(firsts) if isinstance(firsts[0], Batch) else firsts
 
     def shutdown(self) -> None:
         try:

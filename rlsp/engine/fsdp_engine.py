@@ -1,12 +1,15 @@
-"""FSDP2 engine: one per model role (actor, reference) on each rank.
+"""FSDP2 engine: one per model role (actor, reference, critic) on each rank; role-agnostic.
 
-It owns the sharded `TokenLogprobModel`, its optimizer, and the packed/sequence-parallel micro-batch
-path (sp=1 is the same path with a trivial group). Callers give padded rollout rows; the engine packs
-each micro-batch into one token stream, shards it across the sp group, runs forward (and backward),
-and gathers per-token results only when they must be returned to the driver.
+It owns a sharded head model (`rlsp.models.lm.TokenLogprobModel` for the policy,
+`rlsp.models.value.ValueModel` for the critic — anything with their calling convention), its
+optimizer and LR schedule, and the packed/sequence-parallel micro-batch path (sp=1 is the same path
+with a trivial group). Callers give padded rollout rows; the engine packs each micro-batch into one
+token stream, shards it across the sp group, runs the head (and backward), and gathers per-token
+results only when they must be returned to the driver. A loss function receives whatever the head
+produced (a dict of local [S] tensors) together with the micro-batch.
 
-Gradients are SUMMED across all ranks (FSDP division turned off): each rank's loss is already its
-share of the global token-mean, so the reduced gradient is exact for any dp x sp x micro-batching.
+`state_dict()` / `load_state_dict()` cover model, optimizer and LR schedule (sharded tensors, as
+torch.distributed.checkpoint saves them).
 
 Legend: B rows, P prompt width, R response width, T packed stream, S = T / sp local shard.
 """
@@ -16,166 +19,119 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from rlsp.data.batch import Batch
-from rlsp.data.packing import PackedBatch, pack_sequences
-from rlsp.engine.stream import response_to_stream, stream_to_response
-from rlsp.models.lm import TokenLogprobModel
-from rlsp.models.loading import load_causal_lm, num_heads
+from rlsp.engine.micro import MicroBatch, prepare_micro_batch
+from rlsp.engine.optim import OptimSettings, build_optimizer
+from rlsp.engine.parallelize import parallelize
+from rlsp.engine.stream import stream_to_response
+from rlsp.models.loading import num_heads
 from rlsp.parallel.mesh import ParallelDims
-from rlsp.parallel.ulysses import SPContext, build_sp_context, gather_from_ranks, shard_for_rank
+from rlsp.parallel.ulysses import gather_from_ranks
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class MicroBatch:
-    """One packed micro-batch as seen by this rank."""
-
-    rows: Batch
-    packed: PackedBatch
-    ctx: SPContext
-    prompt_len: int
-    response_len: int
-
-    def local(self, values_T: torch.Tensor) -> torch.Tensor:
-        return shard_for_rank(values_T, self.ctx)
-
-    def response_local(self, key: str) -> torch.Tensor:
-        """This rank's shard of a [B, R] response field of the rows, laid out like the logprobs."""
-        return self.local(response_to_stream(self.rows[key], self.packed, self.prompt_len))
+# loss_fn(head outputs {name: local [S] tensor}, micro) -> (loss share of the global mean, metric shares)
+LossFn = Callable[[dict[str, torch.Tensor], MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
-def assert_sp_matches(max_abs_diff: float, tol: float, sp_size: int) -> None:
+def assert_sp_matches(max_abs_diff: float, tol: float, sp_size: int, what: str = "logprob") -> None:
     """Stop a run whose sequence-parallel forward disagrees with the unsharded one."""
     if not max_abs_diff <= tol:  # also catches NaN
         raise RuntimeError(
-            f"sequence-parallel self-check failed: max |logprob(sp={sp_size}) - logprob(sp=1)| = "
+            f"sequence-parallel self-check failed: max |{what}(sp={sp_size}) - {what}(sp=1)| = "
             f"{max_abs_diff:.3g} > tolerance {tol:g} (trainer.sp_self_check_tol); refusing to train on a "
             "broken head layout or all-to-all"
         )
 
 
-# loss_fn(logprobs_S, entropy_S, micro) -> (loss contribution to the global mean, metric contributions)
-LossFn = Callable[[torch.Tensor, torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-
-
 class FSDPEngine:
-    def __init__(
-        self,
-        model_path: str,
-        dims: ParallelDims,
-        device: torch.device,
-        *,
-        dtype: str = "float32",
-        trainable: bool = True,
-        lr: float = 1e-6,
-        betas: tuple[float, float] = (0.9, 0.999),
-        weight_decay: float = 0.0,
-        warmup_steps: int = 0,
-        grad_clip: float = 1.0,
-        logprob_chunk_size: int = 1024,
-        gradient_checkpointing: bool = False,
-    ) -> None:
-        self.dims, self.device, self.grad_clip = dims, device, grad_clip
-        lm = load_causal_lm(model_path, dtype=DTYPES[dtype])
-        if gradient_checkpointing:
-            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.config = lm.config
-        self.num_q_heads, self.num_kv_heads = num_heads(lm.config)
-        self.tied = bool(getattr(lm.config, "tie_word_embeddings", False))
-        lm.to(device)
-        self.module = TokenLogprobModel(lm, chunk_size=logprob_chunk_size)
-        self._apply_fsdp2()
-        if not trainable:
-            self.module.requires_grad_(False)
-        self.optimizer = (
-            torch.optim.AdamW(self.module.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
-            if trainable
-            else None
-        )
-        self.scheduler = (
-            torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: min(1.0, (step + 1) / max(1, warmup_steps)))
-            if self.optimizer is not None
-            else None
-        )
+    """`module` is an unsharded head model (on `device`, master dtype); the engine shards it in place."""
 
-    def _apply_fsdp2(self) -> None:
-        mesh = self.dims.fsdp_mesh
-        for layer in self.module.lm.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(self.module, mesh=mesh)
-        for m in self.module.modules():
-            if isinstance(m, FSDPModule):
-                m.set_force_sum_reduction_for_comms(True)
-                m.set_gradient_divide_factor(1.0)
+    def __init__(self, module: nn.Module, dims: ParallelDims, device: torch.device, *,
+                 compute_dtype: torch.dtype = torch.float32, optim: OptimSettings | None = None) -> None:
+        self.dims, self.device = dims, device
+        config = module.decoder.config
+        self.config = config
+        self.num_q_heads, self.num_kv_heads = num_heads(config)
+        # The HF-named parameter tree (policy: the causal LM; critic: backbone + value head).
+        self.hf_root: nn.Module = getattr(module, "lm", module)
+        self.tied = bool(getattr(config, "tie_word_embeddings", False)) and hasattr(self.hf_root, "lm_head")
+        self.module = parallelize(module, dims, compute_dtype)
+        self.optim = optim
+        if optim is None:
+            self.module.requires_grad_(False)
+            self.optimizer, self.scheduler = None, None
+        else:
+            self.optimizer, self.scheduler = build_optimizer(self.module, optim)
 
     # ----------------------------------------------------------------- micro-batches
     def _sp_group(self) -> dist.ProcessGroup | None:
         return self.dims.sp_group if self.dims.sp_size > 1 else None
 
-    def prepare(self, rows: Batch, prompt_len: int) -> MicroBatch:
-        packed = pack_sequences(rows["input_ids"], rows["attention_mask"], pad_to_multiple=self.dims.sp_size)
-        ctx = build_sp_context(self._sp_group(), packed, self.num_q_heads, self.num_kv_heads)
-        response_len = rows["input_ids"].shape[1] - prompt_len
-        return MicroBatch(rows=rows, packed=packed, ctx=ctx, prompt_len=prompt_len, response_len=response_len)
+    def prepare(self, rows: Batch, prompt_len: int, sharded: bool = True) -> MicroBatch:
+        group = self._sp_group() if sharded else None
+        return prepare_micro_batch(rows, prompt_len, group, self.dims.sp_size if sharded else 1,
+                                   self.num_q_heads, self.num_kv_heads)
 
-    def forward(self, micro: MicroBatch, temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, micro: MicroBatch, **head_kwargs: Any) -> dict[str, torch.Tensor]:
         packed = micro.packed
         return self.module(
             micro.local(packed.input_ids).to(self.device),
             micro.local(packed.position_ids).to(self.device),
             micro.local(packed.labels).to(self.device),
             sp_context=micro.ctx,
-            temperature=temperature,
-            with_entropy=with_entropy,
+            **head_kwargs,
         )
 
+    def _to_rows(self, values_S: torch.Tensor, micro: MicroBatch) -> torch.Tensor:
+        """Local [S] -> response rows [B, R] (zeros on padding), gathered over the sp group."""
+        values_T = gather_from_ranks(values_S.detach().float(), micro.ctx).cpu()
+        rows_BR = stream_to_response(values_T, micro.packed, micro.prompt_len, micro.response_len)
+        return rows_BR * micro.rows["response_mask"]
+
     @torch.no_grad()
-    def compute_logprobs(self, batch: Batch, prompt_len: int, micro_size: int, temperature: float) -> torch.Tensor:
-        """Per-response-token logprobs [B, R] (zeros on padding), gathered over the sp group."""
+    def infer(self, batch: Batch, prompt_len: int, micro_size: int, key: str, **head_kwargs: Any) -> torch.Tensor:
+        """The head's output `key` for every response token, [B, R] (zeros on padding); collective."""
         self.module.eval()
         outs = []
         for rows in batch.split(micro_size):
             micro = self.prepare(rows, prompt_len)
-            logprobs_S, _ = self.forward(micro, temperature, with_entropy=False)
-            logprobs_T = gather_from_ranks(logprobs_S.float(), micro.ctx).cpu()
-            resp_BR = stream_to_response(logprobs_T, micro.packed, prompt_len, micro.response_len)
-            outs.append(resp_BR * rows["response_mask"])
+            outs.append(self._to_rows(self.forward(micro, **head_kwargs)[key], micro))
         return torch.cat(outs, dim=0)
 
     @torch.no_grad()
-    def sp_self_check(self, rows: Batch, prompt_len: int, temperature: float) -> float:
-        """Max |logprob| difference between the sp-sharded forward and an unsharded one (collective).
+    def sp_self_check(self, rows: Batch, prompt_len: int, key: str, **head_kwargs: Any) -> float:
+        """Max |difference| of head output `key` between the sp-sharded forward and an unsharded one.
 
         Every rank runs both forwards (FSDP needs matching collectives); the unsharded one uses a
         trivial sp context over the full stream, so any head-layout or all-to-all bug shows up here.
         """
         self.module.eval()
         sharded = self.prepare(rows, prompt_len)
-        lp_S, _ = self.forward(sharded, temperature, with_entropy=False)
-        lp_T = gather_from_ranks(lp_S.float(), sharded.ctx).cpu()
-        packed = pack_sequences(rows["input_ids"], rows["attention_mask"], pad_to_multiple=1)
-        ctx = build_sp_context(None, packed, self.num_q_heads, self.num_kv_heads)
-        full = MicroBatch(rows=rows, packed=packed, ctx=ctx, prompt_len=prompt_len, response_len=sharded.response_len)
-        ref_T, _ = self.forward(full, temperature, with_entropy=False)
-        mask = rows["response_mask"]
-        a = stream_to_response(lp_T, sharded.packed, prompt_len, sharded.response_len) * mask
-        b = stream_to_response(ref_T.float().cpu(), packed, prompt_len, sharded.response_len) * mask
+        a = self._to_rows(self.forward(sharded, **head_kwargs)[key], sharded)
+        full = self.prepare(rows, prompt_len, sharded=False)
+        b = self._to_rows(self.forward(full, **head_kwargs)[key], full)
         return float((a - b).abs().max()) if a.numel() else 0.0
 
     # ----------------------------------------------------------------- training
-    def train_step(self, batch: Batch, prompt_len: int, micro_size: int, temperature: float, loss_fn: LossFn) -> dict[str, float]:
+    def train_step(self, batch: Batch, prompt_len: int, micro_size: int, loss_fn: LossFn,
+                   **head_kwargs: Any) -> dict[str, float]:
         """One optimizer step over `batch` (this rank's share of a mini-batch)."""
-        assert self.optimizer is not None, "train_step called on a frozen engine"
+        if self.optimizer is None:
+            raise RuntimeError("train_step called on a frozen engine (built without optimizer settings)")
         self.optimizer.zero_grad(set_to_none=True)
-        out = self.backward_batch(batch, prompt_len, micro_size, temperature, loss_fn)
+        out = self.backward_batch(batch, prompt_len, micro_size, loss_fn, **head_kwargs)
         grad_norm = self._clip_grad()
         out["lr"] = self.optimizer.param_groups[0]["lr"]
         if torch.isfinite(grad_norm):
@@ -184,7 +140,8 @@ class FSDPEngine:
         out["grad_norm"] = float(grad_norm)
         return out
 
-    def backward_batch(self, batch: Batch, prompt_len: int, micro_size: int, temperature: float, loss_fn: LossFn) -> dict[str, float]:
+    def backward_batch(self, batch: Batch, prompt_len: int, micro_size: int, loss_fn: LossFn,
+                       **head_kwargs: Any) -> dict[str, float]:
         """Accumulate gradients of `loss_fn` over the micro-batches of `batch`; returns reduced metrics."""
         self.module.train()
         sums: dict[str, torch.Tensor] = {}
@@ -192,8 +149,7 @@ class FSDPEngine:
         for rows in batch.split(micro_size):
             t0 = time.perf_counter()
             micro = self.prepare(rows, prompt_len)
-            logprobs_S, entropy_S = self.forward(micro, temperature, with_entropy=True)
-            loss, metrics = loss_fn(logprobs_S, entropy_S, micro)
+            loss, metrics = loss_fn(self.forward(micro, **head_kwargs), micro)
             loss.backward()
             for key, val in metrics.items():
                 sums[key] = sums.get(key, 0.0) + val.detach().float().cpu()
@@ -208,16 +164,10 @@ class FSDPEngine:
         return {"sp/tokens_per_rank": tokens, "sp/pad_fraction": pad / max(tokens, 1.0),
                 "sp/a2a_time_share": a2a_s / max(total_s, 1e-9)}
 
-    def iter_full_grads(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named full gradients (collective); for checks and tests."""
-        for name, param in self.module.lm.named_parameters():
-            if param.grad is not None:
-                g = param.grad
-                yield name, (g.full_tensor() if hasattr(g, "full_tensor") else g).detach()
-
     def _clip_grad(self) -> torch.Tensor:
         params = [p for p in self.module.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm=self.grad_clip if self.grad_clip > 0 else float("inf"))
+        clip = self.optim.grad_clip if self.optim is not None else 0.0
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm=clip if clip > 0 else float("inf"))
         full = getattr(norm, "full_tensor", None)
         return (full() if full is not None else norm).detach().float().cpu()
 
@@ -230,15 +180,43 @@ class FSDPEngine:
         dist.all_reduce(vec, op=dist.ReduceOp.SUM)
         return {k: float(v) for k, v in zip(keys, vec.tolist())}
 
+    # ----------------------------------------------------------------- state (checkpoints)
+    def state_dict(self) -> dict[str, Any]:
+        """Model, optimizer and LR-schedule state; model/optimizer tensors stay sharded (DTensors)."""
+        state: dict[str, Any] = {"model": get_model_state_dict(self.module)}
+        if self.optimizer is not None:
+            state["optimizer"] = get_optimizer_state_dict(self.module, self.optimizer)
+            state["scheduler"] = self.scheduler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_model_state_dict(self.module, state["model"])
+        if self.optimizer is not None:
+            missing = sorted({"optimizer", "scheduler"} - set(state))
+            if missing:
+                raise ValueError(f"state of a trainable engine lacks {missing}; it has {sorted(state)}")
+            set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+
     # ----------------------------------------------------------------- weights
+    def _named_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.hf_root.named_parameters()
+
     def iter_full_params(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named full tensors, one parameter at a time (collective: every rank must iterate)."""
-        for name, param in self.module.lm.named_parameters():
+        for name, param in self._named_params():
             full = param.full_tensor() if hasattr(param, "full_tensor") else param
             full = full.detach().to(dtype or full.dtype)
             yield name, full
             if self.tied and name == "model.embed_tokens.weight":
                 yield "lm_head.weight", full
+
+    def iter_full_grads(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named full gradients (collective); for checks and tests."""
+        for name, param in self._named_params():
+            if param.grad is not None:
+                g = param.grad
+                yield name, (g.full_tensor() if hasattr(g, "full_tensor") else g).detach()
 
     def save_hf(self, path: str) -> None:
         """Write the full weights + config as a Hugging Face checkpoint (collective; rank 0 writes)."""

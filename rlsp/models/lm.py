@@ -1,5 +1,11 @@
 """TokenLogprobModel: a HF causal LM run on this rank's shard of a packed stream, returning token logprobs.
 
+Every head model of rlsp (this one for the policy, `rlsp.models.value.ValueModel` for the critic)
+shares one calling convention, so the engine can run any of them through the same packed,
+sequence-parallel path: `forward(input_ids_S, position_ids_S, labels_S, sp_context, **head_kwargs)`
+returns a dict of per-token fp32 tensors [S], and `decoder` is the HF base model whose `layers`
+are the units FSDP2 shards.
+
 The module takes the LOCAL shards (S = T / sp tokens: input ids, positions and labels already
 rolled on the full stream, then sliced with `rlsp.parallel.ulysses.shard_for_rank`) and the SP
 context of the micro-batch. Everything, parameter access included, happens inside `forward`, so the
@@ -19,13 +25,23 @@ from rlsp.models.logprobs import compute_token_logprobs
 from rlsp.parallel.ulysses import SPContext
 
 
+def check_local_inputs(sp_context: SPContext, **inputs_S: torch.Tensor) -> None:
+    """Every input must be this rank's 1-D shard of the packed stream."""
+    for name, x in inputs_S.items():
+        if x.dim() != 1 or x.shape[0] != sp_context.local_len:
+            raise ValueError(
+                f"{name} has shape {tuple(x.shape)}; expected the local shard [S={sp_context.local_len}] "
+                f"(slice the packed stream with shard_for_rank)"
+            )
+
+
 def compute_hidden_states(
-    lm: nn.Module, input_ids_S: torch.Tensor, position_ids_S: torch.Tensor, sp_context: SPContext
+    decoder: nn.Module, input_ids_S: torch.Tensor, position_ids_S: torch.Tensor, sp_context: SPContext
 ) -> torch.Tensor:
-    """Final hidden states [S, H] of the decoder `lm.model`; checks every layer went through Ulysses attention."""
-    num_layers = int(lm.config.num_hidden_layers)
+    """Final hidden states [S, H] of a HF base model; checks every layer went through Ulysses attention."""
+    num_layers = int(decoder.config.num_hidden_layers)
     sp_context.stats.attn_calls = 0
-    out = lm.model(
+    out = decoder(
         input_ids=input_ids_S.unsqueeze(0),
         position_ids=position_ids_S.unsqueeze(0),
         sp_context=sp_context,
@@ -35,8 +51,8 @@ def compute_hidden_states(
     if calls != num_layers:
         raise RuntimeError(
             f"attention did not go through {ULYSSES_ATTN_IMPL} in {num_layers - calls} of {num_layers} layers "
-            f"({calls} calls): unsupported architecture {type(lm).__name__} (model attn_implementation="
-            f"{getattr(lm.config, '_attn_implementation', None)!r}); see rlsp.models.loading.check_sp_support"
+            f"({calls} calls): unsupported architecture {type(decoder).__name__} (model attn_implementation="
+            f"{getattr(decoder.config, '_attn_implementation', None)!r}); see rlsp.models.loading.check_sp_support"
         )
     return out.last_hidden_state[0]
 
@@ -49,6 +65,10 @@ class TokenLogprobModel(nn.Module):
         self.lm = lm
         self.chunk_size = chunk_size  # tokens per vocab-projection chunk (memory O(chunk_size * V))
 
+    @property
+    def decoder(self) -> nn.Module:
+        return self.lm.model
+
     def forward(
         self,
         input_ids_S: torch.Tensor,
@@ -57,23 +77,19 @@ class TokenLogprobModel(nn.Module):
         sp_context: SPContext,
         temperature: float = 1.0,
         with_entropy: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Local shards [S] in -> (logprobs_S fp32, entropy_S fp32 or None).
+    ) -> dict[str, torch.Tensor]:
+        """Local shards [S] in -> {"logprobs": [S] fp32, "entropy": [S] fp32 (only with_entropy)}.
 
-        logprobs_S[i] = log p(labels_S[i] | tokens up to local token i of its sequence); entries where
+        logprobs[i] = log p(labels_S[i] | tokens up to local token i of its sequence); entries where
         the packed batch's label_mask is False are meaningless and must be masked by the caller.
         """
-        for name, x in (("input_ids", input_ids_S), ("position_ids", position_ids_S), ("labels", labels_S)):
-            if x.dim() != 1 or x.shape[0] != sp_context.local_len:
-                raise ValueError(
-                    f"{name} has shape {tuple(x.shape)}; expected the local shard [S={sp_context.local_len}] "
-                    f"(slice the packed stream with shard_for_rank)"
-                )
-        hidden_SH = compute_hidden_states(self.lm, input_ids_S, position_ids_S, sp_context)
+        check_local_inputs(sp_context, input_ids=input_ids_S, position_ids=position_ids_S, labels=labels_S)
+        hidden_SH = compute_hidden_states(self.decoder, input_ids_S, position_ids_S, sp_context)
         lm_head = self.lm.lm_head
         if getattr(lm_head, "bias", None) is not None:
             raise RuntimeError("lm_head has a bias; the vocab-chunked logprobs support a bias-free output layer only")
-        return compute_token_logprobs(
+        logprobs_S, entropy_S = compute_token_logprobs(
             hidden_SH, lm_head.weight, labels_S, temperature=temperature, chunk_size=self.chunk_size,
             with_entropy=with_entropy,
         )
+        return {"logprobs": logprobs_S} if entropy_S is None else {"logprobs": logprobs_S, "entropy": entropy_S}

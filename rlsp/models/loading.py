@@ -15,7 +15,7 @@ import copy
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from rlsp.models.attention import ULYSSES_ATTN_IMPL, register_ulysses_attention
 
@@ -106,6 +106,15 @@ def load_causal_lm(
     config = AutoConfig.from_pretrained(path)
     _prepare(config, attn_implementation)
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation, **kwargs)
+
+
+def load_backbone(
+    path: str, *, dtype: torch.dtype = torch.float32, attn_implementation: str = ULYSSES_ATTN_IMPL
+) -> PreTrainedModel:
+    """Load only the decoder (HF base model, no output layer) of a causal-LM checkpoint: a critic's backbone."""
+    config = AutoConfig.from_pretrained(path)
+    _prepare(config, attn_implementation)
+    return AutoModel.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
 
 
 def _prepare(config: PretrainedConfig, attn_implementation: str) -> None:

@@ -17,16 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from rlsp.rollout.base import RolloutOutput, SamplingConfig
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r}; choose one of {sorted(DTYPES)}")
-    return DTYPES[dtype]
+from rlsp.utils.dtypes import resolve_dtype
 
 
 @contextlib.contextmanager
@@ -58,7 +49,7 @@ class HFEngine:
         self.seed = seed
         self.max_model_len = max_model_len
         self._calls = 0
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_resolve_dtype(dtype)).to(self.device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=resolve_dtype(dtype)).to(self.device)
         self.model.eval()
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         eos = self.model.generation_config.eos_token_id

@@ -5,18 +5,21 @@ from __future__ import annotations
 
 import os
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig
 
 from rlsp.algos.kl import KL_ESTIMATORS
-from rlsp.algos.registry import list_adv_estimators, list_policy_losses
+from rlsp.algos.registry import ESTIMATOR_DEFAULTS, estimator_uses, list_adv_estimators, list_policy_losses
+from rlsp.config.layout import CRITIC_ESTIMATORS
 from rlsp.models.loading import check_sp_support
 from rlsp.rewards.loader import load_custom_reward_fn
 from rlsp.trainer.assets import resolve_data_files, resolve_model_path
 from rlsp.utils.logging import get_logger
 
 log = get_logger("rlsp.preflight")
-CRITIC_ESTIMATORS = ("gae",)
+# Config keys of the shared estimator settings (see rlsp.algos.registry).
+ESTIMATOR_KEYS = {"norm_adv_by_std": "algorithm.norm_adv_by_std_in_grpo", "gamma": "algorithm.gamma",
+                  "lam": "algorithm.lam"}
 
 
 def _check_names(cfg: DictConfig, errors: list[str]) -> None:
@@ -28,10 +31,20 @@ def _check_names(cfg: DictConfig, errors: list[str]) -> None:
     ):
         if val not in legal:
             errors.append(f"{key}={val!r} is unknown; legal values: {legal}")
-    if cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS:
-        usable = [e for e in list_adv_estimators() if e not in CRITIC_ESTIMATORS]
-        errors.append(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} needs a value model (critic "
-                      f"workers), which this version does not build; usable estimators: {usable}")
+    if cfg.algorithm.adv_estimator in list_adv_estimators():
+        _check_estimator_settings(cfg, errors)
+
+
+def _check_estimator_settings(cfg: DictConfig, errors: list[str]) -> None:
+    """A setting the chosen estimator does not read must stay at its default: never silently ignored."""
+    name = cfg.algorithm.adv_estimator
+    uses = estimator_uses(name)
+    for kw, key in ESTIMATOR_KEYS.items():
+        value = OmegaConf.select(cfg, key)
+        if kw not in uses and value != ESTIMATOR_DEFAULTS[kw]:
+            users = [e for e in list_adv_estimators() if kw in estimator_uses(e)]
+            errors.append(f"{key}={value} has no effect with algorithm.adv_estimator={name!r}; leave it at "
+                          f"{ESTIMATOR_DEFAULTS[kw]} or pick an estimator that uses it: {users}")
 
 
 def _check_model(cfg: DictConfig, errors: list[str]) -> None:
@@ -40,10 +53,12 @@ def _check_model(cfg: DictConfig, errors: list[str]) -> None:
         errors.append(f"actor_rollout_ref.model.path={path!r} is not a local directory with a Hugging Face model")
         return
     config = AutoConfig.from_pretrained(path)
-    try:
-        check_sp_support(config, cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size)
-    except ValueError as exc:
-        errors.append(str(exc))
+    for key, sp in (("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size),
+                    ("critic", cfg.critic.ulysses_sequence_parallel_size)):
+        try:
+            check_sp_support(config, sp)
+        except ValueError as exc:
+            errors.append(f"{key}.ulysses_sequence_parallel_size: {exc}")
     need = cfg.data.max_prompt_length + cfg.data.max_response_length
     limit = getattr(config, "max_position_embeddings", None)
     if limit is not None and need > limit:
@@ -65,6 +80,10 @@ def preflight(cfg: DictConfig) -> DictConfig:
         errors.append("data.train_files is empty; give at least one parquet file")
     _check_names(cfg, errors)
     _check_model(cfg, errors)
+    critic_path = cfg.critic.model.path
+    if cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS and critic_path and not os.path.isdir(critic_path):
+        errors.append(f"critic.model.path={critic_path!r} is not a local directory with a Hugging Face model "
+                      "(leave it unset to initialise the critic from the actor's checkpoint)")
     if cfg.reward.custom_function_path:
         try:
             load_custom_reward_fn(cfg.reward.custom_function_path, cfg.reward.custom_function_name)

@@ -1,7 +1,8 @@
 """RayTrainer: the RL loop on the driver. One step reads like the algorithm:
 
     prompts -> generate (vLLM on every worker) -> score (rule rewards) -> old logprobs (actor)
-    -> ref logprobs (reference) -> advantages (estimator registry) -> update actor -> sync weights
+    -> ref logprobs (reference) -> values (critic) -> rewards (- KL penalty) -> advantages
+    -> update critic -> update actor (after the critic warm-up) -> sync weights to the rollout engine
 """
 
 from __future__ import annotations
@@ -11,24 +12,26 @@ import time
 import uuid
 from typing import Any
 
-import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from rlsp.algos.registry import get_adv_estimator
+from rlsp.algos.kl_ctrl import apply_kl_penalty, build_kl_controller
+from rlsp.algos.registry import compute_advantages
+from rlsp.config.layout import ParallelLayout
 from rlsp.controller.resource_pool import ResourcePool, default_cpus_per_worker
 from rlsp.controller.worker_group import RayWorkerGroup
 from rlsp.data.batch import Batch
 from rlsp.data.dataset import PromptDataset, iterate_batches
 from rlsp.engine.fsdp_engine import assert_sp_matches
+from rlsp.trainer.batch_metrics import compute_batch_metrics
 from rlsp.trainer.metrics import MetricsLogger
 from rlsp.trainer.scoring import Scorer
 from rlsp.utils.device import resolve_device_type
 from rlsp.utils.logging import get_logger
 from rlsp.utils.timing import timed
-from rlsp.workers.policy_worker import PolicyWorker
+from rlsp.workers.worker import needs_reference
 
 log = get_logger("rlsp.trainer")
 
@@ -46,13 +49,19 @@ def _prompt_batch(items: list[dict[str, Any]], uids: list[str] | None = None) ->
     )
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
-    return float((x * mask).sum() / mask.sum().clamp_min(1.0))
+def worker_env(cfg: DictConfig) -> dict[str, str]:
+    return {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": str(cfg.actor_rollout_ref.rollout.cpu_kvcache_space_gib),
+        "TOKENIZERS_PARALLELISM": "false",
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
+        "RLSP_LOG_LEVEL": os.environ.get("RLSP_LOG_LEVEL", "INFO"),
+    }
 
 
 class RayTrainer:
-    def __init__(self, cfg: DictConfig) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: DictConfig, layout: ParallelLayout) -> None:
+        self.cfg, self.layout = cfg, layout
         self.run_dir = cfg.trainer.default_local_dir
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.path)
         d = cfg.data
@@ -63,29 +72,36 @@ class RayTrainer:
             raise ValueError(f"data.train_batch_size={d.train_batch_size} exceeds the {len(self.train_set)} training prompts")
         self.scorer = Scorer(self.tokenizer, cfg.reward.custom_function_path, cfg.reward.custom_function_name)
         self.metrics = MetricsLogger(self.run_dir, list(cfg.trainer.logger))
-        self.sp_size = cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size
+        k = cfg.algorithm.kl_ctrl
+        self.kl_ctrl = build_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
+        self.wg: RayWorkerGroup | None = None
+        self.critic_wg: RayWorkerGroup | None = None
 
     # ------------------------------------------------------------------ workers
     def start_workers(self) -> list[dict[str, Any]]:
-        t = self.cfg.trainer
+        t, layout = self.cfg.trainer, self.layout
         device_type = resolve_device_type(t.device)
-        world = t.nnodes * t.n_gpus_per_node
-        cpus = 1 if device_type == "cuda" else default_cpus_per_worker(world)
-        self.pool = ResourcePool(t.nnodes, t.n_gpus_per_node, device_type, cpus_per_worker=cpus)
-        env = {
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-            "VLLM_CPU_KVCACHE_SPACE": str(self.cfg.actor_rollout_ref.rollout.cpu_kvcache_space_gib),
-            "TOKENIZERS_PARALLELISM": "false",
-            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
-            "RLSP_LOG_LEVEL": os.environ.get("RLSP_LOG_LEVEL", "INFO"),
-        }
+        separate = layout.has_critic and not layout.critic_colocated
+        procs = layout.world_size + (layout.critic.world_size if separate else 0)
+        cpus = 1 if device_type == "cuda" else default_cpus_per_worker(procs)
         config = OmegaConf.to_container(self.cfg, resolve=True)
-        self.wg = RayWorkerGroup(PolicyWorker, self.pool, config, self.sp_size, env_vars=env)
-        return self.wg.init_workers()
+        env = worker_env(self.cfg)
+        pool = ResourcePool(layout.policy.nnodes, layout.policy.procs_per_node, device_type, cpus, name="policy")
+        self.wg = RayWorkerGroup(pool, config, layout, "policy", env_vars=env)
+        self.critic_wg = self.wg if layout.has_critic and layout.critic_colocated else None
+        if separate:
+            c = layout.critic
+            critic_pool = ResourcePool(c.nnodes, c.procs_per_node, device_type, cpus, name="critic")
+            self.critic_wg = RayWorkerGroup(critic_pool, config, layout, "critic", env_vars=env)
+        # Both worlds initialise at once (each is collective among its own ranks).
+        infos = self.wg.init_workers()
+        if separate:
+            infos += self.critic_wg.init_workers()
+        return infos
 
     def shutdown(self) -> None:
-        if getattr(self, "wg", None) is not None:
-            self.wg.shutdown()
+        for wg in {id(g): g for g in (self.critic_wg, self.wg) if g is not None}.values():
+            wg.shutdown()
 
     # ------------------------------------------------------------------ one step
     def _sampling(self, step: int, *, validate: bool = False) -> dict[str, Any]:
@@ -95,64 +111,73 @@ class RayTrainer:
         return {"n": r.n, "temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
                 "max_tokens": d.max_response_length, "seed": self.cfg.trainer.seed * 100003 + step}
 
+    def _rewards(self, batch: Batch) -> dict[str, float]:
+        """token_level_rewards = scores, minus beta * KL(old || ref) per token with use_kl_in_reward."""
+        alg = self.cfg.algorithm
+        if not alg.use_kl_in_reward:
+            batch.set("token_level_rewards", batch["token_level_scores"])
+            return {}
+        beta = self.kl_ctrl.value
+        rewards, current_kl = apply_kl_penalty(batch["token_level_scores"], batch["old_logprobs"],
+                                               batch["ref_logprobs"], batch["response_mask"], beta, alg.kl_penalty)
+        batch.set("token_level_rewards", rewards)
+        self.kl_ctrl.update(current_kl, n_steps=len(batch))
+        return {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
+
     def _advantages(self, batch: Batch) -> None:
         alg = self.cfg.algorithm
-        kwargs: dict[str, Any] = {}
-        if alg.adv_estimator == "grpo":
-            kwargs["norm_adv_by_std"] = alg.norm_adv_by_std_in_grpo
-        elif alg.adv_estimator.startswith("reinforce_plus_plus"):
-            kwargs["gamma"] = alg.gamma
-        adv, ret = get_adv_estimator(alg.adv_estimator)(
-            batch["token_level_scores"], batch["response_mask"], batch.meta["uid"], **kwargs)
+        adv, ret = compute_advantages(
+            alg.adv_estimator, batch["token_level_rewards"], batch["response_mask"], batch.meta["uid"],
+            norm_adv_by_std=alg.norm_adv_by_std_in_grpo, gamma=alg.gamma, lam=alg.lam,
+            values_BR=batch["values"] if "values" in batch else None)
         batch.set("advantages", adv)
         batch.set("returns", ret)
 
     def train_step(self, step: int, items: list[dict[str, Any]]) -> dict[str, float]:
         timing: dict[str, float] = {}
+        metrics: dict[str, float] = {}
         t0 = time.perf_counter()
-        temperature = self.cfg.actor_rollout_ref.rollout.temperature
         with timed("timing/gen_s", timing):
-            batch = self.wg.dispatch_by_rank("generate", _prompt_batch(items), self._sampling(step))
-        batch.info["temperature"] = temperature
-        if step == 1 and self.sp_size > 1 and self.cfg.trainer.sp_self_check:
+            batch = self.wg.call("rollout", "generate", _prompt_batch(items), self._sampling(step))
+        batch.info.update(temperature=self.cfg.actor_rollout_ref.rollout.temperature, global_step=step)
+        if step == 1 and self.cfg.trainer.sp_self_check:
             self.check_sp(batch)
         with timed("timing/reward_s", timing):
             scores = self.scorer.score_rows(batch)
         with timed("timing/old_logprob_s", timing):
-            batch.update(self.wg.dispatch_batch_by_dp("compute_old_logprobs", batch))
-        if self.cfg.actor_rollout_ref.actor.use_kl_loss:
+            batch.update(self.wg.call("actor", "compute_log_prob", batch))
+        if needs_reference(self.cfg):
             with timed("timing/ref_s", timing):
-                batch.update(self.wg.dispatch_batch_by_dp("compute_ref_logprobs", batch))
-        self._advantages(batch)
-        with timed("timing/update_s", timing):
-            actor_metrics = self.wg.dispatch_by_dp("update_actor", batch)[0]
-        with timed("timing/weight_sync_s", timing):
-            self.wg.call_all("sync_weights")
+                batch.update(self.wg.call("ref", "compute_ref_log_prob", batch))
+        if self.critic_wg is not None:
+            with timed("timing/values_s", timing):
+                batch.update(self.critic_wg.call("critic", "compute_values", batch))
+        with timed("timing/adv_s", timing):
+            metrics.update(self._rewards(batch))
+            self._advantages(batch)
+        if self.critic_wg is not None:
+            with timed("timing/update_critic_s", timing):
+                metrics.update(self.critic_wg.call("critic", "update_critic", batch)[0])
+        if step > self.cfg.trainer.critic_warmup:
+            with timed("timing/update_actor_s", timing):
+                metrics.update(self.wg.call("actor", "update_actor", batch)[0])
+            with timed("timing/weight_sync_s", timing):
+                self.wg.call_worker("sync_weights")
         timing["timing/step_s"] = time.perf_counter() - t0
-        return {**self._batch_metrics(batch, scores, timing), **actor_metrics, **timing}
-
-    def _batch_metrics(self, batch: Batch, scores: np.ndarray, timing: dict[str, float]) -> dict[str, float]:
-        mask = batch["response_mask"]
-        lengths = mask.sum(-1)
-        diff = (batch["rollout_logprobs"] - batch["old_logprobs"]).abs() * mask
-        tokens = float(batch["attention_mask"].sum())
-        return {
-            "reward/mean": float(scores.mean()), "reward/max": float(scores.max()), "reward/min": float(scores.min()),
-            "reward/accuracy": float((scores >= 1.0).mean()),
-            "advantages/mean": masked_mean(batch["advantages"], mask),
-            "response_length/mean": float(lengths.mean()),
-            "response_length/clip_ratio": float((lengths >= mask.shape[1]).float().mean()),
-            "rollout/logprob_diff": masked_mean(diff, mask), "rollout/logprob_diff_max": float(diff.max()),
-            "throughput/tokens_per_s": tokens / max(timing["timing/step_s"], 1e-9),
-            "throughput/response_tokens": float(mask.sum()),
-        }
+        return {**compute_batch_metrics(batch, scores, timing["timing/step_s"]), **metrics, **timing}
 
     def check_sp(self, batch: Batch) -> float:
-        """Stop the run if the sp-sharded forward disagrees with an unsharded one on real rows."""
+        """Stop the run if an sp-sharded forward disagrees with an unsharded one on real rows."""
         tol = self.cfg.trainer.sp_self_check_tol
-        worst = max(self.wg.dispatch_by_dp("sp_self_check", batch))
-        assert_sp_matches(worst, tol, self.sp_size)
-        log.info("sp self-check passed: max |dlogprob| = %.2e (sp=%d)", worst, self.sp_size)
+        worst = 0.0
+        for role, wg in (("actor", self.wg), ("critic", self.critic_wg)):
+            sp = self.layout.role_mesh(role).sp_size if wg is not None else 1
+            if sp > 1:
+                diff = max(wg.call(role, "sp_self_check", batch))
+                assert_sp_matches(diff, tol, sp, what="value" if role == "critic" else "logprob")
+                log.info("sp self-check passed (%s): max |d%s| = %.2e (sp=%d)", role,
+                         "value" if role == "critic" else "logprob", diff, sp)
+                worst = max(worst, diff)
         return worst
 
     # ------------------------------------------------------------------ validation
@@ -160,7 +185,7 @@ class RayTrainer:
         items = [self.val_set[i] for i in range(len(self.val_set))]
         world = self.wg.world_size
         padded = items + items[: (-len(items)) % world]
-        batch = self.wg.dispatch_by_rank("generate", _prompt_batch(padded), self._sampling(0, validate=True))
+        batch = self.wg.call("rollout", "generate", _prompt_batch(padded), self._sampling(0, validate=True))
         batch = batch.select_rows(slice(0, len(items)))
         scores = self.scorer.score_rows(batch)
         return {"val/accuracy": float((scores >= 1.0).mean()), "val/reward_mean": float(scores.mean()),
@@ -182,7 +207,7 @@ class RayTrainer:
             self.metrics.log(step, metrics)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['timing/step_s']:.2f}")
         if t.save_final_model:
-            saved = self.wg.call_all("save_model", os.path.abspath(os.path.join(self.run_dir, "actor_hf")))[0]
+            saved = self.wg.call("actor", "save_hf", os.path.abspath(os.path.join(self.run_dir, "actor_hf")))[0]
             log.info("trained actor (Hugging Face format): %s", saved)
         if t.plot:
             path = self.metrics.plot_rewards()

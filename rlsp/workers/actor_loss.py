@@ -13,7 +13,8 @@ import torch
 from rlsp.algos.aggregation import aggregate_token_mean
 from rlsp.algos.kl import compute_kl
 from rlsp.algos.registry import get_policy_loss
-from rlsp.engine.fsdp_engine import LossFn, MicroBatch
+from rlsp.engine.fsdp_engine import LossFn
+from rlsp.engine.micro import MicroBatch
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,8 @@ class ActorLossConfig:
 def make_actor_loss(cfg: ActorLossConfig, global_tokens: float) -> LossFn:
     policy_loss = get_policy_loss(cfg.policy_loss)
 
-    def loss_fn(logprobs_S: torch.Tensor, entropy_S: torch.Tensor | None, micro: MicroBatch):
+    def loss_fn(out: dict[str, torch.Tensor], micro: MicroBatch):
+        logprobs_S, entropy_S = out["logprobs"], out.get("entropy")
         mask_S = micro.response_local("response_mask").to(logprobs_S.device)
         old_S = micro.response_local("old_logprobs").to(logprobs_S.device)
         adv_S = micro.response_local("advantages").to(logprobs_S.device)

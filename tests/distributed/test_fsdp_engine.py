@@ -14,6 +14,9 @@ from _launch import run_distributed
 
 from rlsp.data.batch import Batch
 from rlsp.engine.fsdp_engine import FSDPEngine
+from rlsp.engine.optim import OptimSettings
+from rlsp.models.lm import TokenLogprobModel
+from rlsp.models.loading import load_causal_lm
 from rlsp.models.tiny import TinyModelSpec, build_tiny_model
 from rlsp.parallel.mesh import build_parallel_dims
 from rlsp.workers.actor_loss import ActorLossConfig, make_actor_loss
@@ -43,15 +46,23 @@ def _rollout_batch(vocab: int, seed: int = 0, empty_tail: bool = False) -> Batch
     return Batch.from_dict({"input_ids": input_ids, "attention_mask": mask, "response_mask": resp_mask, **fields})
 
 
+def policy_engine(model_path: str, dims, *, trainable: bool = True, lr: float = 1e-3,
+                  compute_dtype: torch.dtype = torch.float32) -> FSDPEngine:
+    """The policy engine as the actor role builds it: fp32 master weights, compute in `compute_dtype`."""
+    lm = load_causal_lm(model_path, dtype=torch.float32 if trainable else compute_dtype)
+    optim = OptimSettings(lr=lr, grad_clip=0.0) if trainable else None
+    return FSDPEngine(TokenLogprobModel(lm), dims, torch.device("cpu"), compute_dtype=compute_dtype, optim=optim)
+
+
 def _train_once(rank: int, world: int, model_path: str, sp: int, micro: int, batch: Batch):
     dims = build_parallel_dims(sp, "cpu")
-    engine = FSDPEngine(model_path, dims, torch.device("cpu"), lr=1e-3, grad_clip=0.0)
+    engine = policy_engine(model_path, dims)
     shard = batch.chunk(dims.dp_size)[dims.dp_rank]
     count = shard["response_mask"].sum().double().reshape(1)
     dist.all_reduce(count, group=dims.dp_group)
     loss_fn = make_actor_loss(LOSS, float(count))
     engine.optimizer.zero_grad(set_to_none=True)
-    metrics = engine.backward_batch(shard, P, micro, 1.0, loss_fn)
+    metrics = engine.backward_batch(shard, P, micro, loss_fn, temperature=1.0, with_entropy=True)
     grads = {k: v.clone() for k, v in engine.iter_full_grads()}
     engine.optimizer.step()
     params = {k: v.clone() for k, v in engine.iter_full_params()}

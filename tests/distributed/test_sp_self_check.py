@@ -6,12 +6,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 from _launch import run_distributed
-from test_fsdp_engine import P, _rollout_batch
+from test_fsdp_engine import P, _rollout_batch, policy_engine
 
-import rlsp.engine.fsdp_engine as fsdp_engine
-from rlsp.engine.fsdp_engine import FSDPEngine, assert_sp_matches
+import rlsp.engine.micro as micro_module
+from rlsp.engine.fsdp_engine import assert_sp_matches
 from rlsp.models.tiny import TinyModelSpec, build_tiny_model
 from rlsp.parallel.mesh import build_parallel_dims
 
@@ -20,7 +19,7 @@ pytestmark = pytest.mark.distributed
 
 def _install_broken_context() -> None:
     """Make rank 0 send rank 1 the wrong KV head: shapes still fit, numbers do not."""
-    original = fsdp_engine.build_sp_context
+    original = micro_module.build_sp_context
 
     def broken(group, packed, num_q_heads, num_kv_heads):
         ctx = original(group, packed, num_q_heads, num_kv_heads)
@@ -29,15 +28,15 @@ def _install_broken_context() -> None:
             ctx.layout = dataclasses.replace(ctx.layout, kv_ranges=(kv[0],) * len(kv))
         return ctx
 
-    fsdp_engine.build_sp_context = broken
+    micro_module.build_sp_context = broken
 
 
 def _self_check(rank: int, world: int, model_path: str, batch, broken: bool) -> float:
     if broken:  # only in this forked worker process
         _install_broken_context()
     dims = build_parallel_dims(world, "cpu")
-    engine = FSDPEngine(model_path, dims, torch.device("cpu"), trainable=False)
-    return engine.sp_self_check(batch, P, temperature=1.0)
+    engine = policy_engine(model_path, dims, trainable=False)
+    return engine.sp_self_check(batch, P, "logprobs", temperature=1.0)
 
 
 @pytest.fixture(scope="module")

@@ -80,7 +80,7 @@ def _run(model: TokenLogprobModel, packed: PackedBatch, ctx: SPContext) -> tuple
     w_lp_T = torch.randn(packed.total_len, generator=gen, dtype=torch.float64) * packed.label_mask
     w_ent_T = torch.randn(packed.total_len, generator=gen, dtype=torch.float64)
     model.zero_grad(set_to_none=True)
-    lp_S, ent_S = model(
+    out = model(
         shard_for_rank(packed.input_ids, ctx),
         shard_for_rank(packed.position_ids, ctx),
         shard_for_rank(packed.labels, ctx),
@@ -88,6 +88,7 @@ def _run(model: TokenLogprobModel, packed: PackedBatch, ctx: SPContext) -> tuple
         temperature=0.7,
         with_entropy=True,
     )
+    lp_S, ent_S = out["logprobs"], out["entropy"]
     loss = (shard_for_rank(w_lp_T, ctx) * lp_S).sum() + 0.1 * (shard_for_rank(w_ent_T, ctx) * ent_S).sum()
     loss.backward()
     grads = {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
@@ -187,7 +188,7 @@ def test_sp1_matches_hf_sdpa_on_padded_rows() -> None:
     packed = pack_sequences(ids_BL, mask_BL, pad_to_multiple=3)
     ctx = build_sp_context(None, packed, 4, 2)
     with torch.no_grad():
-        lp_T, _ = model(packed.input_ids, packed.position_ids, packed.labels, ctx)
+        lp_T = model(packed.input_ids, packed.position_ids, packed.labels, ctx)["logprobs"]
         for b in range(ids_BL.shape[0]):
             tokens = ids_BL[b][mask_BL[b].bool()]
             if tokens.numel() < 2:

@@ -45,8 +45,8 @@ def _cfg(tmp_path, **overrides):
     for key, val in {**SMALL, "trainer.default_local_dir": str(tmp_path / "run"),
                      "trainer.cache_dir": str(tmp_path.parent / "cache"), **overrides}.items():
         OmegaConf.update(cfg, key, val)
-    validate_config(cfg)
-    return preflight(cfg)
+    layout = validate_config(cfg)
+    return preflight(cfg), layout
 
 
 @pytest.fixture(scope="module")
@@ -108,39 +108,39 @@ def test_bad_config_fails_before_workers(tmp_path):
 
 def _rollout(trainer: RayTrainer) -> object:
     items = [trainer.train_set[i] for i in range(4)]
-    batch = trainer.wg.dispatch_by_rank("generate", _prompt_batch(items), trainer._sampling(1))
+    batch = trainer.wg.call("rollout", "generate", _prompt_batch(items), trainer._sampling(1))
     batch.info["temperature"] = 1.0
     return batch
 
 
 def test_weights_change_sync_and_sp2_matches_sp1(tmp_path, ray_session):
     # An entropy bonus guarantees a non-zero gradient even if every sampled reward ties (no advantage).
-    trainer = RayTrainer(_cfg(tmp_path, **{"actor_rollout_ref.actor.entropy_coeff": 0.01}))
+    trainer = RayTrainer(*_cfg(tmp_path, **{"actor_rollout_ref.actor.entropy_coeff": 0.01}))
     try:
         trainer.start_workers()
-        before = trainer.wg.call_all("actor_param_checksum")[0]
+        before = trainer.wg.call("actor", "param_checksum")[0]
         batch = _rollout(trainer)
-        old_sp1 = trainer.wg.dispatch_batch_by_dp("compute_old_logprobs", batch)["old_logprobs"]
+        old_sp1 = trainer.wg.call("actor", "compute_log_prob", batch)["old_logprobs"]
         # Rollout logprobs of fp32 vLLM equal the trainer's before any update.
         mask = batch["response_mask"]
         assert float(((batch["rollout_logprobs"] - old_sp1).abs() * mask).max()) < 1e-3
         trainer.fit()
-        after = trainer.wg.call_all("actor_param_checksum")[0]
+        after = trainer.wg.call("actor", "param_checksum")[0]
         assert abs(after - before) > 1e-4 * before, "training did not move the policy weights"
         # After the final sync, vLLM scores a fixed sequence exactly like the updated trainer.
         seq = batch["input_ids"][0][batch["attention_mask"][0].bool()].tolist()
-        vllm_lp = trainer.wg.call_all("rollout_prompt_logprobs", seq)[0][1:]
+        vllm_lp = trainer.wg.call("rollout", "prompt_logprobs", seq)[0][1:]
         rows = batch.select_rows([0, 1])  # one row per dp rank
-        trained = trainer.wg.dispatch_batch_by_dp("compute_old_logprobs", rows)["old_logprobs"][0]
+        trained = trainer.wg.call("actor", "compute_log_prob", rows)["old_logprobs"][0]
         n_resp = int(rows["response_mask"][0].sum())
         assert torch.allclose(torch.tensor(vllm_lp[-n_resp:]), trained[:n_resp], atol=1e-4)
     finally:
         trainer.shutdown()
 
-    trainer_sp2 = RayTrainer(_cfg(tmp_path, **{"actor_rollout_ref.actor.ulysses_sequence_parallel_size": 2}))
+    trainer_sp2 = RayTrainer(*_cfg(tmp_path, **{"actor_rollout_ref.actor.ulysses_sequence_parallel_size": 2}))
     try:
         trainer_sp2.start_workers()
-        old_sp2 = trainer_sp2.wg.dispatch_batch_by_dp("compute_old_logprobs", batch)["old_logprobs"]
+        old_sp2 = trainer_sp2.wg.call("actor", "compute_log_prob", batch)["old_logprobs"]
         assert float((old_sp2 - old_sp1).abs().max()) <= 1e-5
         assert trainer_sp2.check_sp(batch) <= 1e-5
     finally:

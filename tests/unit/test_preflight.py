@@ -25,7 +25,8 @@ def test_builtin_assets_resolve_to_local_files(tmp_path):
     "key,val,needle",
     [
         ("algorithm.adv_estimator", "ppo2", "legal values: ['gae', 'grpo'"),
-        ("algorithm.adv_estimator", "gae", "needs a value model"),
+        ("algorithm.gamma", 0.9, "algorithm.gamma=0.9 has no effect with algorithm.adv_estimator='grpo'"),
+        ("algorithm.lam", 0.95, "pick an estimator that uses it: ['gae']"),
         ("actor_rollout_ref.actor.kl_loss_type", "k7", "kl_loss_type='k7' is unknown"),
         ("actor_rollout_ref.actor.policy_loss", "gspo", "legal values: ['vanilla']"),
         ("data.max_response_length", 500, "exceeds the model's max_position_embeddings"),
@@ -38,3 +39,11 @@ def test_bad_values_fail_with_the_value_named(tmp_path, key, val, needle):
     with pytest.raises(ValueError) as err:
         preflight(make(tmp_path, **{key: val}))
     assert needle in str(err.value)
+
+
+def test_critic_path_checked_only_when_a_critic_is_built(tmp_path):
+    bad = {"critic.model.path": "/nonexistent/critic"}
+    preflight(make(tmp_path, **bad))  # GRPO: no critic, the key is unused
+    with pytest.raises(ValueError, match="critic.model.path='/nonexistent/critic' is not a local directory"):
+        preflight(make(tmp_path, **bad, **{"algorithm.adv_estimator": "gae"}))
+    preflight(make(tmp_path, **{"algorithm.adv_estimator": "gae", "algorithm.gamma": 0.99, "algorithm.lam": 0.95}))

@@ -1,0 +1,46 @@
+"""Per-step metrics computed on the driver from the rollout batch (names as verl uses them)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from rlsp.algos.aggregation import masked_mean
+from rlsp.algos.value_loss import explained_variance
+from rlsp.data.batch import Batch
+
+
+def _mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    return float(masked_mean(x, mask))
+
+
+def compute_batch_metrics(batch: Batch, scores: np.ndarray, step_s: float) -> dict[str, float]:
+    mask = batch["response_mask"]
+    lengths = mask.sum(-1)
+    diff = (batch["rollout_logprobs"] - batch["old_logprobs"]).abs() * mask
+    tokens = float(batch["attention_mask"].sum())
+    metrics = {
+        "reward/mean": float(scores.mean()), "reward/max": float(scores.max()), "reward/min": float(scores.min()),
+        "reward/accuracy": float((scores >= 1.0).mean()),
+        "advantages/mean": _mean(batch["advantages"], mask),
+        "response_length/mean": float(lengths.mean()),
+        "response_length/clip_ratio": float((lengths >= mask.shape[1]).float().mean()),
+        "rollout/logprob_diff": _mean(diff, mask), "rollout/logprob_diff_max": float(diff.max()),
+        "throughput/tokens_per_s": tokens / max(step_s, 1e-9),
+        "throughput/response_tokens": float(mask.sum()),
+    }
+    if "values" in batch:
+        metrics.update(_critic_metrics(batch, mask))
+    return metrics
+
+
+def _critic_metrics(batch: Batch, mask: torch.Tensor) -> dict[str, float]:
+    values, returns = batch["values"], batch["returns"]
+    return {
+        "critic/score/mean": float(batch["token_level_scores"].sum(-1).mean()),
+        "critic/rewards/mean": float(batch["token_level_rewards"].sum(-1).mean()),
+        "critic/advantages/mean": _mean(batch["advantages"], mask),
+        "critic/returns/mean": _mean(returns, mask),
+        "critic/values/mean": _mean(values, mask),
+        "critic/vf_explained_var": explained_variance(values, returns, mask),
+    }

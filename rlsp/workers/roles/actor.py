@@ -1,0 +1,96 @@
+"""ActorRole: the trainable policy (FSDP2, fp32 master weights) — logprobs, PPO updates, HF export."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from transformers import AutoTokenizer, GenerationConfig
+
+from rlsp.data.batch import Batch
+from rlsp.engine.fsdp_engine import FSDPEngine
+from rlsp.models.lm import TokenLogprobModel
+from rlsp.models.loading import load_causal_lm
+from rlsp.utils.dtypes import resolve_dtype
+from rlsp.workers.actor_loss import ActorLossConfig, make_actor_loss
+from rlsp.workers.context import RoleContext
+from rlsp.workers.dispatch import Dispatch, register
+from rlsp.workers.ppo_loop import global_token_count, run_ppo_epochs
+from rlsp.workers.roles.common import batch_temperature, optim_settings
+
+
+def build_policy_engine(ctx: RoleContext, trainable: bool) -> FSDPEngine:
+    """The policy model on this rank: fp32 master weights when trainable, compute dtype from model.dtype."""
+    arr = ctx.cfg.actor_rollout_ref
+    compute = resolve_dtype(arr.model.dtype)
+    lm = load_causal_lm(arr.model.path, dtype=torch.float32 if trainable else compute)
+    if trainable and arr.model.enable_gradient_checkpointing:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    module = TokenLogprobModel(lm.to(ctx.device), chunk_size=arr.actor.logprob_chunk_size)
+    optim = optim_settings(arr.actor.optim) if trainable else None
+    return FSDPEngine(module, ctx.dims(arr.actor.ulysses_sequence_parallel_size), ctx.device,
+                      compute_dtype=compute, optim=optim)
+
+
+class ActorRole:
+    def __init__(self, ctx: RoleContext) -> None:
+        self.ctx, self.cfg = ctx, ctx.cfg
+        self.engine = build_policy_engine(ctx, trainable=True)
+
+    @register(Dispatch.BY_DP)
+    def compute_log_prob(self, batch: Batch) -> Batch:
+        """Old logprobs [B, R] of the sampled tokens under the current policy."""
+        micro = self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
+        lp = self.engine.infer(batch, self.ctx.prompt_len, micro, "logprobs",
+                               temperature=batch_temperature(batch, self.cfg))
+        return Batch.from_dict({"old_logprobs": lp})
+
+    @register(Dispatch.BY_DP)
+    def update_actor(self, batch: Batch) -> dict[str, float]:
+        """PPO epochs over mini-batches of this dp shard; metrics averaged over optimizer steps."""
+        a = self.cfg.actor_rollout_ref.actor
+        dims = self.engine.dims
+        loss_cfg = self._loss_config()
+        temperature = batch_temperature(batch, self.cfg)
+
+        def train_mini(mini: Batch) -> dict[str, float]:
+            loss_fn = make_actor_loss(loss_cfg, global_token_count(mini, dims.dp_group))
+            return self.engine.train_step(mini, self.ctx.prompt_len, a.ppo_micro_batch_size_per_gpu, loss_fn,
+                                          temperature=temperature, with_entropy=True)
+
+        mini_rows = a.ppo_mini_batch_size * self.cfg.actor_rollout_ref.rollout.n // dims.dp_size
+        metrics = run_ppo_epochs(batch, mini_rows, a.ppo_epochs, a.shuffle, self.cfg.trainer.seed, dims.dp_rank,
+                                 train_mini)
+        return {k if "/" in k else f"actor/{k}": v for k, v in metrics.items()}
+
+    def _loss_config(self) -> ActorLossConfig:
+        a = self.cfg.actor_rollout_ref.actor
+        return ActorLossConfig(
+            policy_loss=a.policy_loss,
+            clip_ratio_low=a.clip_ratio_low if a.clip_ratio_low is not None else a.clip_ratio,
+            clip_ratio_high=a.clip_ratio_high if a.clip_ratio_high is not None else a.clip_ratio,
+            clip_ratio_c=a.clip_ratio_c, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef,
+            kl_loss_type=a.kl_loss_type, entropy_coeff=a.entropy_coeff,
+        )
+
+    @register(Dispatch.BY_DP)
+    def sp_self_check(self, batch: Batch) -> float:
+        """Max |logprob(sp=k) - logprob(unsharded)| on `batch` (collective)."""
+        return self.engine.sp_self_check(batch, self.ctx.prompt_len, "logprobs",
+                                         temperature=batch_temperature(batch, self.cfg))
+
+    @register(Dispatch.ALL)
+    def save_hf(self, path: str) -> str:
+        """Save the actor as a Hugging Face model directory (weights, config, tokenizer); collective."""
+        self.engine.save_hf(path)
+        if self.ctx.rank == 0:
+            source = self.cfg.actor_rollout_ref.model.path
+            AutoTokenizer.from_pretrained(source).save_pretrained(path)
+            if os.path.exists(os.path.join(source, "generation_config.json")):  # stop ids for generation
+                GenerationConfig.from_pretrained(source).save_pretrained(path)
+        return path
+
+    @register(Dispatch.ALL)
+    def param_checksum(self) -> float:
+        """Sum of |w| over the full weights (collective): lets tests see that training moved them."""
+        return sum(float(t.abs().sum()) for _, t in self.engine.iter_full_params(torch.float64))

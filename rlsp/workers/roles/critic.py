@@ -1,0 +1,69 @@
+"""CriticRole: the value model (backbone + scalar head, FSDP2, fp32 master weights) — values and updates.
+
+The backbone is initialised from `critic.model.path`, or from the actor's checkpoint when unset; the
+value head is new (seeded normal init, zero bias).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlsp.data.batch import Batch
+from rlsp.engine.fsdp_engine import FSDPEngine
+from rlsp.models.loading import load_backbone
+from rlsp.models.value import ValueModel
+from rlsp.utils.dtypes import resolve_dtype
+from rlsp.workers.context import RoleContext
+from rlsp.workers.critic_loss import make_critic_loss
+from rlsp.workers.dispatch import Dispatch, register
+from rlsp.workers.ppo_loop import global_token_count, run_ppo_epochs
+from rlsp.workers.roles.common import optim_settings
+
+
+def build_critic_engine(ctx: RoleContext) -> FSDPEngine:
+    c, arr = ctx.cfg.critic, ctx.cfg.actor_rollout_ref
+    compute = resolve_dtype(c.model.dtype or arr.model.dtype)
+    backbone = load_backbone(c.model.path or arr.model.path, dtype=torch.float32)
+    if c.model.enable_gradient_checkpointing:
+        backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(ctx.cfg.trainer.seed)  # the same value head on every rank, whatever ran before
+        module = ValueModel(backbone)
+    return FSDPEngine(module.to(ctx.device), ctx.dims(c.ulysses_sequence_parallel_size), ctx.device,
+                      compute_dtype=compute, optim=optim_settings(c.optim))
+
+
+class CriticRole:
+    def __init__(self, ctx: RoleContext) -> None:
+        self.ctx, self.cfg = ctx, ctx.cfg
+        self.engine = build_critic_engine(ctx)
+
+    @register(Dispatch.BY_DP)
+    def compute_values(self, batch: Batch) -> Batch:
+        """V(s_t) [B, R] for the state before every response token (zeros on padding)."""
+        micro = self.cfg.critic.forward_micro_batch_size_per_gpu
+        return Batch.from_dict({"values": self.engine.infer(batch, self.ctx.prompt_len, micro, "values")})
+
+    @register(Dispatch.BY_DP)
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        """Clipped value-loss epochs over mini-batches of this dp shard (needs values and returns)."""
+        c = self.cfg.critic
+        dims = self.engine.dims
+
+        def train_mini(mini: Batch) -> dict[str, float]:
+            loss_fn = make_critic_loss(c.cliprange_value, global_token_count(mini, dims.dp_group))
+            return self.engine.train_step(mini, self.ctx.prompt_len, c.ppo_micro_batch_size_per_gpu, loss_fn)
+
+        mini_rows = c.ppo_mini_batch_size * self.cfg.actor_rollout_ref.rollout.n // dims.dp_size
+        metrics = run_ppo_epochs(batch, mini_rows, c.ppo_epochs, c.shuffle, self.cfg.trainer.seed + 1, dims.dp_rank,
+                                 train_mini)
+        return {k if "/" in k else f"critic/{k}": v for k, v in metrics.items() if not k.startswith("sp/")}
+
+    @register(Dispatch.BY_DP)
+    def sp_self_check(self, batch: Batch) -> float:
+        """Max |value(sp=k) - value(unsharded)| on `batch` (collective)."""
+        return self.engine.sp_self_check(batch, self.ctx.prompt_len, "values")
+
+    @register(Dispatch.ALL)
+    def param_checksum(self) -> float:
+        return sum(float(t.abs().sum()) for _, t in self.engine.iter_full_params(torch.float64))

@@ -1,0 +1,22 @@
+"""ReferenceRole: the frozen initial policy (for the KL loss or the KL penalty in the reward)."""
+
+from __future__ import annotations
+
+from rlsp.data.batch import Batch
+from rlsp.workers.context import RoleContext
+from rlsp.workers.dispatch import Dispatch, register
+from rlsp.workers.roles.actor import build_policy_engine
+from rlsp.workers.roles.common import batch_temperature
+
+
+class ReferenceRole:
+    def __init__(self, ctx: RoleContext) -> None:
+        self.ctx, self.cfg = ctx, ctx.cfg
+        self.engine = build_policy_engine(ctx, trainable=False)
+
+    @register(Dispatch.BY_DP)
+    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        micro = self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
+        lp = self.engine.infer(batch, self.ctx.prompt_len, micro, "logprobs",
+                               temperature=batch_temperature(batch, self.cfg))
+        return Batch.from_dict({"ref_logprobs": lp})

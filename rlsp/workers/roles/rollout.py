@@ -1,0 +1,61 @@
+"""RolloutRole: this rank's in-process generation engine (vLLM, or HF generate as a fallback)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from rlsp.data.batch import Batch
+from rlsp.rollout import SamplingConfig, build_rollout_engine
+from rlsp.workers.context import RoleContext
+from rlsp.workers.dispatch import Dispatch, register
+from rlsp.workers.rollout_rows import build_rollout_rows
+
+
+class RolloutRole:
+    def __init__(self, ctx: RoleContext) -> None:
+        self.ctx, self.cfg = ctx, ctx.cfg
+        r, d = ctx.cfg.actor_rollout_ref.rollout, ctx.cfg.data
+        self.engine = build_rollout_engine(
+            r.name, ctx.cfg.actor_rollout_ref.model.path, dtype=r.dtype, seed=ctx.cfg.trainer.seed + ctx.rank,
+            max_model_len=d.max_prompt_length + d.max_response_length, **self._engine_kwargs(),
+        )
+
+    def _engine_kwargs(self) -> dict[str, Any]:
+        r = self.cfg.actor_rollout_ref.rollout
+        if r.name == "vllm":
+            # vLLM joins the existing world ("external_launcher": every rank runs its own engine)
+            # instead of creating a default process group of its own.
+            return {"enforce_eager": r.enforce_eager, "gpu_memory_utilization": r.gpu_memory_utilization,
+                    "cpu_kvcache_space_gib": r.cpu_kvcache_space_gib, "distributed_executor_backend": "external_launcher"}
+        return {"device": self.ctx.device_type}
+
+    @register(Dispatch.BY_RANK)
+    def generate(self, prompts: Batch, sampling: dict[str, Any]) -> Batch:
+        """Sample `n` responses per prompt; rows of one prompt are contiguous and share its meta."""
+        if sampling.get("seed") is not None:
+            # Distinct, far-apart streams per rank: vLLM derives per-sample seeds from consecutive values.
+            sampling = {**sampling, "seed": int(sampling["seed"]) + 1_000_003 * self.ctx.rank}
+        cfg = SamplingConfig(**sampling)
+        prompt_ids: list[list[int]] = prompts.meta["prompt_ids"]
+        self.engine.wake_up()
+        out = self.engine.generate(prompt_ids, cfg)
+        # Free the engine's accelerator memory for training (no-op on CPU); weight sync wakes it.
+        self.engine.sleep()
+        rows = build_rollout_rows(
+            [prompt_ids[i] for i in out.prompt_index], out.response_ids, out.response_logprobs,
+            self.ctx.prompt_len, cfg.max_tokens, self.ctx.pad_token_id,
+        )
+        meta = {k: [v[i] for i in out.prompt_index] for k, v in prompts.meta.items() if k != "prompt_ids"}
+        return Batch.from_dict(rows, meta=meta)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.engine.wake_up()
+        self.engine.update_weights(named_tensors)
+
+    @register(Dispatch.ALL)
+    def prompt_logprobs(self, token_ids: list[int]) -> list[float | None]:
+        self.engine.wake_up()
+        return self.engine.prompt_logprobs(token_ids)

@@ -1,0 +1,102 @@
+"""Worker: one process per device, assembled from the roles placed on it.
+
+A plain class (no ray import): the controller wraps it as a Ray actor, tests drive it directly. The
+policy group's workers host actor + rollout (+ reference when a KL term needs it, + critic when it
+is colocated: verl's hybrid layout, every role sharing the device); a separate critic pool's workers
+host the critic only. Role methods are reached through `execute(role, method, ...)`; each declares
+its dispatch contract where it is defined (see rlsp/workers/dispatch.py).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+from transformers import AutoTokenizer
+
+from rlsp.config.layout import ParallelLayout
+from rlsp.utils.device import backend_for, resolve_device_type
+from rlsp.utils.dtypes import resolve_dtype
+from rlsp.utils.logging import get_logger
+from rlsp.utils.seeding import seed_everything
+from rlsp.workers.context import RoleContext
+from rlsp.workers.dispatch import Dispatch, register
+from rlsp.workers.roles import ROLE_CLASSES
+
+log = get_logger("rlsp.worker")
+
+
+def find_free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def needs_reference(cfg: DictConfig) -> bool:
+    return bool(cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
+
+
+class Worker:
+    def __init__(self, config: dict[str, Any], layout: ParallelLayout, group: str, rank: int) -> None:
+        self.cfg: DictConfig = OmegaConf.create(config)
+        self.layout, self.group, self.rank = layout, group, rank
+        self.mesh = layout.policy if group == "policy" else layout.role_mesh("critic")
+        self.placed = [r for r in layout.roles_of(group) if r != "ref" or needs_reference(self.cfg)]
+        self.roles: dict[str, Any] = {}
+        os.environ["RANK"] = str(rank)
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        host = "127.0.0.1" if self.mesh.nnodes == 1 else socket.gethostbyname(socket.gethostname())
+        return host, find_free_port()
+
+    # ------------------------------------------------------------------ set-up
+    @register(Dispatch.ALL)
+    def init_worker(self, master_addr: str, master_port: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        device_type = resolve_device_type(self.cfg.trainer.device)
+        if device_type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        tokenizer = AutoTokenizer.from_pretrained(self.cfg.actor_rollout_ref.model.path)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        world = self.mesh.world_size
+        os.environ.update(RANK=str(self.rank), LOCAL_RANK="0", WORLD_SIZE=str(world),
+                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        dist.init_process_group(backend_for(device_type), init_method=f"tcp://{master_addr}:{master_port}",
+                                rank=self.rank, world_size=world)
+        ctx = RoleContext(self.cfg, self.rank, self.mesh, torch.device(device_type), int(pad))
+        # The rollout engine first: vLLM re-seeds the global RNGs while it is built, so training
+        # seeds are set after it; then every role in a fixed order (their meshes are collective).
+        if "rollout" in self.placed:
+            self.roles["rollout"] = ROLE_CLASSES["rollout"](ctx)
+        seed_everything(self.cfg.trainer.seed)
+        for role in ("actor", "ref", "critic"):
+            if role in self.placed:
+                self.roles[role] = ROLE_CLASSES[role](ctx)
+        log.info("worker ready in %.1fs (roles %s)", time.perf_counter() - t0, ", ".join(self.roles))
+        return {"rank": self.rank, "roles": list(self.roles), "init_s": time.perf_counter() - t0,
+                "torch_threads": torch.get_num_threads()}
+
+    # ------------------------------------------------------------------ calls
+    def execute(self, role: str, method: str, *args: Any) -> Any:
+        """Run `role.method(*args)` on this worker (the controller has checked its dispatch contract)."""
+        if role not in self.roles:
+            raise ValueError(f"role {role!r} is not placed on this {self.group} worker; it has {sorted(self.roles)}")
+        return getattr(self.roles[role], method)(*args)
+
+    @register(Dispatch.ALL)
+    def sync_weights(self) -> dict[str, float]:
+        """Push the actor's full weights into this rank's rollout engine, parameter by parameter."""
+        t0 = time.perf_counter()
+        dtype = resolve_dtype(self.cfg.actor_rollout_ref.rollout.dtype)
+        self.roles["rollout"].load_weights(self.roles["actor"].engine.iter_full_params(dtype))
+        return {"timing/weight_sync_s": time.perf_counter() - t0}
+
+    @register(Dispatch.ALL)
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
