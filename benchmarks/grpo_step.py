@@ -40,20 +40,30 @@ WORKLOAD = {
 }
 
 
-def main(argv: list[str]) -> None:
+def run_workload(workload: dict, argv: list[str]):
+    """Train with `workload` + argv overrides; returns (per-step metrics, layout, wall seconds)."""
     cfg = OmegaConf.structured(RLSPConfig)
-    for key, val in {**WORKLOAD, "trainer.default_local_dir": tempfile.mkdtemp(prefix="rlsp_bench_")}.items():
+    for key, val in {**workload, "trainer.default_local_dir": tempfile.mkdtemp(prefix="rlsp_bench_")}.items():
         OmegaConf.update(cfg, key, val)
     cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(argv))
     layout = validate_config(cfg)
     cfg = preflight(cfg)
     t0 = time.perf_counter()
     history = train(cfg, layout)
-    wall = time.perf_counter() - t0
+    return history, layout, time.perf_counter() - t0
+
+
+def median_of(history: list[dict], key: str, skip: int = 2) -> float:
+    """Median of a per-step metric over the steps after the first `skip` (warm-up)."""
+    return round(statistics.median(h.get(key, 0.0) for h in history[skip:]), 4)
+
+
+def main(argv: list[str]) -> None:
+    history, layout, wall = run_workload(WORKLOAD, argv)
     steady = history[2:]
 
     def med(key: str) -> float:
-        return round(statistics.median(h[key] for h in steady), 4)
+        return median_of(history, key)
 
     print(json.dumps({
         "benchmark": "grpo_step",

@@ -46,7 +46,7 @@ def train(cfg: DictConfig, layout: Any) -> list[dict[str, Any]]:
     log.info("run dir: %s | %s", cfg.trainer.default_local_dir, layout.describe())
     os.makedirs(cfg.trainer.default_local_dir, exist_ok=True)
     OmegaConf.save(cfg, os.path.join(cfg.trainer.default_local_dir, "config.yaml"), resolve=True)
-    _init_ray(cfg, layout.world_size)
+    _init_ray(cfg, layout.total_workers)
     trainer = RayTrainer(cfg, layout)
     try:
         trainer.start_workers()

@@ -73,6 +73,12 @@ class ParallelLayout:
         return self.policy.dp_size
 
     @property
+    def total_workers(self) -> int:
+        """Worker processes the run starts: the policy world plus a separate critic pool, if any."""
+        separate = self.critic is not None and not self.critic_colocated
+        return self.policy.world_size + (self.critic.world_size if separate else 0)
+
+    @property
     def has_critic(self) -> bool:
         return self.critic is not None
 

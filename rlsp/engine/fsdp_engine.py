@@ -190,6 +190,7 @@ class FSDPEngine:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict()` returned; the optimizer keeps (does not copy) the given tensors."""
         set_model_state_dict(self.module, state["model"])
         if self.optimizer is not None:
             missing = sorted({"optimizer", "scheduler"} - set(state))

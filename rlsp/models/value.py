@@ -51,5 +51,6 @@ class ValueModel(nn.Module):
         del labels_S
         check_local_inputs(sp_context, input_ids=input_ids_S, position_ids=position_ids_S)
         hidden_SH = compute_hidden_states(self.backbone, input_ids_S, position_ids_S, sp_context)
-        values_S = self.value_head(hidden_SH).squeeze(-1)
-        return {"values": values_S.float()}
+        values_S = self.value_head(hidden_SH).squeeze(-1).float()
+        # A fresh tensor, not a view of the head's output: FSDP hooks backward on the returned tensors.
+        return {"values": values_S.clone() if values_S._base is not None else values_S}

@@ -82,8 +82,7 @@ class RayTrainer:
         t, layout = self.cfg.trainer, self.layout
         device_type = resolve_device_type(t.device)
         separate = layout.has_critic and not layout.critic_colocated
-        procs = layout.world_size + (layout.critic.world_size if separate else 0)
-        cpus = 1 if device_type == "cuda" else default_cpus_per_worker(procs)
+        cpus = 1 if device_type == "cuda" else default_cpus_per_worker(layout.total_workers)
         config = OmegaConf.to_container(self.cfg, resolve=True)
         env = worker_env(self.cfg)
         pool = ResourcePool(layout.policy.nnodes, layout.policy.procs_per_node, device_type, cpus, name="policy")

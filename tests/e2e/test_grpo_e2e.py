@@ -56,8 +56,9 @@ def ray_session():
     ray.shutdown()
 
 
-def _main(tmp_path, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "rlsp.main", *(f"{k}={v}" for k, v in SMALL.items()),
+def _main(tmp_path, *overrides: str, config_name: str | None = None) -> subprocess.CompletedProcess:
+    named = ["--config-name", config_name] if config_name else []
+    cmd = [sys.executable, "-m", "rlsp.main", *named, *(f"{k}={v}" for k, v in SMALL.items()),
            f"trainer.default_local_dir={tmp_path / 'run'}", f"trainer.cache_dir={tmp_path.parent / 'cache'}", *overrides]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 
