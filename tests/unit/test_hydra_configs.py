@@ -34,3 +34,28 @@ def test_grpo_config_uses_general_defaults():
 def test_unknown_key_is_refused():
     with pytest.raises(ConfigCompositionException):
         compose(config_name="rlsp", overrides=["actor_rollout_ref.actor.ulysses_sp=2"])
+
+
+def test_ppo_config_builds_a_critic():
+    cfg = compose(config_name="ppo")
+    layout = validate_config(cfg)
+    assert cfg.algorithm.adv_estimator == "gae" and layout.has_critic and layout.critic_colocated
+    assert cfg.critic.optim.lr == 1e-3
+
+
+def _recipe_overrides(script: Path) -> tuple[str, list[str]]:
+    """The config name and key=value overrides of a recipe's `python -m rlsp.main` command."""
+    import shlex
+
+    text = script.read_text().replace("\\\n", " ")
+    line = next(x for x in text.splitlines() if "rlsp.main" in x)
+    tokens = shlex.split(line.replace("$MODEL", "/models/m").replace("$DATA", "/data/d").replace('"$@"', ""))
+    name = tokens[tokens.index("--config-name") + 1] if "--config-name" in tokens else "rlsp"
+    return name, [t for t in tokens if "=" in t]
+
+
+@pytest.mark.parametrize("script", sorted((Path(CONFIGS).parent / "recipes").glob("*/run.sh")), ids=lambda p: p.parent.name)
+def test_every_recipe_command_composes_and_validates(script):
+    name, overrides = _recipe_overrides(script)
+    layout = validate_config(compose(config_name=name, overrides=overrides))
+    assert layout.has_critic == script.parent.name.startswith("ppo")
