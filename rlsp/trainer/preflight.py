@@ -13,7 +13,9 @@ from rlsp.algos.registry import ESTIMATOR_DEFAULTS, estimator_uses, list_adv_est
 from rlsp.config.layout import CRITIC_ESTIMATORS
 from rlsp.models.loading import check_sp_support
 from rlsp.rewards.loader import load_custom_reward_fn
+from rlsp.rollout.support import check_rollout_support
 from rlsp.trainer.assets import resolve_data_files, resolve_model_path
+from rlsp.utils.device import resolve_device_type
 from rlsp.utils.logging import get_logger
 
 log = get_logger("rlsp.preflight")
@@ -50,7 +52,8 @@ def _check_estimator_settings(cfg: DictConfig, errors: list[str]) -> None:
 def _check_model(cfg: DictConfig, errors: list[str]) -> None:
     path = cfg.actor_rollout_ref.model.path
     if not os.path.isdir(path):
-        errors.append(f"actor_rollout_ref.model.path={path!r} is not a local directory with a Hugging Face model")
+        errors.append(f"actor_rollout_ref.model.path={path!r} is not a local directory with a Hugging Face model "
+                      "(nor a .gguf file or a directory holding one)")
         return
     config = AutoConfig.from_pretrained(path)
     for key, sp in (("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size),
@@ -59,6 +62,10 @@ def _check_model(cfg: DictConfig, errors: list[str]) -> None:
             check_sp_support(config, sp)
         except ValueError as exc:
             errors.append(f"{key}.ulysses_sequence_parallel_size: {exc}")
+    rollout_error = check_rollout_support(config, cfg.actor_rollout_ref.rollout.name,
+                                          resolve_device_type(cfg.trainer.device))
+    if rollout_error:
+        errors.append(rollout_error)
     need = cfg.data.max_prompt_length + cfg.data.max_response_length
     limit = getattr(config, "max_position_embeddings", None)
     if limit is not None and need > limit:

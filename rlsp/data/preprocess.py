@@ -1,0 +1,116 @@
+"""Turn GSM8K / MATH exports of the Hugging Face Hub into verl-layout parquet for training.
+
+Input: a `.jsonl`/`.json` (one record per line) or `.parquet` file as the Hub exports it —
+gsm8k records have `question` and `answer` (worked solution ending in "#### N"); MATH records have
+`problem`, `solution` (with a final `\\boxed{}`), `level` and `type`. Output: `<output>/<split>.parquet`
+with exactly verl's columns:
+- `data_source`: "openai/gsm8k" or "DigitalLearningGmbH/MATH-lighteval" (selects the scorer);
+- `prompt`: [{"role": "user", "content": question + " " + instruction}];
+- `ability`: "math";
+- `reward_model`: {"style": "rule", "ground_truth": final answer ("1200"; the boxed LaTeX for MATH)};
+- `extra_info`: {"split", "index", ...}: gsm8k adds the raw "question" and "answer", MATH "level"
+  and "type".
+
+CLI: `python -m rlsp.data.preprocess {gsm8k,math} --input FILE --output DIR [--split train]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from rlsp.data.answers import hash_answers, last_boxed
+
+GSM8K_SOURCE = "openai/gsm8k"
+MATH_SOURCE = "DigitalLearningGmbH/MATH-lighteval"
+GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
+
+
+def read_records(path: str) -> list[dict[str, Any]]:
+    """Records of a .jsonl/.json (one JSON object per line) or .parquet file."""
+    if not os.path.isfile(path):
+        raise ValueError(f"input file not found: {path}")
+    if path.endswith(".parquet"):
+        return pd.read_parquet(path).to_dict(orient="records")
+    if path.endswith((".jsonl", ".json")):
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    raise ValueError(f"input {path}: unsupported extension; legal: .jsonl, .json (JSON lines), .parquet")
+
+
+def _require(record: dict[str, Any], keys: tuple[str, ...], index: int, task: str) -> None:
+    missing = [k for k in keys if k not in record]
+    if missing:
+        raise ValueError(f"{task} record {index} lacks {missing}; it has {sorted(record)} (expected {list(keys)})")
+
+
+def gsm8k_row(record: dict[str, Any], split: str, index: int) -> dict[str, Any]:
+    _require(record, ("question", "answer"), index, "gsm8k")
+    found = hash_answers(record["answer"])
+    if not found:
+        raise ValueError(f"gsm8k record {index}: answer has no '#### <number>' line: {record['answer'][-80:]!r}")
+    truth = found[-1].replace(",", "").replace("$", "").replace(" ", "")
+    return {
+        "data_source": GSM8K_SOURCE,
+        "prompt": [{"role": "user", "content": f"{record['question']} {GSM8K_INSTRUCTION}"}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": truth},
+        "extra_info": {"split": split, "index": index, "answer": record["answer"], "question": record["question"]},
+    }
+
+
+def math_row(record: dict[str, Any], split: str, index: int) -> dict[str, Any]:
+    _require(record, ("problem", "solution"), index, "math")
+    truth = last_boxed(record["solution"])
+    if truth is None:
+        raise ValueError(f"math record {index}: solution has no \\boxed{{}} answer: {record['solution'][-80:]!r}")
+    return {
+        "data_source": MATH_SOURCE,
+        "prompt": [{"role": "user", "content": f"{record['problem']} {MATH_INSTRUCTION}"}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": truth},
+        "extra_info": {"split": split, "index": index, "level": str(record.get("level", "")),
+                       "type": str(record.get("type", ""))},
+    }
+
+
+TASKS: dict[str, Callable[[dict[str, Any], str, int], dict[str, Any]]] = {"gsm8k": gsm8k_row, "math": math_row}
+
+
+def preprocess(task: str, input_path: str, output_dir: str, split: str = "train") -> str:
+    """Convert `input_path` and write `<output_dir>/<split>.parquet`; returns the written path."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; legal: {sorted(TASKS)}")
+    records = read_records(input_path)
+    if not records:
+        raise ValueError(f"input {input_path} holds no records")
+    rows = [TASKS[task](record, split, i) for i, record in enumerate(records)]
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(os.path.abspath(output_dir), f"{split}.parquet")
+    tmp = f"{path}.tmp-{os.getpid()}"  # write then rename: a reader never sees a partial file
+    # pyarrow infers plain `string` columns, as verl's files (written by `datasets`) have them.
+    pq.write_table(pa.Table.from_pylist(rows), tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="Convert a Hub export of GSM8K or MATH into verl-layout parquet.")
+    p.add_argument("task", choices=sorted(TASKS))
+    p.add_argument("--input", required=True, help="a .jsonl/.json (JSON lines) or .parquet file")
+    p.add_argument("--output", required=True, help="output directory; writes <split>.parquet there")
+    p.add_argument("--split", default="train", help="split name stored in extra_info and the file name")
+    args = p.parse_args(argv)
+    print(preprocess(args.task, args.input, args.output, args.split))
+
+
+if __name__ == "__main__":
+    main()
