@@ -14,8 +14,10 @@ import hydra
 import ray
 from omegaconf import DictConfig, OmegaConf
 
+from rlsp.config.layout import ParallelLayout
 from rlsp.config.store import register_schema
 from rlsp.config.validate import validate_config
+from rlsp.trainer.checkpoint import latest_checkpoint, resolve_resume
 from rlsp.trainer.preflight import preflight
 from rlsp.trainer.ray_trainer import RayTrainer
 from rlsp.utils.logging import get_logger
@@ -42,17 +44,31 @@ def run(cfg: DictConfig) -> list[dict[str, Any]]:
     return train(cfg, layout)
 
 
-def train(cfg: DictConfig, layout: Any) -> list[dict[str, Any]]:
-    log.info("run dir: %s | %s", cfg.trainer.default_local_dir, layout.describe())
+def prepare(cfg: DictConfig, layout: ParallelLayout) -> tuple[RayTrainer, str | None]:
+    """Everything that can fail on the user's input, before Ray starts: whether to resume, the datasets."""
+    resume = resolve_resume(cfg)
+    trainer = RayTrainer(cfg, layout)
     os.makedirs(cfg.trainer.default_local_dir, exist_ok=True)
     OmegaConf.save(cfg, os.path.join(cfg.trainer.default_local_dir, "config.yaml"), resolve=True)
+    return trainer, resume
+
+
+def train(cfg: DictConfig, layout: ParallelLayout, prepared: tuple[RayTrainer, str | None] | None = None
+          ) -> list[dict[str, Any]]:
+    trainer, resume = prepared or prepare(cfg, layout)
+    log.info("run dir: %s | %s", cfg.trainer.default_local_dir, layout.describe())
     _init_ray(cfg, layout.total_workers)
-    trainer = RayTrainer(cfg, layout)
+    clean = False
     try:
         trainer.start_workers()
-        return trainer.fit()
+        if resume:
+            trainer.load_checkpoint(resume)
+        history = trainer.fit()
+        clean = True
+        return history
     finally:
-        trainer.shutdown()
+        # After a fault or Ctrl-C the workers may be stuck in a collective: kill them, don't wait.
+        trainer.shutdown(graceful=clean)
 
 
 @hydra.main(config_path="../configs", config_name="rlsp", version_base=None)
@@ -60,11 +76,18 @@ def main(cfg: DictConfig) -> None:
     try:
         layout = validate_config(cfg)
         cfg = preflight(cfg)
+        prepared = prepare(cfg, layout)
     except ValueError as exc:
-        # Config errors are for the user, not a traceback; nothing has started yet.
+        # Config and data errors are for the user, not a traceback; nothing has started yet.
         log.error("%s", exc)
         raise SystemExit(2) from None
-    train(cfg, layout)
+    try:
+        train(cfg, layout, prepared)
+    except KeyboardInterrupt:
+        latest = latest_checkpoint(cfg.trainer.default_local_dir)
+        where = f"last complete checkpoint: {latest} (continue with the same command)" if latest else "no checkpoint was written"
+        log.error("interrupted; %s", where)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

@@ -151,6 +151,7 @@ class RewardConfig:
 
     custom_function_path: str | None = None
     custom_function_name: str = "compute_score"
+    on_error: str = "raise"  # a reward fn that raises or returns a non-finite/non-number: raise | zero (counted)
 
 
 @dataclass
@@ -174,6 +175,11 @@ class TrainerConfig:
     sp_self_check_tol: float = 1e-4
     plot: bool = True
     save_final_model: bool = True  # write the trained actor to <default_local_dir>/actor_hf
+    save_freq: int = -1  # checkpoint every N steps; the last step is always saved; <= 0: the last only
+    resume_mode: str = "auto"  # auto: continue from the run dir's latest checkpoint | disable | resume_path
+    resume_from_path: str | None = None  # resume_mode=resume_path: a global_step_<N> directory
+    max_actor_ckpt_to_keep: int | None = None  # keep the actor state of the newest N checkpoints (None: all)
+    max_critic_ckpt_to_keep: int | None = None
 
 
 @dataclass

@@ -6,7 +6,10 @@ Checks here are arithmetic on config values only; checks that need the model or 
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
 
 from rlsp.config.layout import CRITIC_ESTIMATORS, MeshLayout, ParallelLayout
 
@@ -145,6 +148,8 @@ def _check_choices(cfg: Any, errors: list[str]) -> None:
         ("actor_rollout_ref.rollout.dtype", arr.rollout.dtype, DTYPE_NAMES),
         ("actor_rollout_ref.actor.strategy", arr.actor.strategy, ("fsdp2", "fsdp")),
         ("actor_rollout_ref.actor.loss_agg_mode", arr.actor.loss_agg_mode, ("token-mean",)),
+        ("trainer.resume_mode", cfg.trainer.resume_mode, ("auto", "disable", "resume_path")),
+        ("reward.on_error", cfg.reward.on_error, ("raise", "zero")),
     )
     for key, val, legal in choices:
         _require(val in legal, f"{key}={val!r} is not supported; legal values: {list(legal)}", errors)
@@ -172,9 +177,54 @@ def _check_ranges(cfg: Any, errors: list[str]) -> None:
         )
 
 
+def _schema_keys(node: DictConfig, prefix: str = "") -> list[str]:
+    keys = []
+    for key in node.keys():
+        child = node._get_node(key)
+        keys.append(f"{prefix}{key}")
+        if isinstance(child, DictConfig):
+            keys += _schema_keys(child, f"{prefix}{key}.")
+    return keys
+
+
+def _unknown_keys(cfg: Any, schema: DictConfig, prefix: str = "") -> list[str]:
+    unknown = []
+    for key in cfg.keys():
+        if key not in schema:
+            unknown.append(f"{prefix}{key}")
+        elif isinstance(schema._get_node(key), DictConfig) and isinstance(cfg._get_node(key), DictConfig):
+            unknown += _unknown_keys(cfg._get_node(key), schema._get_node(key), f"{prefix}{key}.")
+    return unknown
+
+
+def _check_known_keys(cfg: Any, errors: list[str]) -> None:
+    """Every key must be declared in the schema, whatever its prefix (`+key` adds keys in Hydra)."""
+    if not isinstance(cfg, DictConfig):
+        return
+    from rlsp.config.schema import RLSPConfig  # noqa: PLC0415  (schema imports nothing from here)
+
+    schema = OmegaConf.structured(RLSPConfig)
+    legal = _schema_keys(schema)
+    for key in _unknown_keys(cfg, schema):
+        shown = ", ".join(_nearest(key, legal)) or "see docs/config.md for every key"
+        errors.append(f"unknown config key {key!r}; nearest legal keys: {shown}")
+
+
+def _nearest(key: str, legal: list[str]) -> list[str]:
+    """Legal keys close to `key`: by full path, then by the last name component anywhere in the schema."""
+    near = difflib.get_close_matches(key, legal, n=3, cutoff=0.6)
+    leaf = key.rsplit(".", 1)[-1]
+    leaves = difflib.get_close_matches(leaf, sorted({k.rsplit(".", 1)[-1] for k in legal}), n=2, cutoff=0.75)
+    near += [k for k in legal if k.rsplit(".", 1)[-1] in leaves and k not in near]
+    return near[:4]
+
+
 def validate_config(cfg: Any) -> ParallelLayout:
     """Check `cfg` (RLSPConfig or an OmegaConf view of it); raise one ValueError listing every problem."""
     errors: list[str] = []
+    _check_known_keys(cfg, errors)
+    if errors:  # typos first: the other checks would trip over a misspelled section
+        raise ValueError("invalid rlsp config:\n  - " + "\n  - ".join(errors))
     layout = _check_parallel(cfg, errors)
     if layout is not None:
         _check_batches(cfg, layout, errors)

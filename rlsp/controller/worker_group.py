@@ -23,6 +23,10 @@ from rlsp.workers.worker import Worker
 log = get_logger("rlsp.controller")
 
 
+class WorkerDiedError(RuntimeError):
+    """A worker process ended (killed, out of memory, crashed) while the driver waited on it."""
+
+
 class RayWorkerGroup:
     def __init__(self, pool: ResourcePool, config: dict[str, Any], layout: ParallelLayout, group: str,
                  env_vars: dict[str, str] | None = None) -> None:
@@ -75,23 +79,40 @@ class RayWorkerGroup:
 
     def _dispatch(self, mode: Dispatch, sp: int, submit, args: tuple[Any, ...]) -> Any:
         if mode is Dispatch.ALL:
-            return ray.get([submit(w, *args) for w in self.workers])
+            return self._gather([submit(w, *args) for w in self.workers])
         batch, rest = args[0], args[1:]
         if mode is Dispatch.BY_RANK:
             parts = batch.chunk(self.world_size)
-            return Batch.concat(ray.get([submit(w, p, *rest) for w, p in zip(self.workers, parts)]))
+            return Batch.concat(self._gather([submit(w, p, *rest) for w, p in zip(self.workers, parts)]))
         # BY_DP: one shard per dp group, shipped once and shared by the group's sp ranks.
         dp = self.world_size // sp
         part_refs = [ray.put(p) for p in batch.chunk(dp)]
-        results = ray.get([submit(w, part_refs[rank // sp], *rest) for rank, w in enumerate(self.workers)])
+        results = self._gather([submit(w, part_refs[rank // sp], *rest) for rank, w in enumerate(self.workers)])
         firsts = [results[g * sp] for g in range(dp)]
         return Batch.concat(firsts) if isinstance(firsts[0], Batch) else firsts
 
-    def shutdown(self) -> None:
-        try:
-            ray.get([w.shutdown.remote() for w in self.workers], timeout=30)
-        except Exception as exc:  # a dead worker must not hide the original error
-            log.warning("worker shutdown failed: %s", exc)
+    def _gather(self, refs: list[Any]) -> list[Any]:
+        """Results of one call per rank (refs in rank order). Fails as soon as any rank fails: the
+        others may be blocked in a collective with it and would never return."""
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(ready[0])
+            except ray.exceptions.RayActorError as exc:
+                rank = refs.index(ready[0])
+                cause = str(exc).strip().splitlines()
+                raise WorkerDiedError(f"{self.group} worker rank {rank} of {self.world_size} died: "
+                                      f"{' '.join(cause[:3])[:600]}") from None
+        return ray.get(refs)
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """Release the workers; `graceful` first lets them close their process groups (bounded wait)."""
+        if graceful:
+            try:
+                ray.get([w.shutdown.remote() for w in self.workers], timeout=10)
+            except Exception as exc:  # a dead worker must not hide the original error
+                log.warning("worker shutdown failed: %s", exc)
         for w in self.workers:
             ray.kill(w)
         self.pool.release()

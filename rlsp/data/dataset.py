@@ -38,6 +38,8 @@ def _read_frames(files: Sequence[str], prompt_key: str) -> pd.DataFrame:
         if not os.path.isfile(path):
             raise ValueError(f"dataset file not found: {path}")
         frame = pd.read_parquet(path)
+        if len(frame) == 0:
+            raise ValueError(f"dataset file {path} is empty (0 rows)")
         if prompt_key not in frame.columns:
             raise ValueError(f"{path} has no {prompt_key!r} column; columns found: {list(frame.columns)}")
         frames.append(frame)
@@ -86,7 +88,10 @@ class PromptDataset:
             log.warning("dropped %d of %d prompts longer than %d tokens (%s)", dropped, len(frame), max_prompt_length, paths)
         self.num_filtered = dropped
         if not self.items:
-            raise ValueError(f"no prompt of {paths} fits max_prompt_length={max_prompt_length}")
+            longest = max(len(self._make_item(_plain(r), 0, prompt_key, tokenizer)["prompt_ids"])
+                          for r in frame.head(64).to_dict(orient="records"))
+            raise ValueError(f"none of the {len(frame)} prompts of {paths} fits data.max_prompt_length="
+                             f"{max_prompt_length} (the first ones are up to {longest} tokens); raise it")
 
     @staticmethod
     def _make_item(row: dict[str, Any], row_index: int, prompt_key: str, tokenizer: Any) -> dict[str, Any]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -44,3 +46,16 @@ def _critic_metrics(batch: Batch, mask: torch.Tensor) -> dict[str, float]:
         "critic/values/mean": _mean(values, mask),
         "critic/vf_explained_var": explained_variance(values, returns, mask),
     }
+
+
+# Metrics that must stay finite: a NaN here means the run is training on garbage.
+MUST_BE_FINITE = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "actor/entropy",
+                  "critic/vf_loss", "critic/grad_norm", "critic/values/mean")
+
+
+def check_finite(metrics: dict[str, float], step: int) -> None:
+    """Stop the run at the first non-finite loss, gradient norm, value or reward, naming it."""
+    bad = {k: metrics[k] for k in MUST_BE_FINITE if k in metrics and not math.isfinite(metrics[k])}
+    if bad:
+        raise RuntimeError(f"step {step}: non-finite {bad}; stopping instead of training on it (the optimizer "
+                           "step was skipped; see reward/errors and the reward function if reward/mean is NaN)")

@@ -43,6 +43,17 @@ class MetricsLogger:
             shown = " ".join(f"{k}={metrics[k]:.4g}" for k in CONSOLE_KEYS if isinstance(metrics.get(k), (int, float)))
             log.info("step %d | %s", step, shown)
 
+    def jsonl_lines(self) -> list[str]:
+        """The records logged so far, one JSON line each (as metrics.jsonl holds them)."""
+        return [json.dumps(r) + "\n" for r in self.history]
+
+    def restore(self, records: list[dict[str, Any]]) -> None:
+        """Continue a resumed run: the records of its checkpoint replace whatever was logged after it."""
+        self.history = list(records)
+        if "jsonl" in self.sinks:
+            with open(self.path, "w") as f:
+                f.writelines(self.jsonl_lines())
+
     def plot_rewards(self, filename: str = "reward.png") -> str | None:
         points = [(r["step"], r["reward/mean"]) for r in self.history if "reward/mean" in r]
         if not points:

@@ -24,8 +24,10 @@ from rlsp.controller.resource_pool import ResourcePool, default_cpus_per_worker
 from rlsp.controller.worker_group import RayWorkerGroup
 from rlsp.data.batch import Batch
 from rlsp.data.dataset import PromptDataset, iterate_batches
+from rlsp.engine.export import export_hf
 from rlsp.engine.fsdp_engine import assert_sp_matches
-from rlsp.trainer.batch_metrics import compute_batch_metrics
+from rlsp.trainer.batch_metrics import check_finite, compute_batch_metrics
+from rlsp.trainer.checkpoint import CheckpointWriter, TrainerState, latest_checkpoint, read_metrics_lines
 from rlsp.trainer.metrics import MetricsLogger
 from rlsp.trainer.scoring import Scorer
 from rlsp.utils.device import resolve_device_type
@@ -45,6 +47,7 @@ def _prompt_batch(items: list[dict[str, Any]], uids: list[str] | None = None) ->
             "data_source": [it["data_source"] for it in items],
             "ground_truth": [it["ground_truth"] for it in items],
             "extra_info": [it.get("extra_info") for it in items],
+            "index": [it.get("index") for it in items],
         },
     )
 
@@ -70,12 +73,16 @@ class RayTrainer:
                         if d.val_files else None)
         if len(self.train_set) < d.train_batch_size:
             raise ValueError(f"data.train_batch_size={d.train_batch_size} exceeds the {len(self.train_set)} training prompts")
-        self.scorer = Scorer(self.tokenizer, cfg.reward.custom_function_path, cfg.reward.custom_function_name)
+        self.scorer = Scorer(self.tokenizer, cfg.reward.custom_function_path, cfg.reward.custom_function_name,
+                             on_error=cfg.reward.on_error)
         self.metrics = MetricsLogger(self.run_dir, list(cfg.trainer.logger))
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = build_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
         self.wg: RayWorkerGroup | None = None
         self.critic_wg: RayWorkerGroup | None = None
+        self.start_step = 1
+        self.data_pos = (0, 0)  # (epoch, batches of that epoch consumed)
+        self.ckpt = CheckpointWriter(self.run_dir, cfg.trainer.max_actor_ckpt_to_keep, cfg.trainer.max_critic_ckpt_to_keep)
 
     # ------------------------------------------------------------------ workers
     def start_workers(self) -> list[dict[str, Any]]:
@@ -98,17 +105,50 @@ class RayTrainer:
             infos += self.critic_wg.init_workers()
         return infos
 
-    def shutdown(self) -> None:
-        for wg in {id(g): g for g in (self.critic_wg, self.wg) if g is not None}.values():
-            wg.shutdown()
+    def _groups(self) -> list[RayWorkerGroup]:
+        return list({id(g): g for g in (self.wg, self.critic_wg) if g is not None}.values())
+
+    def shutdown(self, graceful: bool = True) -> None:
+        for wg in self._groups():
+            wg.shutdown(graceful=graceful)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, step: int) -> str:
+        """Every role's sharded state, worker RNGs and the driver's state, made visible atomically."""
+        tmp = self.ckpt.begin(step)
+        self.wg.call("actor", "save_checkpoint", tmp)
+        if self.critic_wg is not None:
+            self.critic_wg.call("critic", "save_checkpoint", tmp)
+        for wg in self._groups():
+            wg.call_worker("save_rng", tmp)
+        state = TrainerState(step=step, epoch=self.data_pos[0], batch_in_epoch=self.data_pos[1],
+                             kl_ctrl=self.kl_ctrl.state_dict(), layout=self.layout.describe())
+        return self.ckpt.commit(tmp, step, state, self.metrics.jsonl_lines(), OmegaConf.to_yaml(self.cfg, resolve=True))
+
+    def load_checkpoint(self, path: str) -> None:
+        """Continue from `path`: weights, optimizers, schedules (resharded if the layout changed), data
+        position, KL controller, metrics so far; then the rollout engines get the loaded weights."""
+        state = TrainerState.read(path)
+        self.wg.call("actor", "load_checkpoint", path)
+        if self.critic_wg is not None:
+            self.critic_wg.call("critic", "load_checkpoint", path)
+        restored = [all(wg.call_worker("load_rng", path)) for wg in self._groups()]
+        self.wg.call_worker("sync_weights")
+        self.kl_ctrl.load_state_dict(state.kl_ctrl)
+        self.start_step, self.data_pos = state.step + 1, (state.epoch, state.batch_in_epoch)
+        self.metrics.restore(read_metrics_lines(path))
+        log.info("resumed from %s at step %d (written with %s; worker RNG states %s)", path, state.step,
+                 state.layout, "restored" if all(restored) else "reseeded: the layout changed")
 
     # ------------------------------------------------------------------ one step
     def _sampling(self, step: int, *, validate: bool = False) -> dict[str, Any]:
         r, d = self.cfg.actor_rollout_ref.rollout, self.cfg.data
         if validate:
             return {"n": 1, "temperature": r.val_temperature, "max_tokens": d.max_response_length, "seed": 0}
+        # Far-apart bases per step: the samples of one step use base .. base + prompts * n - 1.
+        seed = (self.cfg.trainer.seed * 100_003 + step) * 1_000_003 % 2**62
         return {"n": r.n, "temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
-                "max_tokens": d.max_response_length, "seed": self.cfg.trainer.seed * 100003 + step}
+                "max_tokens": d.max_response_length, "seed": seed}
 
     def _rewards(self, batch: Batch) -> dict[str, float]:
         """token_level_rewards = scores, minus beta * KL(old || ref) per token with use_kl_in_reward."""
@@ -143,6 +183,7 @@ class RayTrainer:
             self.check_sp(batch)
         with timed("timing/reward_s", timing):
             scores = self.scorer.score_rows(batch)
+        metrics["reward/errors"] = float(self.scorer.last_errors)
         with timed("timing/old_logprob_s", timing):
             batch.update(self.wg.call("actor", "compute_log_prob", batch))
         if needs_reference(self.cfg):
@@ -194,19 +235,26 @@ class RayTrainer:
     def fit(self) -> list[dict[str, Any]]:
         t = self.cfg.trainer
         total = t.total_training_steps
+        if self.start_step > total:
+            log.info("the run is already complete at step %d (trainer.total_training_steps=%d)", self.start_step - 1, total)
+            return self.metrics.history
         val_on = self.val_set is not None and t.test_freq > 0
-        pending_val = self.validate() if val_on and t.val_before_train else {}
+        fresh = self.start_step == 1
+        pending_val = self.validate() if val_on and t.val_before_train and fresh else {}
         batches = self._batch_stream()
-        bar = tqdm(range(1, total + 1), desc="rlsp", unit="step", dynamic_ncols=True, disable=None)
+        bar = tqdm(range(self.start_step, total + 1), desc="rlsp", unit="step", dynamic_ncols=True, disable=None)
         for step in bar:
             metrics = {**pending_val, **self.train_step(step, next(batches))}
+            check_finite(metrics, step)
             pending_val = {}
             if val_on and (step % t.test_freq == 0 or step == total):
                 metrics.update(self.validate())
             self.metrics.log(step, metrics)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['timing/step_s']:.2f}")
+            if (t.save_freq > 0 and step % t.save_freq == 0) or step == total:
+                log.info("checkpoint: %s", self.save_checkpoint(step))
         if t.save_final_model:
-            saved = self.wg.call("actor", "save_hf", os.path.abspath(os.path.join(self.run_dir, "actor_hf")))[0]
+            saved = export_hf(latest_checkpoint(self.run_dir), os.path.abspath(os.path.join(self.run_dir, "actor_hf")))
             log.info("trained actor (Hugging Face format): %s", saved)
         if t.plot:
             path = self.metrics.plot_rewards()
@@ -215,6 +263,12 @@ class RayTrainer:
         return self.metrics.history
 
     def _batch_stream(self):
+        """Training batches from the current data position on; `data_pos` follows what was consumed."""
         d = self.cfg.data
-        for epoch in range(self.cfg.trainer.total_epochs):
-            yield from iterate_batches(self.train_set, d.train_batch_size, d.seed, epoch)
+        first_epoch, skip = self.data_pos
+        for epoch in range(first_epoch, self.cfg.trainer.total_epochs):
+            for i, items in enumerate(iterate_batches(self.train_set, d.train_batch_size, d.seed, epoch)):
+                if epoch == first_epoch and i < skip:
+                    continue
+                self.data_pos = (epoch, i + 1)
+                yield items

@@ -1,22 +1,41 @@
 """Score rollout rows: decode each response and call the rule reward of its data_source (or a custom fn).
 
 The scalar score is placed on the last response token (`token_level_scores`), as outcome rewards are.
+A reward function that raises, or returns something that is not a finite number, is reported with the
+offending row (data_source, dataset index) and stops the run (`reward.on_error=raise`), or scores 0
+and is counted in `reward/errors` (`reward.on_error=zero`) — never a silent NaN.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 from rlsp.data.batch import Batch
 from rlsp.rewards.loader import load_custom_reward_fn
-from rlsp.rewards.registry import score_batch
+from rlsp.rewards.registry import get_reward_fn
+from rlsp.utils.logging import get_logger
+
+log = get_logger("rlsp.reward")
+
+
+class RewardError(RuntimeError):
+    pass
 
 
 class Scorer:
-    def __init__(self, tokenizer, custom_path: str | None = None, custom_name: str = "compute_score") -> None:
+    def __init__(self, tokenizer, custom_path: str | None = None, custom_name: str = "compute_score",
+                 on_error: str = "raise") -> None:
+        if on_error not in ("raise", "zero"):
+            raise ValueError(f"reward.on_error={on_error!r}; legal values: ['raise', 'zero']")
         self.tokenizer = tokenizer
         self.custom_fn = load_custom_reward_fn(custom_path, custom_name) if custom_path else None
+        self.on_error = on_error
+        self.last_errors = 0
 
     def decode_responses(self, batch: Batch) -> list[str]:
         P = batch["input_ids"].shape[1] - batch["response_mask"].shape[1]
@@ -24,15 +43,35 @@ class Scorer:
         ids = batch["input_ids"][:, P:]
         return [self.tokenizer.decode(ids[i, : lengths[i]].tolist(), skip_special_tokens=True) for i in range(len(batch))]
 
+    def _fn(self, data_source: str) -> Callable[..., Any]:
+        return self.custom_fn if self.custom_fn is not None else get_reward_fn(data_source)
+
+    def _score_one(self, source: str, text: str, truth: Any, extra: Any, index: Any) -> float:
+        fn = self._fn(source)
+        where = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)} on data_source={source!r}"
+        try:
+            value = fn(source, text, truth, extra)
+        except Exception as exc:
+            problem = f"raised {type(exc).__name__}: {exc}"
+        else:
+            if isinstance(value, (bool, int, float, np.number)) and math.isfinite(float(value)):
+                return float(value)
+            problem = f"returned {value!r} (a reward must be a finite number)"
+        message = f"reward function {where}, row index={index} (response {text[:80]!r}) {problem}"
+        if self.on_error == "raise":
+            raise RewardError(message + "; set reward.on_error=zero to score such rows 0 and count them")
+        log.warning("%s; scored 0 (reward.on_error=zero)", message)
+        self.last_errors += 1
+        return 0.0
+
     def score_rows(self, batch: Batch) -> np.ndarray:
         """Adds `token_level_scores` [B, R] to the batch; returns the per-row scores."""
         texts = self.decode_responses(batch)
         sources, truths = batch.meta["data_source"], batch.meta["ground_truth"]
         extras = batch.meta.get("extra_info", [None] * len(batch))
-        if self.custom_fn is not None:
-            scores = [float(self.custom_fn(s, t, g, e)) for s, t, g, e in zip(sources, texts, truths, extras)]
-        else:
-            scores = score_batch(sources, texts, truths, extras)
+        indices = batch.meta.get("index", [None] * len(batch))
+        self.last_errors = 0
+        scores = [self._score_one(*row) for row in zip(sources, texts, truths, extras, indices)]
         mask = batch["response_mask"]
         token_scores = torch.zeros_like(mask)
         last = (mask.sum(-1).long() - 1).clamp_min(0)

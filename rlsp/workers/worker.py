@@ -97,6 +97,30 @@ class Worker:
         return {"timing/weight_sync_s": time.perf_counter() - t0}
 
     @register(Dispatch.ALL)
+    def save_rng(self, ckpt_dir: str) -> None:
+        """This rank's torch RNG state (CPU and, on GPU, the device's) under <ckpt_dir>/rng."""
+        state = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state()
+        os.makedirs(os.path.join(ckpt_dir, "rng"), exist_ok=True)
+        torch.save(state, self._rng_file(ckpt_dir))
+
+    @register(Dispatch.ALL)
+    def load_rng(self, ckpt_dir: str) -> bool:
+        """Restore this rank's RNG state if the checkpoint has one for it (not after a layout change)."""
+        path = self._rng_file(ckpt_dir)
+        if not os.path.exists(path):
+            return False
+        state = torch.load(path, weights_only=True)
+        torch.set_rng_state(state["cpu"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"])
+        return True
+
+    def _rng_file(self, ckpt_dir: str) -> str:
+        return os.path.join(ckpt_dir, "rng", f"{self.group}_rank{self.rank}_of{self.mesh.world_size}.pt")
+
+    @register(Dispatch.ALL)
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()

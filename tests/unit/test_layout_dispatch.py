@@ -69,5 +69,5 @@ def test_every_dispatched_method_declares_its_contract():
         assert dispatch_mode(ROLE_CLASSES[role], method) is Dispatch.BY_DP
     assert dispatch_mode(Worker, "sync_weights") is Dispatch.ALL
     with pytest.raises(ValueError, match=r"CriticRole.engine has no dispatch declaration; dispatchable methods: "
-                                         r"\['compute_values', 'param_checksum', 'sp_self_check', 'update_critic'\]"):
+                                         r"\['compute_values', 'load_checkpoint', 'param_checksum', 'save_checkpoint', 'sp_self_check', 'update_critic'\]"):
         dispatch_mode(ROLE_CLASSES["critic"], "engine")

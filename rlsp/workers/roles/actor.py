@@ -8,6 +8,7 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig
 
 from rlsp.data.batch import Batch
+from rlsp.engine.checkpoint import load_engine, save_engine
 from rlsp.engine.fsdp_engine import FSDPEngine
 from rlsp.models.lm import TokenLogprobModel
 from rlsp.models.loading import load_causal_lm
@@ -80,14 +81,30 @@ class ActorRole:
                                          temperature=batch_temperature(batch, self.cfg))
 
     @register(Dispatch.ALL)
+    def save_checkpoint(self, ckpt_dir: str) -> None:
+        """Sharded model/optimizer/schedule state under <ckpt_dir>/actor, plus what an export needs (collective)."""
+        save_engine(self.engine, os.path.join(ckpt_dir, "actor"))
+        if self.ctx.rank == 0:
+            self._save_hf_assets(os.path.join(ckpt_dir, "actor", "huggingface"))
+
+    @register(Dispatch.ALL)
+    def load_checkpoint(self, ckpt_dir: str) -> None:
+        load_engine(self.engine, os.path.join(ckpt_dir, "actor"))
+
+    def _save_hf_assets(self, path: str) -> None:
+        """Config, tokenizer and generation config of the model (everything but the weights)."""
+        source = self.cfg.actor_rollout_ref.model.path
+        self.engine.config.save_pretrained(path)
+        AutoTokenizer.from_pretrained(source).save_pretrained(path)
+        if os.path.exists(os.path.join(source, "generation_config.json")):  # stop ids for generation
+            GenerationConfig.from_pretrained(source).save_pretrained(path)
+
+    @register(Dispatch.ALL)
     def save_hf(self, path: str) -> str:
         """Save the actor as a Hugging Face model directory (weights, config, tokenizer); collective."""
         self.engine.save_hf(path)
         if self.ctx.rank == 0:
-            source = self.cfg.actor_rollout_ref.model.path
-            AutoTokenizer.from_pretrained(source).save_pretrained(path)
-            if os.path.exists(os.path.join(source, "generation_config.json")):  # stop ids for generation
-                GenerationConfig.from_pretrained(source).save_pretrained(path)
+            self._save_hf_assets(path)
         return path
 
     @register(Dispatch.ALL)

@@ -6,9 +6,12 @@ value head is new (seeded normal init, zero bias).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from rlsp.data.batch import Batch
+from rlsp.engine.checkpoint import load_engine, save_engine
 from rlsp.engine.fsdp_engine import FSDPEngine
 from rlsp.models.loading import load_backbone
 from rlsp.models.value import ValueModel
@@ -63,6 +66,14 @@ class CriticRole:
     def sp_self_check(self, batch: Batch) -> float:
         """Max |value(sp=k) - value(unsharded)| on `batch` (collective)."""
         return self.engine.sp_self_check(batch, self.ctx.prompt_len, "values")
+
+    @register(Dispatch.ALL)
+    def save_checkpoint(self, ckpt_dir: str) -> None:
+        save_engine(self.engine, os.path.join(ckpt_dir, "critic"))
+
+    @register(Dispatch.ALL)
+    def load_checkpoint(self, ckpt_dir: str) -> None:
+        load_engine(self.engine, os.path.join(ckpt_dir, "critic"))
 
     @register(Dispatch.ALL)
     def param_checksum(self) -> float:

@@ -35,9 +35,11 @@ class RolloutRole:
     @register(Dispatch.BY_RANK)
     def generate(self, prompts: Batch, sampling: dict[str, Any]) -> Batch:
         """Sample `n` responses per prompt; rows of one prompt are contiguous and share its meta."""
-        if sampling.get("seed") is not None:
-            # Distinct, far-apart streams per rank: vLLM derives per-sample seeds from consecutive values.
-            sampling = {**sampling, "seed": int(sampling["seed"]) + 1_000_003 * self.ctx.rank}
+        if sampling.get("seed") is not None and len(prompts):
+            # Sample j of the prompt with global index g gets seed + g * n + j (vLLM counts j itself), so
+            # what is sampled does not depend on how prompts were split over ranks (resharded resume).
+            first = int(prompts["prompt_index"][0])
+            sampling = {**sampling, "seed": int(sampling["seed"]) + first * int(sampling.get("n", 1))}
         cfg = SamplingConfig(**sampling)
         prompt_ids: list[list[int]] = prompts.meta["prompt_ids"]
         self.engine.wake_up()

@@ -1,0 +1,32 @@
+"""`python -m rlsp.export <checkpoint_dir> <out_dir>`: a Hugging Face model from any rlsp checkpoint.
+
+<checkpoint_dir> is a `global_step_<N>` directory (or a run directory: its latest checkpoint is used).
+The result loads with transformers' `from_pretrained` and with vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rlsp.engine.export import export_hf
+from rlsp.trainer.checkpoint import latest_checkpoint
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m rlsp.export", description=__doc__.splitlines()[0])
+    p.add_argument("checkpoint_dir", help="global_step_<N> directory, or a run directory (its latest checkpoint)")
+    p.add_argument("out_dir", help="where to write the Hugging Face model")
+    args = p.parse_args(argv)
+    ckpt = latest_checkpoint(args.checkpoint_dir) or args.checkpoint_dir
+    try:
+        out = export_hf(ckpt, args.out_dir)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""DCP checkpoints of the engine: a checkpoint written by 2 ranks loads on 1 rank with sp=1 and on
+2 ranks with sp=2 (resharding) with every weight equal, and `export_hf` turns it into a Hugging Face
+model whose logprobs equal the trainer's (every response token, 1e-5)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from _launch import run_distributed
+from test_fsdp_engine import LOSS, P, _rollout_batch, policy_engine
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from rlsp.engine.checkpoint import load_engine, save_engine
+from rlsp.engine.export import export_hf
+from rlsp.models.tiny import TinyModelSpec, build_tiny_model
+from rlsp.parallel.mesh import build_parallel_dims
+from rlsp.workers.actor_loss import make_actor_loss
+
+pytestmark = pytest.mark.distributed
+
+
+def _train_and_save(rank: int, world: int, model_path: str, batch, ckpt: str):
+    engine = policy_engine(model_path, build_parallel_dims(1, "cpu"), lr=1e-2)
+    engine.train_step(batch, P, 4, make_actor_loss(LOSS, float(batch["response_mask"].sum())),
+                      temperature=1.0, with_entropy=True)
+    save_engine(engine, os.path.join(ckpt, "actor"))
+    if rank == 0:
+        assets = os.path.join(ckpt, "actor", "huggingface")
+        engine.config.save_pretrained(assets)
+        AutoTokenizer.from_pretrained(model_path).save_pretrained(assets)
+    logprobs = engine.infer(batch, P, 3, "logprobs", temperature=1.0)
+    params = {k: v.clone() for k, v in engine.iter_full_params()}
+    return (logprobs, params) if rank == 0 else None
+
+
+def _load(rank: int, world: int, model_path: str, ckpt: str, sp: int):
+    engine = policy_engine(model_path, build_parallel_dims(sp, "cpu"), lr=1e-2)
+    load_engine(engine, os.path.join(ckpt, "actor"))
+    params = {k: v.clone() for k, v in engine.iter_full_params()}
+    return (params, engine.scheduler.state_dict()["last_epoch"]) if rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    spec = TinyModelSpec(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+    path = build_tiny_model(spec, str(tmp_path_factory.mktemp("tiny")))
+    batch = _rollout_batch(AutoConfig.from_pretrained(path).vocab_size)
+    ckpt = str(tmp_path_factory.mktemp("ckpt"))
+    logprobs, params = run_distributed(_train_and_save, 2, path, batch, ckpt)[0]
+    return path, batch, ckpt, logprobs, params
+
+
+@pytest.mark.parametrize("world,sp", [(1, 1), (2, 2)])
+def test_checkpoint_reshards_onto_another_layout(trained, world, sp):
+    path, _, ckpt, _, params = trained
+    loaded, last_epoch = run_distributed(_load, world, path, ckpt, sp)[0]
+    assert loaded.keys() == params.keys()
+    assert all(torch.equal(loaded[k], params[k]) for k in params)
+    assert last_epoch == 1  # the LR schedule came back too
+
+
+def test_export_gives_the_trainers_logprobs(trained, tmp_path):
+    _, batch, ckpt, logprobs, params = trained
+    out = export_hf(ckpt, str(tmp_path / "hf"))
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    AutoTokenizer.from_pretrained(out)  # the tokenizer came along
+    exported = dict(model.named_parameters())
+    assert all(torch.equal(exported[k], params[k]) for k in exported)
+    assert "lm_head.weight" not in set(os.listdir(out)) and model.config.tie_word_embeddings
+    mask = batch["response_mask"]
+    for b in range(len(batch)):
+        keep = batch["attention_mask"][b].bool()
+        ids = batch["input_ids"][b][keep]
+        n_resp = int(mask[b].sum())
+        if n_resp == 0:
+            continue
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=ids[None]).logits[0].float(), dim=-1)
+        hf = logp[:-1].gather(-1, ids[1:, None])[:, 0][-n_resp:]
+        torch.testing.assert_close(hf, logprobs[b, :n_resp], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="holds no actor checkpoint"):
+        export_hf(str(tmp_path), str(tmp_path / "nothing"))
