@@ -82,7 +82,8 @@ def test_main_runs_grpo_and_writes_metrics(tmp_path):
 
     trained = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "actor_hf")
     initial = AutoModelForCausalLM.from_pretrained(tmp_path.parent / "cache" / "models" / "tiny-qwen2")
-    deltas = [float((a - b).abs().max()) for a, b in zip(trained.parameters(), initial.parameters())]
+    with torch.no_grad():
+        deltas = [float((a - b).abs().max()) for a, b in zip(trained.parameters(), initial.parameters())]
     assert len(deltas) > 0 and max(deltas) > 1e-5
     assert (tmp_path / "run" / "actor_hf" / "generation_config.json").exists()
 

@@ -3,6 +3,8 @@
 * `python -m rlsp.main --config-name ppo` with the critic (and actor) at sp=2 and an adaptive KL
   penalty in the reward: completes, every critic metric is finite on every step, vLLM's logprobs
   match the trainer's after every weight sync (<= 1e-4), and the trained actor differs from the start;
+* resumed from its step-2 checkpoint (critic, actor, adaptive KL coefficient), step 3 is bit for bit
+  the uninterrupted run's step 3;
 * a critic in its own resource pool with one warm-up step: the warm-up step moves the critic only,
   the next step moves both.
 """
@@ -11,9 +13,11 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 import ray
+import torch
 from omegaconf import OmegaConf
 from test_grpo_e2e import SMALL, _main
 
@@ -30,12 +34,14 @@ CRITIC_KEYS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "cri
                "actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff")
 
 
+PPO_SP2 = ("critic.ulysses_sequence_parallel_size=2", "trainer.save_freq=2",
+           "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "algorithm.use_kl_in_reward=true",
+           "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.05", "algorithm.kl_ctrl.horizon=100",
+           "critic.ppo_mini_batch_size=2", "critic.ppo_epochs=2", "actor_rollout_ref.actor.ppo_epochs=2")
+
+
 def test_ppo_with_critic_sp2_through_the_cli(tmp_path):
-    proc = _main(tmp_path, "critic.ulysses_sequence_parallel_size=2",
-                 "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "algorithm.use_kl_in_reward=true",
-                 "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.05", "algorithm.kl_ctrl.horizon=100",
-                 "critic.ppo_mini_batch_size=2", "critic.ppo_epochs=2", "actor_rollout_ref.actor.ppo_epochs=2",
-                 config_name="ppo")
+    proc = _main(tmp_path, *PPO_SP2, config_name="ppo")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "sp self-check passed (critic)" in proc.stderr and "sp self-check passed (actor)" in proc.stderr
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -52,7 +58,19 @@ def test_ppo_with_critic_sp2_through_the_cli(tmp_path):
 
     trained = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "actor_hf")
     initial = AutoModelForCausalLM.from_pretrained(tmp_path.parent / "cache" / "models" / "tiny-qwen2")
-    assert max(float((a - b).abs().max()) for a, b in zip(trained.parameters(), initial.parameters())) > 1e-5
+    with torch.no_grad():
+        assert max(float((a - b).abs().max()) for a, b in zip(trained.parameters(), initial.parameters())) > 1e-5
+    # Resume the same command from the step-2 checkpoint in a fresh directory: step 3 is identical.
+    again = tmp_path / "again"
+    (again / "run").mkdir(parents=True)
+    shutil.copytree(tmp_path / "run" / "global_step_2", again / "run" / "global_step_2")
+    proc = _main(again, *PPO_SP2, config_name="ppo")
+    assert proc.returncode == 0 and "resumed from" in proc.stderr, proc.stderr[-4000:]
+    resumed = [json.loads(x) for x in (again / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    for key, value in lines[2].items():
+        if not key.startswith(("timing/", "throughput/", "sp/a2a")):
+            assert resumed[2][key] == value, (key, resumed[2][key], value)
 
 
 @pytest.fixture(scope="module")
