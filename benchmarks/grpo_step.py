@@ -1,15 +1,24 @@
-"""GRPO step time on the fixed workload: 16 prompts x 8 samples x <=32 new tokens, tiny model, 2 workers.
+"""GRPO step time on fixed workloads (the ones rlsp is compared with TRL on); prints one JSON line.
 
-Prints one JSON line: median step time over steps 3+, the split between generation, logprob
-recompute (old + ref), update and weight sync, and tokens/s. Extra argv entries are config overrides
-(key=value), e.g. `actor_rollout_ref.actor.ulysses_sequence_parallel_size=2`.
+    python benchmarks/grpo_step.py --workload tiny    # Qwen2 2 layers, hidden 128, 4q/2kv, <=32 new tokens, 8 steps
+    python benchmarks/grpo_step.py --workload small   # Qwen2 8 layers, hidden 512, 8q/2kv (~22.5M), 256 tokens, 4 steps
+    python benchmarks/grpo_step.py --workload demo    # the tiny demo model/task with KL (earlier numbers)
+
+Workloads tiny/small: random-init Qwen2ForCausalLM (vocab 128, tied embeddings, torch.manual_seed(0)
+init via the tiny-model factory, char tokenizer); 128 prompts "a+b=" (a, b from
+random.Random(0).randint(0, 9), tokenized as written); reward 1 if the completion starts with the sum;
+16 prompts x 8 samples per step, temperature 1, lr 1e-4 constant, grad clip 1.0, no KL, one optimizer
+step per batch, fp32; small ignores EOS (always 256 tokens). The JSON holds the median over steps 3..N
+of the step time and of each phase. Extra argv entries are config overrides (key=value).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import tempfile
@@ -17,27 +26,63 @@ import time
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
+import pandas as pd  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from rlsp.config.schema import RLSPConfig  # noqa: E402
 from rlsp.config.validate import validate_config  # noqa: E402
 from rlsp.main import train  # noqa: E402
+from rlsp.models.tiny import TinyModelSpec, ensure_tiny_model  # noqa: E402
 from rlsp.trainer.preflight import preflight  # noqa: E402
 
-WORKLOAD = {
-    "data.train_batch_size": 16,
-    "data.max_response_length": 32,
-    "actor_rollout_ref.rollout.n": 8,
-    "actor_rollout_ref.actor.ppo_mini_batch_size": 16,
-    "actor_rollout_ref.actor.optim.lr": 1e-3,
-    "trainer.n_gpus_per_node": 2,
-    "trainer.device": "cpu",
-    "trainer.total_training_steps": 8,
-    "trainer.test_freq": 0,
-    "trainer.val_before_train": False,
-    "trainer.logger": ["jsonl"],
-    "trainer.plot": False,
+HERE = os.path.dirname(os.path.abspath(__file__))
+COMMON = {
+    "data.train_batch_size": 16, "actor_rollout_ref.rollout.n": 8,
+    "actor_rollout_ref.actor.ppo_mini_batch_size": 16, "trainer.n_gpus_per_node": 2, "trainer.device": "cpu",
+    "trainer.test_freq": 0, "trainer.val_before_train": False, "trainer.logger": ["jsonl"], "trainer.plot": False,
+    "trainer.save_final_model": False,
 }
+MODELS = {
+    "tiny": TinyModelSpec(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=128, seed=0),
+    "small": TinyModelSpec(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+                           num_key_value_heads=2, vocab_size=128, max_position_embeddings=512, seed=0),
+}
+WORKLOADS = {
+    "tiny": {"steps": 8, "max_response_length": 32, "ignore_eos": False},
+    "small": {"steps": 4, "max_response_length": 256, "ignore_eos": True},
+}
+PHASES = {"step_s_median": "timing/step_s", "gen_s": "timing/gen_s", "old_logprob_s": "timing/old_logprob_s",
+          "ref_s": "timing/ref_s", "reward_s": "timing/reward_s", "update_s": "timing/update_actor_s",
+          "weight_sync_s": "timing/weight_sync_s", "tokens_per_s": "throughput/tokens_per_s"}
+
+
+def sum_prompts(path: str) -> str:
+    rng = random.Random(0)
+    rows = []
+    for i in range(128):
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        rows.append({"data_source": "benchmark/sum_prefix", "prompt": f"{a}+{b}=",
+                     "reward_model": {"style": "rule", "ground_truth": str(a + b)}, "extra_info": {"index": i}})
+    pd.DataFrame(rows).to_parquet(path)
+    return path
+
+
+def overrides_for(workload: str, cache: str) -> dict:
+    if workload == "demo":  # the demo model and task, with the reference and KL loss
+        return {**COMMON, "data.max_response_length": 32, "actor_rollout_ref.actor.optim.lr": 1e-3,
+                "trainer.total_training_steps": 8}
+    w = WORKLOADS[workload]
+    model = ensure_tiny_model(os.path.join(cache, f"bench-{workload}"), MODELS[workload])
+    data = sum_prompts(os.path.join(cache, "sum_prompts.parquet"))
+    return {**COMMON, "actor_rollout_ref.model.path": model, "data.train_files": data, "data.val_files": None,
+            "data.apply_chat_template": False, "data.max_prompt_length": 8,
+            "data.max_response_length": w["max_response_length"], "actor_rollout_ref.rollout.ignore_eos": w["ignore_eos"],
+            "actor_rollout_ref.actor.optim.lr": 1e-4, "actor_rollout_ref.actor.optim.grad_clip": 1.0,
+            "actor_rollout_ref.actor.use_kl_loss": False, "actor_rollout_ref.actor.entropy_coeff": 0.0,
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 64,
+            "reward.custom_function_path": os.path.join(HERE, "sum_prefix_reward.py"),
+            "trainer.total_training_steps": w["steps"]}
 
 
 def run_workload(workload: dict, argv: list[str]):
@@ -59,20 +104,21 @@ def median_of(history: list[dict], key: str, skip: int = 2) -> float:
 
 
 def main(argv: list[str]) -> None:
-    history, layout, wall = run_workload(WORKLOAD, argv)
-    steady = history[2:]
-
-    def med(key: str) -> float:
-        return median_of(history, key)
-
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workload", choices=["tiny", "small", "demo"], default="tiny")
+    p.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/rlsp/bench"))
+    args, overrides = p.parse_known_args(argv)
+    os.makedirs(args.cache_dir, exist_ok=True)
+    history, layout, wall = run_workload(overrides_for(args.workload, args.cache_dir), overrides)
+    # train() wall time minus steps 2..N: Ray start, workers, engines, and step 1 (what a user waits for).
+    first_step_done = wall - sum(h["timing/step_s"] for h in history[1:])
     print(json.dumps({
-        "benchmark": "grpo_step",
-        "workload": "16 prompts x 8 samples x <=32 tokens, tiny qwen2, 2 workers",
-        "sp": layout.sp_size, "steps": len(history), "machine": f"{platform.machine()} {os.cpu_count()} cpus",
-        "step_s_median": med("timing/step_s"), "gen_s": med("timing/gen_s"),
-        "logprob_s": round(statistics.median(h["timing/old_logprob_s"] + h.get("timing/ref_s", 0.0) for h in steady), 4),
-        "update_s": med("timing/update_actor_s"), "weight_sync_s": med("timing/weight_sync_s"),
-        "tokens_per_s": med("throughput/tokens_per_s"), "wall_s_incl_startup": round(wall, 1),
+        "benchmark": "grpo_step", "workload": args.workload, "overrides": overrides,
+        "sp": layout.sp_size, "workers": layout.world_size, "steps": len(history),
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+        **{name: median_of(history, key) for name, key in PHASES.items()},
+        "startup_to_first_step_s": round(first_step_done, 1),
+        "wall_s_incl_startup": round(wall, 1),
     }))
 
 

@@ -11,9 +11,9 @@ import os
 import platform
 import sys
 
-from grpo_step import WORKLOAD, median_of, run_workload
+from grpo_step import median_of, overrides_for, run_workload
 
-PPO = {**WORKLOAD, "algorithm.adv_estimator": "gae", "algorithm.lam": 0.95, "critic.optim.lr": 1e-3}
+PPO = {**overrides_for("demo", ""), "algorithm.adv_estimator": "gae", "algorithm.lam": 0.95, "critic.optim.lr": 1e-3}
 
 
 def main(argv: list[str]) -> None:

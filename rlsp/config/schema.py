@@ -26,6 +26,7 @@ class DataConfig:
     max_prompt_length: int = 32
     max_response_length: int = 8
     filter_overlong_prompts: bool = True
+    apply_chat_template: bool = True  # False: a plain-string prompt is tokenized as written (completion style)
     seed: int = 1
 
 
@@ -52,6 +53,9 @@ class ActorConfig:
     ppo_micro_batch_size_per_gpu: int = 32  # samples per forward/backward on one worker
     ppo_epochs: int = 1
     shuffle: bool = True  # reshuffle rows into mini-batches every epoch (when there is more than one)
+    # On-policy updates (1 epoch, 1 mini-batch, no KL in the reward): the old logprobs are the update's
+    # own forward, detached, instead of a separate pass over the batch. False always recomputes them.
+    reuse_update_logprobs: bool = True
     clip_ratio: float = 0.2
     clip_ratio_low: float | None = None  # None = clip_ratio
     clip_ratio_high: float | None = None
@@ -85,6 +89,7 @@ class RolloutConfig:
     cpu_kvcache_space_gib: int = 1
     log_prob_micro_batch_size_per_gpu: int = 64
     val_temperature: float = 0.0  # greedy validation
+    ignore_eos: bool = False  # sample max_response_length tokens even past EOS (fixed-length benchmarks; vllm only)
 
 
 @dataclass

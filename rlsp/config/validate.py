@@ -170,6 +170,9 @@ def _check_ranges(cfg: Any, errors: list[str]) -> None:
     _require(0.0 < rollout.top_p <= 1.0, f"actor_rollout_ref.rollout.top_p={rollout.top_p} must be in (0, 1]", errors)
     _require(actor.optim.lr > 0.0, f"actor_rollout_ref.actor.optim.lr={actor.optim.lr} must be > 0", errors)
     _require(cfg.trainer.total_training_steps >= 1, f"trainer.total_training_steps={cfg.trainer.total_training_steps} must be >= 1", errors)
+    if rollout.ignore_eos and rollout.name != "vllm":
+        errors.append(f"actor_rollout_ref.rollout.ignore_eos=true needs actor_rollout_ref.rollout.name=vllm "
+                      f"(got {rollout.name!r}: transformers generate stops at EOS)")
     if cfg.algorithm.adv_estimator in ("grpo", "rloo") and rollout.n < 2:
         errors.append(
             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} compares samples of one prompt: "

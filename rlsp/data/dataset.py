@@ -48,7 +48,9 @@ def _read_frames(files: Sequence[str], prompt_key: str) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True)
 
 
-def _render(prompt: Any, tokenizer: Any) -> str:
+def _render(prompt: Any, tokenizer: Any, chat_template: bool = True) -> str:
+    if isinstance(prompt, str) and not chat_template:
+        return prompt  # a completion prompt, tokenized as written
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
     elif isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
@@ -68,13 +70,15 @@ class PromptDataset:
         max_prompt_length: int,
         prompt_key: str = "prompt",
         filter_overlong: bool = True,
+        chat_template: bool = True,
     ) -> None:
         paths = [files] if isinstance(files, str) else list(files)
+        self.chat_template = chat_template
         frame = _read_frames(paths, prompt_key)
         self.items: list[dict[str, Any]] = []
         dropped = 0
         for row_index, row in enumerate(frame.to_dict(orient="records")):
-            item = self._make_item(_plain(row), row_index, prompt_key, tokenizer)
+            item = self._make_item(_plain(row), row_index, prompt_key, tokenizer, chat_template)
             if len(item["prompt_ids"]) > max_prompt_length:
                 if not filter_overlong:
                     raise ValueError(
@@ -88,14 +92,15 @@ class PromptDataset:
             log.warning("dropped %d of %d prompts longer than %d tokens (%s)", dropped, len(frame), max_prompt_length, paths)
         self.num_filtered = dropped
         if not self.items:
-            longest = max(len(self._make_item(_plain(r), 0, prompt_key, tokenizer)["prompt_ids"])
+            longest = max(len(self._make_item(_plain(r), 0, prompt_key, tokenizer, chat_template)["prompt_ids"])
                           for r in frame.head(64).to_dict(orient="records"))
             raise ValueError(f"none of the {len(frame)} prompts of {paths} fits data.max_prompt_length="
                              f"{max_prompt_length} (the first ones are up to {longest} tokens); raise it")
 
     @staticmethod
-    def _make_item(row: dict[str, Any], row_index: int, prompt_key: str, tokenizer: Any) -> dict[str, Any]:
-        text = _render(row[prompt_key], tokenizer)
+    def _make_item(row: dict[str, Any], row_index: int, prompt_key: str, tokenizer: Any,
+                   chat_template: bool = True) -> dict[str, Any]:
+        text = _render(row[prompt_key], tokenizer, chat_template)
         reward_model = row.get("reward_model") or {}
         extra_info = row.get("extra_info") or {}
         return {

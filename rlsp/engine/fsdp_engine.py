@@ -152,7 +152,9 @@ class FSDPEngine:
             loss, metrics = loss_fn(self.forward(micro, **head_kwargs), micro)
             loss.backward()
             for key, val in metrics.items():
-                sums[key] = sums.get(key, 0.0) + val.detach().float().cpu()
+                val = val.detach().float().cpu()
+                sums[key] = torch.maximum(sums[key], val) if key.endswith("_max") and key in sums else (
+                    val if key.endswith("_max") else sums.get(key, 0.0) + val)
             sp_local += torch.tensor([micro.ctx.local_len, micro.packed.num_pad / self.dims.sp_size,
                                       micro.ctx.stats.a2a_seconds, time.perf_counter() - t0], dtype=torch.float64)
         return {**self._reduce_metrics(sums), **self._sp_metrics(sp_local)}
@@ -172,13 +174,16 @@ class FSDPEngine:
         return (full() if full is not None else norm).detach().float().cpu()
 
     def _reduce_metrics(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
-        """Metric contributions are shares of a global mean: summing over all ranks gives the value."""
-        if not sums:
-            return {}
-        keys = sorted(sums)
-        vec = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64) for k in keys])
-        dist.all_reduce(vec, op=dist.ReduceOp.SUM)
-        return {k: float(v) for k, v in zip(keys, vec.tolist())}
+        """Metric contributions are shares of a global mean: summing over all ranks gives the value;
+        keys ending in "_max" are maxima instead (reduced with MAX)."""
+        out: dict[str, float] = {}
+        for op, keys in ((dist.ReduceOp.SUM, sorted(k for k in sums if not k.endswith("_max"))),
+                         (dist.ReduceOp.MAX, sorted(k for k in sums if k.endswith("_max")))):
+            if keys:
+                vec = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64) for k in keys])
+                dist.all_reduce(vec, op=op)
+                out.update(zip(keys, vec.tolist()))
+        return out
 
     # ----------------------------------------------------------------- state (checkpoints)
     def state_dict(self) -> dict[str, Any]:

@@ -52,6 +52,7 @@ class TinyModelSpec:
     # Small init keeps the initial policy close to uniform over the vocabulary.
     init_std: float = 0.02
     seed: int = 0
+    vocab_size: int | None = None  # None: the char tokenizer's size; larger pads the embedding (unused ids)
 
     @property
     def head_dim(self) -> int:
@@ -111,7 +112,10 @@ def _init_model(config: Qwen2Config, seed: int) -> Qwen2ForCausalLM:
 def _write_model(spec: TinyModelSpec, out_dir: str) -> None:
     tokenizer = build_char_tokenizer()
     eos_ids = stop_token_ids(tokenizer)
-    config = build_tiny_config(spec, len(tokenizer), tokenizer.pad_token_id, eos_ids)
+    vocab = spec.vocab_size or len(tokenizer)
+    if vocab < len(tokenizer):
+        raise ValueError(f"vocab_size={vocab} is smaller than the char tokenizer's {len(tokenizer)} tokens")
+    config = build_tiny_config(spec, vocab, tokenizer.pad_token_id, eos_ids)
     model = _init_model(config, spec.seed)
     # Only stop ids and pad: sampling defaults stay with the caller's SamplingParams / generate args.
     model.generation_config = GenerationConfig(

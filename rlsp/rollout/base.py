@@ -34,6 +34,7 @@ class SamplingConfig:
     top_k: int = -1
     max_tokens: int = 32
     seed: int | None = None
+    ignore_eos: bool = False  # keep generating after EOS up to max_tokens (fixed-length benchmarks)
 
     def __post_init__(self) -> None:
         if self.n < 1:

@@ -101,6 +101,7 @@ class VLLMEngine:
             top_k=sampling.top_k,
             max_tokens=sampling.max_tokens,
             seed=seed,
+            ignore_eos=sampling.ignore_eos,
             logprobs=0,  # 0 = only the sampled token's logprob
             detokenize=False,
         )

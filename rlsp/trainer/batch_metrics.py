@@ -19,7 +19,6 @@ def _mean(x: torch.Tensor, mask: torch.Tensor) -> float:
 def compute_batch_metrics(batch: Batch, scores: np.ndarray, step_s: float) -> dict[str, float]:
     mask = batch["response_mask"]
     lengths = mask.sum(-1)
-    diff = (batch["rollout_logprobs"] - batch["old_logprobs"]).abs() * mask
     tokens = float(batch["attention_mask"].sum())
     metrics = {
         "reward/mean": float(scores.mean()), "reward/max": float(scores.max()), "reward/min": float(scores.min()),
@@ -27,10 +26,12 @@ def compute_batch_metrics(batch: Batch, scores: np.ndarray, step_s: float) -> di
         "advantages/mean": _mean(batch["advantages"], mask),
         "response_length/mean": float(lengths.mean()),
         "response_length/clip_ratio": float((lengths >= mask.shape[1]).float().mean()),
-        "rollout/logprob_diff": _mean(diff, mask), "rollout/logprob_diff_max": float(diff.max()),
         "throughput/tokens_per_s": tokens / max(step_s, 1e-9),
         "throughput/response_tokens": float(mask.sum()),
     }
+    if "old_logprobs" in batch:  # else the actor update reports the gap from its own forward
+        diff = (batch["rollout_logprobs"] - batch["old_logprobs"]).abs() * mask
+        metrics.update({"rollout/logprob_diff": _mean(diff, mask), "rollout/logprob_diff_max": float(diff.max())})
     if "values" in batch:
         metrics.update(_critic_metrics(batch, mask))
     return metrics

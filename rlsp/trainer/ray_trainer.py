@@ -68,9 +68,12 @@ class RayTrainer:
         self.run_dir = cfg.trainer.default_local_dir
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.path)
         d = cfg.data
-        self.train_set = PromptDataset(d.train_files, self.tokenizer, d.max_prompt_length, d.prompt_key, d.filter_overlong_prompts)
-        self.val_set = (PromptDataset(d.val_files, self.tokenizer, d.max_prompt_length, d.prompt_key, d.filter_overlong_prompts)
-                        if d.val_files else None)
+        def dataset(files: Any) -> PromptDataset:
+            return PromptDataset(files, self.tokenizer, d.max_prompt_length, d.prompt_key, d.filter_overlong_prompts,
+                                 chat_template=d.apply_chat_template)
+
+        self.train_set = dataset(d.train_files)
+        self.val_set = dataset(d.val_files) if d.val_files else None
         if len(self.train_set) < d.train_batch_size:
             raise ValueError(f"data.train_batch_size={d.train_batch_size} exceeds the {len(self.train_set)} training prompts")
         self.scorer = Scorer(self.tokenizer, cfg.reward.custom_function_path, cfg.reward.custom_function_name,
@@ -148,7 +151,14 @@ class RayTrainer:
         # Far-apart bases per step: the samples of one step use base .. base + prompts * n - 1.
         seed = (self.cfg.trainer.seed * 100_003 + step) * 1_000_003 % 2**62
         return {"n": r.n, "temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
-                "max_tokens": d.max_response_length, "seed": seed}
+                "max_tokens": d.max_response_length, "seed": seed, "ignore_eos": r.ignore_eos}
+
+    def _reuses_update_logprobs(self, step: int) -> bool:
+        """On-policy update (one epoch over one mini-batch, no KL in the reward): the old logprobs are
+        the actor's own forward in the update, so the separate pass is skipped (as TRL does)."""
+        a, cfg = self.cfg.actor_rollout_ref.actor, self.cfg
+        return bool(a.reuse_update_logprobs and a.ppo_epochs == 1 and a.ppo_mini_batch_size == cfg.data.train_batch_size
+                    and not cfg.algorithm.use_kl_in_reward and step > cfg.trainer.critic_warmup)
 
     def _rewards(self, batch: Batch) -> dict[str, float]:
         """token_level_rewards = scores, minus beta * KL(old || ref) per token with use_kl_in_reward."""
@@ -184,8 +194,9 @@ class RayTrainer:
         with timed("timing/reward_s", timing):
             scores = self.scorer.score_rows(batch)
         metrics["reward/errors"] = float(self.scorer.last_errors)
-        with timed("timing/old_logprob_s", timing):
-            batch.update(self.wg.call("actor", "compute_log_prob", batch))
+        if not self._reuses_update_logprobs(step):
+            with timed("timing/old_logprob_s", timing):
+                batch.update(self.wg.call("actor", "compute_log_prob", batch))
         if needs_reference(self.cfg):
             with timed("timing/ref_s", timing):
                 batch.update(self.wg.call("ref", "compute_ref_log_prob", batch))

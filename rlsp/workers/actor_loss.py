@@ -35,7 +35,10 @@ def make_actor_loss(cfg: ActorLossConfig, global_tokens: float) -> LossFn:
     def loss_fn(out: dict[str, torch.Tensor], micro: MicroBatch):
         logprobs_S, entropy_S = out["logprobs"], out.get("entropy")
         mask_S = micro.response_local("response_mask").to(logprobs_S.device)
-        old_S = micro.response_local("old_logprobs").to(logprobs_S.device)
+        if "old_logprobs" in micro.rows:
+            old_S = micro.response_local("old_logprobs").to(logprobs_S.device)
+        else:  # on-policy: the policy that sampled is the one being updated, so old = current, detached
+            old_S = logprobs_S.detach()
         adv_S = micro.response_local("advantages").to(logprobs_S.device)
         pg_tokens, pg_metrics = policy_loss(
             logprobs_S, old_S, adv_S, mask_S,
@@ -44,6 +47,10 @@ def make_actor_loss(cfg: ActorLossConfig, global_tokens: float) -> LossFn:
         pg_loss = aggregate_token_mean(pg_tokens, mask_S, global_tokens)
         loss = pg_loss
         metrics = {"actor/pg_loss": pg_loss.detach()}
+        if "old_logprobs" not in micro.rows:  # the separate pass that would report it was skipped
+            diff_S = (micro.response_local("rollout_logprobs").to(logprobs_S.device) - old_S).abs() * mask_S
+            metrics["rollout/logprob_diff"] = diff_S.sum() / global_tokens
+            metrics["rollout/logprob_diff_max"] = diff_S.max() if diff_S.numel() else diff_S.new_zeros(())
         for name in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
             metrics[f"actor/{name}"] = pg_metrics[f"{name}_sum"] / global_tokens
         if cfg.use_kl_loss:

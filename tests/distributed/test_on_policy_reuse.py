@@ -1,0 +1,56 @@
+"""On-policy updates take the old logprobs from the update's own forward: the step lands on the same
+weights with the same losses as recomputing them in a separate pass first (fp32, every parameter),
+at dp=2 and at sp=2, and still reports the rollout-vs-trainer logprob gap."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from _launch import run_distributed
+from test_fsdp_engine import LOSS, P, _rollout_batch, policy_engine
+
+from rlsp.models.tiny import TinyModelSpec, build_tiny_model
+from rlsp.parallel.mesh import build_parallel_dims
+from rlsp.workers.actor_loss import make_actor_loss
+
+pytestmark = pytest.mark.distributed
+
+
+def _step(rank: int, world: int, path: str, batch, sp: int, recompute: bool):
+    dims = build_parallel_dims(sp, "cpu")
+    engine = policy_engine(path, dims, lr=1e-3)
+    shard = batch.chunk(dims.dp_size)[dims.dp_rank]
+    if recompute:
+        shard.set("old_logprobs", engine.infer(shard, P, 5, "logprobs", temperature=1.0))
+    else:
+        shard.tensors.del_("old_logprobs")
+    count = shard["response_mask"].sum().double().reshape(1)
+    dist.all_reduce(count, group=dims.dp_group)
+    metrics = engine.train_step(shard, P, 3, make_actor_loss(LOSS, float(count)), temperature=1.0, with_entropy=True)
+    params = {k: v.clone() for k, v in engine.iter_full_params()}
+    return (metrics, params) if rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def model_and_batch(tmp_path_factory):
+    spec = TinyModelSpec(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+    path = build_tiny_model(spec, str(tmp_path_factory.mktemp("tiny")))
+    from transformers import AutoConfig
+
+    batch = _rollout_batch(AutoConfig.from_pretrained(path).vocab_size)
+    batch.set("rollout_logprobs", batch["old_logprobs"])  # any values: only the reported gap uses them
+    return path, batch
+
+
+@pytest.mark.parametrize("world,sp", [(2, 1), (2, 2)])
+def test_reusing_the_update_forward_equals_recomputing(model_and_batch, world, sp):
+    path, batch = model_and_batch
+    m_re, p_re = run_distributed(_step, world, path, batch, sp, True)[0]
+    m_on, p_on = run_distributed(_step, world, path, batch, sp, False)[0]
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "grad_norm"):
+        assert abs(m_on[key] - m_re[key]) <= 1e-6 * max(1.0, abs(m_re[key])), (key, m_on[key], m_re[key])
+    assert m_on["actor/ppo_kl"] == 0.0 and abs(m_re["actor/ppo_kl"]) <= 1e-6  # ratio exactly / almost 1
+    worst = max(float((p_on[k] - p_re[k]).abs().max()) for k in p_re)
+    assert worst <= 1e-6, f"weights differ by {worst:.3g}"
+    assert m_on["rollout/logprob_diff"] > 0 and m_on["rollout/logprob_diff_max"] >= m_on["rollout/logprob_diff"]
