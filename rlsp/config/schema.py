@@ -51,6 +51,8 @@ class ActorConfig:
     strategy: str = "fsdp2"
     ppo_mini_batch_size: int = 16  # prompts per optimizer step (x rollout.n samples), verl semantics
     ppo_micro_batch_size_per_gpu: int = 32  # samples per forward/backward on one worker
+    use_dynamic_bsz: bool = False  # micro-batches filled to a token budget instead of a fixed row count
+    ppo_max_token_len_per_gpu: int = 16384  # that budget, tokens per rank (a packed stream holds budget x sp)
     ppo_epochs: int = 1
     shuffle: bool = True  # reshuffle rows into mini-batches every epoch (when there is more than one)
     # On-policy updates (1 epoch, 1 mini-batch, no KL in the reward): the old logprobs are the update's
@@ -74,6 +76,8 @@ class ActorConfig:
 @dataclass
 class RefConfig:
     log_prob_micro_batch_size_per_gpu: int = 64
+    log_prob_use_dynamic_bsz: bool = False
+    log_prob_max_token_len_per_gpu: int = 16384
 
 
 @dataclass
@@ -88,6 +92,8 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     cpu_kvcache_space_gib: int = 1
     log_prob_micro_batch_size_per_gpu: int = 64
+    log_prob_use_dynamic_bsz: bool = False  # old-logprob pass: token-budget micro-batches
+    log_prob_max_token_len_per_gpu: int = 16384
     val_temperature: float = 0.0  # greedy validation
     ignore_eos: bool = False  # sample max_response_length tokens even past EOS (fixed-length benchmarks; vllm only)
 
@@ -122,6 +128,9 @@ class CriticConfig:
     ppo_mini_batch_size: int = 16  # prompts per optimizer step (x rollout.n samples), verl semantics
     ppo_micro_batch_size_per_gpu: int = 32  # samples per forward/backward on one worker
     forward_micro_batch_size_per_gpu: int = 64  # samples per value forward (no grad)
+    use_dynamic_bsz: bool = False  # token-budget micro-batches for the value forward and the update
+    ppo_max_token_len_per_gpu: int = 32768
+    forward_max_token_len_per_gpu: int = 32768
     ppo_epochs: int = 1
     shuffle: bool = True
     cliprange_value: float = 0.5  # clip of the new value around the rollout-time value
@@ -168,6 +177,7 @@ class TrainerConfig:
     n_gpus_per_node: int = 2  # worker processes per node (CPU workers when device=cpu)
     total_epochs: int = 1000
     total_training_steps: int = 100
+    balance_batch: bool = True  # reorder rows so every dp rank gets a similar number of tokens
     critic_warmup: int = 0  # the first N steps update only the critic (the actor and rollout stay put)
     test_freq: int = 10  # validate every N steps (and at the start and end); <=0 disables
     val_before_train: bool = True

@@ -88,6 +88,10 @@ def _check_batches(cfg: Any, layout: ParallelLayout, errors: list[str]) -> None:
         ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu),
         ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu),
         ("actor_rollout_ref.actor.ppo_epochs", actor.ppo_epochs),
+        ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", actor.ppo_max_token_len_per_gpu),
+        ("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", cfg.actor_rollout_ref.ref.log_prob_max_token_len_per_gpu),
+        ("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+         cfg.actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu),
         ("data.max_prompt_length", d.max_prompt_length),
         ("data.max_response_length", d.max_response_length),
     ):
@@ -109,7 +113,9 @@ def _check_critic(cfg: Any, layout: ParallelLayout, errors: list[str]) -> None:
              f"the critic's dp={dp} ranks", errors)
     for key, val in (("critic.ppo_micro_batch_size_per_gpu", c.ppo_micro_batch_size_per_gpu),
                      ("critic.forward_micro_batch_size_per_gpu", c.forward_micro_batch_size_per_gpu),
-                     ("critic.ppo_epochs", c.ppo_epochs)):
+                     ("critic.ppo_epochs", c.ppo_epochs),
+                     ("critic.ppo_max_token_len_per_gpu", c.ppo_max_token_len_per_gpu),
+                     ("critic.forward_max_token_len_per_gpu", c.forward_max_token_len_per_gpu)):
         _require(val >= 1, f"{key}={val} must be >= 1", errors)
     _require(c.cliprange_value > 0.0, f"critic.cliprange_value={c.cliprange_value} must be > 0", errors)
     _require(c.optim.lr > 0.0, f"critic.optim.lr={c.optim.lr} must be > 0", errors)

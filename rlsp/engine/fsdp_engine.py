@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from rlsp.data.batch import Batch
-from rlsp.engine.micro import MicroBatch, prepare_micro_batch
+from rlsp.engine.micro import MicroBatch, prepare_micro_batch, split_rows
 from rlsp.engine.optim import OptimSettings, build_optimizer
 from rlsp.engine.parallelize import parallelize
 from rlsp.engine.stream import stream_to_response
@@ -100,15 +100,20 @@ class FSDPEngine:
         rows_BR = stream_to_response(values_T, micro.packed, micro.prompt_len, micro.response_len)
         return rows_BR * micro.rows["response_mask"]
 
+    def _micro_batches(self, batch: Batch, micro_size: int, max_tokens: int | None) -> list[tuple[list[int], Batch]]:
+        return [(idx, batch.select_rows(idx)) for idx in split_rows(batch, micro_size, max_tokens, self.dims.sp_size)]
+
     @torch.no_grad()
-    def infer(self, batch: Batch, prompt_len: int, micro_size: int, key: str, **head_kwargs: Any) -> torch.Tensor:
-        """The head's output `key` for every response token, [B, R] (zeros on padding); collective."""
+    def infer(self, batch: Batch, prompt_len: int, micro_size: int, key: str, max_tokens: int | None = None,
+              **head_kwargs: Any) -> torch.Tensor:
+        """The head's output `key` for every response token, [B, R] (zeros on padding); collective.
+        Micro-batches hold `micro_size` rows, or up to `max_tokens` tokens per rank when given."""
         self.module.eval()
-        outs = []
-        for rows in batch.split(micro_size):
+        out_BR = torch.zeros(len(batch), batch["input_ids"].shape[1] - prompt_len)
+        for idx, rows in self._micro_batches(batch, micro_size, max_tokens):
             micro = self.prepare(rows, prompt_len)
-            outs.append(self._to_rows(self.forward(micro, **head_kwargs)[key], micro))
-        return torch.cat(outs, dim=0)
+            out_BR[idx] = self._to_rows(self.forward(micro, **head_kwargs)[key], micro)
+        return out_BR
 
     @torch.no_grad()
     def sp_self_check(self, rows: Batch, prompt_len: int, key: str, **head_kwargs: Any) -> float:
@@ -126,12 +131,12 @@ class FSDPEngine:
 
     # ----------------------------------------------------------------- training
     def train_step(self, batch: Batch, prompt_len: int, micro_size: int, loss_fn: LossFn,
-                   **head_kwargs: Any) -> dict[str, float]:
+                   max_tokens: int | None = None, **head_kwargs: Any) -> dict[str, float]:
         """One optimizer step over `batch` (this rank's share of a mini-batch)."""
         if self.optimizer is None:
             raise RuntimeError("train_step called on a frozen engine (built without optimizer settings)")
         self.optimizer.zero_grad(set_to_none=True)
-        out = self.backward_batch(batch, prompt_len, micro_size, loss_fn, **head_kwargs)
+        out = self.backward_batch(batch, prompt_len, micro_size, loss_fn, max_tokens, **head_kwargs)
         grad_norm = self._clip_grad()
         out["lr"] = self.optimizer.param_groups[0]["lr"]
         if torch.isfinite(grad_norm):
@@ -141,12 +146,12 @@ class FSDPEngine:
         return out
 
     def backward_batch(self, batch: Batch, prompt_len: int, micro_size: int, loss_fn: LossFn,
-                       **head_kwargs: Any) -> dict[str, float]:
+                       max_tokens: int | None = None, **head_kwargs: Any) -> dict[str, float]:
         """Accumulate gradients of `loss_fn` over the micro-batches of `batch`; returns reduced metrics."""
         self.module.train()
         sums: dict[str, torch.Tensor] = {}
         sp_local = torch.zeros(4, dtype=torch.float64)  # local tokens, pad tokens, a2a seconds, total seconds
-        for rows in batch.split(micro_size):
+        for _, rows in self._micro_batches(batch, micro_size, max_tokens):
             t0 = time.perf_counter()
             micro = self.prepare(rows, prompt_len)
             loss, metrics = loss_fn(self.forward(micro, **head_kwargs), micro)

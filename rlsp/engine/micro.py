@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from rlsp.data.balance import count_token_bins, plan_token_bins
 from rlsp.data.batch import Batch
 from rlsp.data.packing import PackedBatch, pack_sequences
 from rlsp.engine.stream import response_to_stream
@@ -39,3 +40,21 @@ def prepare_micro_batch(rows: Batch, prompt_len: int, group: dist.ProcessGroup |
     ctx = build_sp_context(group, packed, num_q_heads, num_kv_heads)
     response_len = rows["input_ids"].shape[1] - prompt_len
     return MicroBatch(rows=rows, packed=packed, ctx=ctx, prompt_len=prompt_len, response_len=response_len)
+
+
+def split_rows(batch: Batch, micro_size: int, max_tokens: int | None, sp_size: int) -> list[list[int]]:
+    """Row indices of each micro-batch of this rank's `batch` (collective when `max_tokens` is set).
+
+    Fixed size: consecutive runs of `micro_size` rows. Token budget (`max_tokens` per rank, so a packed
+    stream holds up to max_tokens * sp_size tokens): every rank of the world runs the same number of
+    micro-batches — the largest any rank needs — because each forward's FSDP all-gathers are collective.
+    """
+    n = len(batch)
+    if max_tokens is None:
+        return [list(range(i, min(i + micro_size, n))) for i in range(0, n, micro_size)]
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    budget = max_tokens * sp_size
+    need = torch.tensor([count_token_bins(lengths, budget), -n], dtype=torch.int64)
+    dist.all_reduce(need, op=dist.ReduceOp.MAX)
+    most, fewest_rows = int(need[0]), int(-need[1])
+    return plan_token_bins(lengths, budget, min(most, fewest_rows))

@@ -22,6 +22,7 @@ from rlsp.algos.registry import compute_advantages
 from rlsp.config.layout import ParallelLayout
 from rlsp.controller.resource_pool import ResourcePool, default_cpus_per_worker
 from rlsp.controller.worker_group import RayWorkerGroup
+from rlsp.data.balance import balanced_order
 from rlsp.data.batch import Batch
 from rlsp.data.dataset import PromptDataset, iterate_batches
 from rlsp.engine.export import export_hf
@@ -189,6 +190,8 @@ class RayTrainer:
         with timed("timing/gen_s", timing):
             batch = self.wg.call("rollout", "generate", _prompt_batch(items), self._sampling(step))
         batch.info.update(temperature=self.cfg.actor_rollout_ref.rollout.temperature, global_step=step)
+        if self.cfg.trainer.balance_batch and self.layout.dp_size > 1:
+            batch = batch.select_rows(balanced_order(batch["attention_mask"].sum(-1).tolist(), self.layout.dp_size))
         if step == 1 and self.cfg.trainer.sp_self_check:
             self.check_sp(batch)
         with timed("timing/reward_s", timing):

@@ -54,7 +54,8 @@ def policy_engine(model_path: str, dims, *, trainable: bool = True, lr: float = 
     return FSDPEngine(TokenLogprobModel(lm), dims, torch.device("cpu"), compute_dtype=compute_dtype, optim=optim)
 
 
-def _train_once(rank: int, world: int, model_path: str, sp: int, micro: int, batch: Batch):
+def _train_once(rank: int, world: int, model_path: str, sp: int, micro: int, batch: Batch,
+                max_tokens: int | None = None):
     dims = build_parallel_dims(sp, "cpu")
     engine = policy_engine(model_path, dims)
     shard = batch.chunk(dims.dp_size)[dims.dp_rank]
@@ -62,7 +63,7 @@ def _train_once(rank: int, world: int, model_path: str, sp: int, micro: int, bat
     dist.all_reduce(count, group=dims.dp_group)
     loss_fn = make_actor_loss(LOSS, float(count))
     engine.optimizer.zero_grad(set_to_none=True)
-    metrics = engine.backward_batch(shard, P, micro, loss_fn, temperature=1.0, with_entropy=True)
+    metrics = engine.backward_batch(shard, P, micro, loss_fn, max_tokens, temperature=1.0, with_entropy=True)
     grads = {k: v.clone() for k, v in engine.iter_full_grads()}
     engine.optimizer.step()
     params = {k: v.clone() for k, v in engine.iter_full_params()}
@@ -109,3 +110,17 @@ def test_rank_without_response_tokens_still_exact(model_and_batch):
         metrics, grads, _ = run_distributed(_train_once, world, path, sp, micro, empty)[0]
         assert abs(metrics["actor/pg_loss"] - ref_metrics["actor/pg_loss"]) <= 1e-6
         assert max(_rel(grads[k], ref_grads[k]) for k in grads) <= 1e-6
+
+
+@pytest.mark.parametrize("world,sp,max_tokens", [(1, 1, 16), (2, 1, 10), (2, 2, 9), (4, 2, 5)])
+def test_token_budget_micro_batches_keep_loss_and_gradients_exact(model_and_batch, world, sp, max_tokens):
+    """Micro-batches filled to a token budget per rank (packed streams of up to budget x sp tokens);
+    ranks may need different numbers of them, and all run the largest count."""
+    path, batch, (ref_metrics, ref_grads, ref_params) = model_and_batch
+    metrics, grads, params = run_distributed(_train_once, world, path, sp, 1, batch, max_tokens)[0]
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
+        assert abs(metrics[key] - ref_metrics[key]) <= 1e-6, (key, metrics[key], ref_metrics[key])
+    worst = max(_rel(grads[k], ref_grads[k]) for k in grads)
+    assert worst <= 1e-6, f"max relative gradient error {worst:.3g}"
+    for k in params:
+        torch.testing.assert_close(params[k], ref_params[k], rtol=0, atol=1e-6)

@@ -17,7 +17,7 @@ from rlsp.workers.actor_loss import ActorLossConfig, make_actor_loss
 from rlsp.workers.context import RoleContext
 from rlsp.workers.dispatch import Dispatch, register
 from rlsp.workers.ppo_loop import global_token_count, run_ppo_epochs
-from rlsp.workers.roles.common import batch_temperature, optim_settings
+from rlsp.workers.roles.common import batch_temperature, optim_settings, token_budget
 
 
 def build_policy_engine(ctx: RoleContext, trainable: bool) -> FSDPEngine:
@@ -41,8 +41,9 @@ class ActorRole:
     @register(Dispatch.BY_DP)
     def compute_log_prob(self, batch: Batch) -> Batch:
         """Old logprobs [B, R] of the sampled tokens under the current policy."""
-        micro = self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
-        lp = self.engine.infer(batch, self.ctx.prompt_len, micro, "logprobs",
+        r = self.cfg.actor_rollout_ref.rollout
+        lp = self.engine.infer(batch, self.ctx.prompt_len, r.log_prob_micro_batch_size_per_gpu, "logprobs",
+                               token_budget(r.log_prob_use_dynamic_bsz, r.log_prob_max_token_len_per_gpu),
                                temperature=batch_temperature(batch, self.cfg))
         return Batch.from_dict({"old_logprobs": lp})
 
@@ -57,6 +58,7 @@ class ActorRole:
         def train_mini(mini: Batch) -> dict[str, float]:
             loss_fn = make_actor_loss(loss_cfg, global_token_count(mini, dims.dp_group))
             return self.engine.train_step(mini, self.ctx.prompt_len, a.ppo_micro_batch_size_per_gpu, loss_fn,
+                                          token_budget(a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu),
                                           temperature=temperature, with_entropy=True)
 
         mini_rows = a.ppo_mini_batch_size * self.cfg.actor_rollout_ref.rollout.n // dims.dp_size

@@ -15,6 +15,11 @@ def optim_settings(optim: Any) -> OptimSettings:
                          warmup_steps=int(optim.warmup_steps), grad_clip=float(optim.grad_clip))
 
 
+def token_budget(enabled: bool, max_tokens: int) -> int | None:
+    """Tokens per rank per micro-batch when token-budget micro-batching is on, else None (fixed rows)."""
+    return int(max_tokens) if enabled else None
+
+
 def batch_temperature(batch: Batch, cfg: DictConfig) -> float:
     """Logprobs are computed at the temperature the rows were sampled with."""
     return float(batch.info.get("temperature", cfg.actor_rollout_ref.rollout.temperature))

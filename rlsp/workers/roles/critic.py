@@ -20,7 +20,7 @@ from rlsp.workers.context import RoleContext
 from rlsp.workers.critic_loss import make_critic_loss
 from rlsp.workers.dispatch import Dispatch, register
 from rlsp.workers.ppo_loop import global_token_count, run_ppo_epochs
-from rlsp.workers.roles.common import optim_settings
+from rlsp.workers.roles.common import optim_settings, token_budget
 
 
 def build_critic_engine(ctx: RoleContext) -> FSDPEngine:
@@ -44,8 +44,10 @@ class CriticRole:
     @register(Dispatch.BY_DP)
     def compute_values(self, batch: Batch) -> Batch:
         """V(s_t) [B, R] for the state before every response token (zeros on padding)."""
-        micro = self.cfg.critic.forward_micro_batch_size_per_gpu
-        return Batch.from_dict({"values": self.engine.infer(batch, self.ctx.prompt_len, micro, "values")})
+        c = self.cfg.critic
+        values = self.engine.infer(batch, self.ctx.prompt_len, c.forward_micro_batch_size_per_gpu, "values",
+                                   token_budget(c.use_dynamic_bsz, c.forward_max_token_len_per_gpu))
+        return Batch.from_dict({"values": values})
 
     @register(Dispatch.BY_DP)
     def update_critic(self, batch: Batch) -> dict[str, float]:
@@ -55,7 +57,8 @@ class CriticRole:
 
         def train_mini(mini: Batch) -> dict[str, float]:
             loss_fn = make_critic_loss(c.cliprange_value, global_token_count(mini, dims.dp_group))
-            return self.engine.train_step(mini, self.ctx.prompt_len, c.ppo_micro_batch_size_per_gpu, loss_fn)
+            return self.engine.train_step(mini, self.ctx.prompt_len, c.ppo_micro_batch_size_per_gpu, loss_fn,
+                                          token_budget(c.use_dynamic_bsz, c.ppo_max_token_len_per_gpu))
 
         mini_rows = c.ppo_mini_batch_size * self.cfg.actor_rollout_ref.rollout.n // dims.dp_size
         metrics = run_ppo_epochs(batch, mini_rows, c.ppo_epochs, c.shuffle, self.cfg.trainer.seed + 1, dims.dp_rank,

@@ -6,7 +6,7 @@ from rlsp.data.batch import Batch
 from rlsp.workers.context import RoleContext
 from rlsp.workers.dispatch import Dispatch, register
 from rlsp.workers.roles.actor import build_policy_engine
-from rlsp.workers.roles.common import batch_temperature
+from rlsp.workers.roles.common import batch_temperature, token_budget
 
 
 class ReferenceRole:
@@ -16,7 +16,8 @@ class ReferenceRole:
 
     @register(Dispatch.BY_DP)
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
-        micro = self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
-        lp = self.engine.infer(batch, self.ctx.prompt_len, micro, "logprobs",
+        ref = self.cfg.actor_rollout_ref.ref
+        lp = self.engine.infer(batch, self.ctx.prompt_len, ref.log_prob_micro_batch_size_per_gpu, "logprobs",
+                               token_budget(ref.log_prob_use_dynamic_bsz, ref.log_prob_max_token_len_per_gpu),
                                temperature=batch_temperature(batch, self.cfg))
         return Batch.from_dict({"ref_logprobs": lp})
