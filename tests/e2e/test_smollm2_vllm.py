@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from test_vllm_engine import reference_logprobs
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlsp.models.fetch import fetch_model
@@ -58,14 +59,6 @@ def engine(model_path: str) -> RolloutEngine:
     engine = build_rollout_engine("vllm", model_path, dtype="float32", max_model_len=256, seed=0)
     print(f"\nvLLM engine build (SmolLM2-135M): {time.perf_counter() - t0:.1f}s")
     return engine
-
-
-def reference_logprobs(model: torch.nn.Module, token_ids: list[int], temperature: float = 1.0) -> list[float]:
-    """fp64 log p(token_t | tokens_<t) for t >= 1."""
-    with torch.no_grad():
-        logits = model(torch.tensor([token_ids])).logits[0].double() / temperature
-    logprobs = torch.log_softmax(logits[:-1], dim=-1)
-    return logprobs.gather(-1, torch.tensor(token_ids[1:])[:, None]).squeeze(-1).tolist()
 
 
 def test_prompt_logprobs_match_hf(engine: RolloutEngine, reference: torch.nn.Module, prompts: list[list[int]]) -> None:

@@ -3,32 +3,24 @@
 from __future__ import annotations
 
 import pytest
-from omegaconf import OmegaConf
+from test_config import make
 
 from rlsp.config.layout import MeshLayout, ParallelLayout
-from rlsp.config.schema import RLSPConfig
 from rlsp.config.validate import validate_config
 from rlsp.workers.dispatch import Dispatch, dispatch_mode
 from rlsp.workers.roles import ROLE_CLASSES
 from rlsp.workers.worker import Worker
 
 
-def _cfg(**overrides):
-    cfg = OmegaConf.structured(RLSPConfig)
-    for key, val in overrides.items():
-        OmegaConf.update(cfg, key, val)
-    return cfg
-
-
 def test_layout_without_and_with_critic():
-    layout = validate_config(_cfg())
+    layout = validate_config(make())
     assert layout == ParallelLayout(MeshLayout(1, 2, 1)) and not layout.has_critic
     assert layout.roles_of("policy") == ("actor", "ref", "rollout")
-    ppo = validate_config(_cfg(**{"algorithm.adv_estimator": "gae", "critic.ulysses_sequence_parallel_size": 2}))
+    ppo = validate_config(make(**{"algorithm.adv_estimator": "gae", "critic.ulysses_sequence_parallel_size": 2}))
     assert ppo.critic == MeshLayout(1, 2, 2) and ppo.critic_colocated and ppo.total_workers == 2
     assert ppo.roles_of("policy") == ("actor", "ref", "rollout", "critic")
     assert ppo.role_mesh("critic").dp_size == 1 and ppo.role_mesh("actor").dp_size == 2
-    own = validate_config(_cfg(**{"algorithm.adv_estimator": "gae", "critic.colocate": False,
+    own = validate_config(make(**{"algorithm.adv_estimator": "gae", "critic.colocate": False,
                                   "critic.n_gpus_per_node": 3, "data.train_batch_size": 6,
                                   "actor_rollout_ref.actor.ppo_mini_batch_size": 6, "critic.ppo_mini_batch_size": 3}))
     assert own.total_workers == 5 and own.roles_of("critic") == ("critic",)
@@ -58,7 +50,7 @@ def test_ranks_are_numbered_node_by_node():
 ])
 def test_bad_ppo_settings_are_named(overrides, needle):
     with pytest.raises(ValueError) as err:
-        validate_config(_cfg(**overrides))
+        validate_config(make(**overrides))
     assert needle in str(err.value)
 
 
