@@ -5,7 +5,6 @@ at dp=2 and at sp=2, and still reports the rollout-vs-trainer logprob gap."""
 from __future__ import annotations
 
 import pytest
-import torch
 import torch.distributed as dist
 from _launch import run_distributed
 from test_fsdp_engine import LOSS, P, _rollout_batch, policy_engine
