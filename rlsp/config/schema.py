@@ -182,10 +182,10 @@ class TrainerConfig:
     test_freq: int = 10  # validate every N steps (and at the start and end); <=0 disables
     val_before_train: bool = True
     default_local_dir: str = "outputs/${trainer.project_name}/${trainer.experiment_name}"
-    logger: list = field(default_factory=lambda: ["console", "jsonl"])
+    logger: list = field(default_factory=lambda: ["console", "jsonl"])  # any of console | jsonl | tensorboard | wandb | mlflow
     seed: int = 0
     cache_dir: str = "~/.cache/rlsp"
-    ray_address: str | None = None  # None = start or join a local Ray
+    ray_address: str | None = None  # unset: a private local Ray on 127.0.0.1; auto: join the running cluster; host:port: join that one
     sp_self_check: bool = True
     sp_self_check_tol: float = 1e-4
     plot: bool = True

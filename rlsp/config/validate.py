@@ -16,6 +16,8 @@ from rlsp.config.layout import CRITIC_ESTIMATORS, MeshLayout, ParallelLayout
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # KL estimators for the in-reward penalty (names as verl's algorithm.kl_penalty).
 KL_PENALTIES = ("kl", "abs", "mse", "low_var_kl")
+# trainer.logger entries; rlsp/trainer/trackers.py holds one adapter per name (and asserts the match).
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 
 
 def _divisors(n: int) -> list[int]:
@@ -159,8 +161,8 @@ def _check_choices(cfg: Any, errors: list[str]) -> None:
     )
     for key, val, legal in choices:
         _require(val in legal, f"{key}={val!r} is not supported; legal values: {list(legal)}", errors)
-    for bad in sorted(set(cfg.trainer.logger) - {"console", "jsonl"}):
-        errors.append(f"trainer.logger contains {bad!r}; legal entries: ['console', 'jsonl']")
+    for bad in sorted(set(cfg.trainer.logger) - set(LOGGERS)):
+        errors.append(f"trainer.logger contains {bad!r}; legal entries: {list(LOGGERS)}")
 
 
 def _check_ranges(cfg: Any, errors: list[str]) -> None:

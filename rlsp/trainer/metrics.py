@@ -1,47 +1,52 @@
-"""Metrics sinks: a console line per step, metrics.jsonl (one object per step), a reward plot at the end."""
+"""MetricsLogger: the run's per-step records, fanned out to the trackers named in `trainer.logger`
+(rlsp/trainer/trackers.py), plus a reward plot at the end."""
 
 from __future__ import annotations
 
 import json
-import math
 import os
 from typing import Any
 
-from rlsp.utils.logging import get_logger
-
-log = get_logger("rlsp.metrics")
-
-CONSOLE_KEYS = (
-    "reward/mean", "val/accuracy", "actor/pg_loss", "actor/kl_loss", "actor/entropy",
-    "rollout/logprob_diff", "response_length/mean", "timing/step_s", "throughput/tokens_per_s",
-)
-
-
-def _jsonable(v: Any) -> Any:
-    if isinstance(v, float) and not math.isfinite(v):
-        return str(v)
-    return v
+from rlsp.trainer.trackers import RunInfo, Tracker, build_trackers, check_trackers, to_record
 
 
 class MetricsLogger:
     def __init__(self, run_dir: str, sinks: list[str]) -> None:
-        os.makedirs(run_dir, exist_ok=True)
+        check_trackers(list(sinks))  # unknown names and missing libraries fail before any worker starts
         self.run_dir = run_dir
-        self.sinks = set(sinks)
+        self.sinks = list(dict.fromkeys(sinks))
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.history: list[dict[str, Any]] = []
-        if "jsonl" in self.sinks:
-            open(self.path, "w").close()
+        self.trackers: dict[str, Tracker] = {}
+        self._open = False
+
+    def open(self, project: str = "rlsp", experiment: str | None = None, config: dict[str, Any] | None = None,
+             start_step: int = 1) -> None:
+        """Start every tracker for this run (a resumed run passes the step it continues from)."""
+        if self._open:
+            return
+        os.makedirs(self.run_dir, exist_ok=True)
+        run = RunInfo(self.run_dir, project, experiment or os.path.basename(os.path.abspath(self.run_dir)),
+                      config or {}, start_step, list(self.history))
+        self.trackers = build_trackers(self.sinks, run)
+        self._open = True
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        record = {"step": step, **{k: _jsonable(v) for k, v in sorted(metrics.items())}}
-        self.history.append(record)
-        if "jsonl" in self.sinks:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-        if "console" in self.sinks:
-            shown = " ".join(f"{k}={metrics[k]:.4g}" for k in CONSOLE_KEYS if isinstance(metrics.get(k), (int, float)))
-            log.info("step %d | %s", step, shown)
+        if not self._open:
+            self.open(start_step=step)
+        self.history.append(to_record(step, metrics))
+        for tracker in self.trackers.values():
+            tracker.log(step, metrics)
+
+    def close(self, ok: bool = True) -> None:
+        """Finish every tracker; `ok=False` marks the run failed where the backend records that."""
+        for tracker in self.trackers.values():
+            tracker.close(ok)
+        self.trackers, self._open = {}, False
+
+    def locations(self) -> dict[str, str]:
+        """Where each tracker wrote (for the run summary)."""
+        return {k: v for tracker in self.trackers.values() for k, v in tracker.location().items()}
 
     def jsonl_lines(self) -> list[str]:
         """The records logged so far, one JSON line each (as metrics.jsonl holds them)."""
@@ -50,9 +55,9 @@ class MetricsLogger:
     def restore(self, records: list[dict[str, Any]]) -> None:
         """Continue a resumed run: the records of its checkpoint replace whatever was logged after it."""
         self.history = list(records)
-        if "jsonl" in self.sinks:
-            with open(self.path, "w") as f:
-                f.writelines(self.jsonl_lines())
+        jsonl = self.trackers.get("jsonl")
+        if jsonl is not None:
+            jsonl.write_all(self.history)
 
     def plot_rewards(self, filename: str = "reward.png") -> str | None:
         points = [(r["step"], r["reward/mean"]) for r in self.history if "reward/mean" in r]

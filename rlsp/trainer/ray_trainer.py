@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from rlsp.algos.kl_ctrl import apply_kl_penalty, build_kl_controller
@@ -30,6 +29,7 @@ from rlsp.engine.fsdp_engine import assert_sp_matches
 from rlsp.trainer.batch_metrics import check_finite, compute_batch_metrics
 from rlsp.trainer.checkpoint import CheckpointWriter, TrainerState, latest_checkpoint, read_metrics_lines
 from rlsp.trainer.metrics import MetricsLogger
+from rlsp.trainer.progress import RunProgress
 from rlsp.trainer.scoring import Scorer
 from rlsp.utils.device import resolve_device_type
 from rlsp.utils.logging import get_logger
@@ -253,27 +253,35 @@ class RayTrainer:
             log.info("the run is already complete at step %d (trainer.total_training_steps=%d)", self.start_step - 1, total)
             return self.metrics.history
         val_on = self.val_set is not None and t.test_freq > 0
-        fresh = self.start_step == 1
-        pending_val = self.validate() if val_on and t.val_before_train and fresh else {}
-        batches = self._batch_stream()
-        bar = tqdm(range(self.start_step, total + 1), desc="rlsp", unit="step", dynamic_ncols=True, disable=None)
-        for step in bar:
-            metrics = {**pending_val, **self.train_step(step, next(batches))}
-            check_finite(metrics, step)
-            pending_val = {}
-            if val_on and (step % t.test_freq == 0 or step == total):
-                metrics.update(self.validate())
-            self.metrics.log(step, metrics)
-            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['timing/step_s']:.2f}")
-            if (t.save_freq > 0 and step % t.save_freq == 0) or step == total:
-                log.info("checkpoint: %s", self.save_checkpoint(step))
-        if t.save_final_model:
-            saved = export_hf(latest_checkpoint(self.run_dir), os.path.abspath(os.path.join(self.run_dir, "actor_hf")))
-            log.info("trained actor (Hugging Face format): %s", saved)
-        if t.plot:
-            path = self.metrics.plot_rewards()
-            log.info("reward plot: %s", path)
-        log.info("metrics: %s", self.metrics.path)
+        self.metrics.open(t.project_name, t.experiment_name, OmegaConf.to_container(self.cfg, resolve=True),
+                          self.start_step)
+        progress, ok = RunProgress(self.run_dir, self.start_step, total), False
+        try:
+            pending_val = self.validate() if val_on and t.val_before_train and self.start_step == 1 else {}
+            batches = self._batch_stream()
+            for step in range(self.start_step, total + 1):
+                metrics = {**pending_val, **self.train_step(step, next(batches))}
+                check_finite(metrics, step)
+                pending_val = {}
+                if val_on and (step % t.test_freq == 0 or step == total):
+                    metrics.update(self.validate())
+                self.metrics.log(step, metrics)
+                progress.step_done(metrics)
+                if (t.save_freq > 0 and step % t.save_freq == 0) or step == total:
+                    progress.outputs["checkpoint"] = self.save_checkpoint(step)
+                    if step != total:  # the last one is in the summary
+                        log.info("checkpoint: %s", progress.outputs["checkpoint"])
+            if t.save_final_model:
+                progress.outputs["model (HF)"] = export_hf(latest_checkpoint(self.run_dir),
+                                                           os.path.abspath(os.path.join(self.run_dir, "actor_hf")))
+            if t.plot and (plot := self.metrics.plot_rewards()):
+                progress.outputs["reward plot"] = plot
+            ok = True
+        finally:
+            progress.close()
+            where = self.metrics.locations()
+            self.metrics.close(ok)
+        log.info("%s", progress.summary(self.metrics.history, where))
         return self.metrics.history
 
     def _batch_stream(self):
