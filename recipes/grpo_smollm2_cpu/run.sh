@@ -2,7 +2,8 @@
 # GRPO on SmolLM2-135M-Instruct (a real pretrained chat model, 30 layers, 9 query / 3 KV heads) with
 # the gsm8k-format word-problem task, on 2 CPU cores: 2 workers (FSDP2 over gloo, one in-process vLLM
 # engine each). 20 steps of 4 prompts x 8 samples; greedy validation on the 128 held-out problems at
-# steps 0, 5, 10, 15, 20. Measured: val accuracy 0.10 -> 0.52 in 23 min wall; see README.md.
+# steps 0, 5, 10, 15, 20. Measured: val accuracy 0.10 -> 0.52 in 18 min wall (23 min with other jobs
+# on the 2 cores); see README.md.
 # Sampling temperature 0.5: at 1.0 the model almost never writes `#### N` (1% of samples), so GRPO
 # groups get no reward variance to learn from. No KL loss: it would add a reference forward per step.
 # Extra args are Hydra overrides, e.g. `actor_rollout_ref.actor.ulysses_sequence_parallel_size=2`
