@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.constants import default_pg_timeout
 from transformers import AutoTokenizer
 
 from rlsp.config.layout import ParallelLayout
@@ -31,10 +32,26 @@ from rlsp.workers.roles import ROLE_CLASSES
 log = get_logger("rlsp.worker")
 
 
+LOOPBACK = "127.0.0.1"
+
+
 def find_free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return int(s.getsockname()[1])
+
+
+def loopback_interface() -> str | None:
+    """The name of the loopback network interface (`lo` on Linux), or None if there is none to find."""
+    root = "/sys/class/net"
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        try:
+            with open(os.path.join(root, name, "flags")) as f:
+                if int(f.read(), 16) & 0x8:  # IFF_LOOPBACK
+                    return name
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 def needs_reference(cfg: DictConfig) -> bool:
@@ -48,11 +65,38 @@ class Worker:
         self.mesh = layout.policy if group == "policy" else layout.role_mesh("critic")
         self.placed = [r for r in layout.roles_of(group) if r != "ref" or needs_reference(self.cfg)]
         self.roles: dict[str, Any] = {}
+        self._store_socket: socket.socket | None = None  # rank 0 of a one-node run, until the store adopts it
         os.environ["RANK"] = str(rank)
 
     def rendezvous_address(self) -> tuple[str, int]:
-        host = "127.0.0.1" if self.mesh.nnodes == 1 else socket.gethostbyname(socket.gethostname())
-        return host, find_free_port()
+        """Rank 0: where the process group meets. On one node rank 0 opens the store's listening socket
+        itself, on 127.0.0.1: torch's TCPStore would otherwise listen on every interface, whatever host
+        it is given. The store adopts the socket in `init_worker`."""
+        if self.mesh.nnodes > 1:
+            return socket.gethostbyname(socket.gethostname()), find_free_port()
+        self._store_socket = socket.create_server((LOOPBACK, 0))
+        return LOOPBACK, int(self._store_socket.getsockname()[1])
+
+    def _init_process_group(self, backend: str, master_addr: str, master_port: int) -> None:
+        world = self.mesh.world_size
+        os.environ.update(RANK=str(self.rank), LOCAL_RANK="0", WORLD_SIZE=str(world),
+                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        if self.mesh.nnodes > 1:  # the store listens on all interfaces of rank 0's node
+            dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
+                                    rank=self.rank, world_size=world)
+            return
+        # One node: gloo (ours and vLLM's) binds where GLOO_SOCKET_IFNAME says, else to the address the
+        # host name resolves to, which may be an external one.
+        if (lo := loopback_interface()) is not None:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
+        sock, self._store_socket = self._store_socket, None
+        if (sock is None) != (self.rank != 0):
+            raise RuntimeError(f"rank {self.rank}: only rank 0 opens the store socket, in rendezvous_address()")
+        # The store takes the detached descriptor over and closes it (checked with torch's libuv backend).
+        store = dist.TCPStore(master_addr, master_port, world, is_master=sock is not None,
+                              timeout=default_pg_timeout, wait_for_workers=False, use_libuv=True,
+                              master_listen_fd=sock.detach() if sock is not None else None)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=world)
 
     # ------------------------------------------------------------------ set-up
     @register(Dispatch.ALL)
@@ -63,11 +107,7 @@ class Worker:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         tokenizer = AutoTokenizer.from_pretrained(self.cfg.actor_rollout_ref.model.path)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        world = self.mesh.world_size
-        os.environ.update(RANK=str(self.rank), LOCAL_RANK="0", WORLD_SIZE=str(world),
-                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-        dist.init_process_group(backend_for(device_type), init_method=f"tcp://{master_addr}:{master_port}",
-                                rank=self.rank, world_size=world)
+        self._init_process_group(backend_for(device_type), master_addr, master_port)
         ctx = RoleContext(self.cfg, self.rank, self.mesh, torch.device(device_type), int(pad))
         # The rollout engine first: vLLM re-seeds the global RNGs while it is built, so training
         # seeds are set after it; then every role in a fixed order (their meshes are collective).
