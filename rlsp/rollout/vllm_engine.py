@@ -10,7 +10,8 @@ CPU may set an OpenMP thread binding / memory policy. Build the engine first, th
 
 CPU specifics: sleep/wake are no-ops (vLLM has no sleep mode on CPU); the KV cache size comes from
 `VLLM_CPU_KVCACHE_SPACE` (GiB), set here from `cpu_kvcache_space_gib` unless already set; eager
-mode avoids ~30 s of graph compilation at start-up.
+mode avoids ~30 s of graph compilation at start-up; chunked prefill is off (seeded sampling needs it,
+see `VLLMEngine.__init__`).
 """
 
 from __future__ import annotations
@@ -75,6 +76,14 @@ class VLLMEngine:
         if self.on_gpu:
             llm_kwargs.setdefault("enable_sleep_mode", True)
             llm_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        else:
+            # A prompt whose prefill is split over scheduler steps (chunked prefill, once a batch's
+            # prompt tokens pass max_num_batched_tokens) has the token sampled in its first step thrown
+            # away, and vLLM then rewinds the request's seeded generator (`_bookkeeping_sync` in
+            # v1/worker/gpu_model_runner.py): a CPU torch.Generator has no offset, so seeded sampling
+            # crashed ("CPU Generator does not use offset"). Without chunking a prompt that does not
+            # fit waits for the next step whole; batches that fit in one step schedule as before.
+            llm_kwargs.setdefault("enable_chunked_prefill", False)
         self.llm = vllm.LLM(
             model=model_path,
             dtype=dtype,  # explicit: vLLM would otherwise run an fp32 checkpoint in bf16

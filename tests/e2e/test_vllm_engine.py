@@ -6,6 +6,7 @@ at any time, so every test compares against the right reference whatever the tes
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -131,6 +132,24 @@ def test_seeded_generation_repeats_and_greedy_is_argmax(vllm_engine: RolloutEngi
     with torch.no_grad():
         logits = current["model"](torch.tensor([PROMPTS[0] + ids])).logits[0]
     assert ids == logits[len(PROMPTS[0]) - 1 : -1].argmax(-1).tolist()[: len(ids)]
+
+
+def test_seeded_batch_beyond_one_scheduler_step(vllm_engine: RolloutEngine) -> None:
+    # 16 prompts x 8 samples x 40 prompt tokens is more than vLLM schedules in one step: with chunked
+    # prefill one prompt was split over two steps and vLLM-CPU crashed rewinding its seeded generator
+    # ("CPU Generator does not use offset"). The samples must equal those of two batches that fit a step.
+    prompts = [[2] + [6 + (7 * i + j) % 40 for j in range(39)] for i in range(16)]
+    budget = vllm_engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    assert 16 * 8 * 40 > budget
+    sampling = SamplingConfig(n=8, temperature=1.0, max_tokens=6, seed=5)
+    whole = vllm_engine.generate(prompts, sampling)
+    # The second half's seeds continue the first's: sample j of prompt i has seed + i * n + j either way.
+    halves = [vllm_engine.generate(prompts[:8], sampling),
+              vllm_engine.generate(prompts[8:], dataclasses.replace(sampling, seed=5 + 8 * 8))]
+    assert 8 * 8 * 40 <= budget
+    assert len(whole) == 128 and whole.response_ids == halves[0].response_ids + halves[1].response_ids
+    pairs = zip(whole.response_logprobs, halves[0].response_logprobs + halves[1].response_logprobs)
+    assert max(abs(a - b) for x, y in pairs for a, b in zip(x, y)) < 1e-6
 
 
 def test_hf_engine_same_protocol(model_path: str) -> None:
