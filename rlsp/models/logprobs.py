@@ -1,31 +1,78 @@
 """Token logprobs (and entropy) from final hidden states without materialising all [T, V] logits.
 
-Tokens are processed in chunks; each chunk computes its logits, upcasts them to fp32 (fp64 stays
-fp64) and reduces them to one logprob (and entropy) per token under `torch.utils.checkpoint`, so
-only the chunk's inputs are kept for backward and its logits are recomputed there. Peak extra memory is
-O(chunk_size * V) in forward and backward instead of O(T * V).
+Tokens are processed in chunks of C; each chunk's logits are computed, upcast to fp32 (fp64 stays
+fp64) and reduced to one logprob (and entropy) per token. The backward is written out (a custom
+autograd function) instead of recorded: it recomputes each chunk's logits from the saved inputs and
+forms the logit gradient in place, g_lp * (onehot - p) - g_ent * p * (log p + H), then two matmuls.
+Only the inputs and two fp32 numbers per token (logsumexp, entropy) are kept for backward, so peak
+extra memory is O(C * V) in forward and backward instead of O(T * V), and the [C, V] buffers are
+touched a few times per chunk instead of once per recorded op.
 
 Legend: T tokens, H hidden size, V vocabulary size, C chunk length.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-from torch.utils.checkpoint import checkpoint
 
 
-def _chunk_logprobs(
-    hidden_CH: torch.Tensor, weight_VH: torch.Tensor, labels_C: torch.Tensor, temperature: float, with_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    # at least fp32 (bf16/fp16 models); fp64 stays fp64
-    logits_CV = (hidden_CH @ weight_VH.t()).to(torch.promote_types(hidden_CH.dtype, torch.float32)) / temperature
-    lse_C = torch.logsumexp(logits_CV, dim=-1)
-    logprobs_C = logits_CV.gather(-1, labels_C.unsqueeze(-1)).squeeze(-1) - lse_C
-    if not with_entropy:
-        return logprobs_C, logprobs_C.new_zeros(())
-    # H(p) = lse - sum_v p_v * logit_v, with p = softmax(logits)
-    entropy_C = lse_C - (torch.softmax(logits_CV, dim=-1) * logits_CV).sum(dim=-1)
-    return logprobs_C, entropy_C
+def _chunk_logits(hidden_CH: torch.Tensor, weight_VH: torch.Tensor, temperature: float) -> torch.Tensor:
+    # the matmul runs in the model dtype; the reductions in at least fp32 (fp64 stays fp64)
+    logits_CV = (hidden_CH @ weight_VH.t()).to(torch.promote_types(hidden_CH.dtype, torch.float32))
+    return logits_CV if temperature == 1.0 else logits_CV.div_(temperature)
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, hidden_TH: torch.Tensor, weight_VH: torch.Tensor, labels_T: torch.Tensor,
+                temperature: float, chunk_size: int, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        T = hidden_TH.shape[0]
+        out_dtype = torch.promote_types(hidden_TH.dtype, torch.float32)
+        logprobs_T = hidden_TH.new_empty((T,), dtype=out_dtype)
+        lse_T = hidden_TH.new_empty((T,), dtype=out_dtype)
+        entropy_T = hidden_TH.new_zeros((T if with_entropy else 0,), dtype=out_dtype)
+        for start in range(0, T, chunk_size):
+            end = min(start + chunk_size, T)
+            logits_CV = _chunk_logits(hidden_TH[start:end], weight_VH, temperature)
+            lse_C = torch.logsumexp(logits_CV, dim=-1)
+            lse_T[start:end] = lse_C
+            logprobs_T[start:end] = logits_CV.gather(-1, labels_T[start:end, None])[:, 0] - lse_C
+            if with_entropy:  # H = lse - sum_v p_v * logit_v
+                p_CV = (logits_CV - lse_C[:, None]).exp_()
+                entropy_T[start:end] = lse_C - torch.linalg.vecdot(p_CV, logits_CV)
+        ctx.save_for_backward(hidden_TH, weight_VH, labels_T, lse_T, entropy_T)
+        ctx.settings = (temperature, chunk_size, with_entropy)
+        return logprobs_T, entropy_T
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, g_lp_T: torch.Tensor, g_ent_T: torch.Tensor) -> tuple[Any, ...]:
+        hidden_TH, weight_VH, labels_T, lse_T, entropy_T = ctx.saved_tensors
+        temperature, chunk_size, with_entropy = ctx.settings
+        need_h, need_w = ctx.needs_input_grad[:2]
+        grad_h = torch.empty_like(hidden_TH) if need_h else None
+        grad_w = torch.zeros_like(weight_VH) if need_w else None
+        for start in range(0, hidden_TH.shape[0], chunk_size):
+            end = min(start + chunk_size, hidden_TH.shape[0])
+            h_CH, g_lp_C = hidden_TH[start:end], g_lp_T[start:end]
+            logp_CV = _chunk_logits(h_CH, weight_VH, temperature).sub_(lse_T[start:end, None])
+            p_CV = logp_CV.exp()
+            if with_entropy:  # dH/dz = -p * (log p + H)
+                coef_CV = logp_CV.add_(entropy_T[start:end, None]).mul_(g_ent_T[start:end, None]).add_(g_lp_C[:, None])
+            else:
+                coef_CV = g_lp_C[:, None]
+            grad_z_CV = p_CV.mul_(coef_CV).neg_()  # d lp/dz = onehot - p
+            grad_z_CV.scatter_add_(-1, labels_T[start:end, None], g_lp_C[:, None].to(grad_z_CV.dtype))
+            if temperature != 1.0:
+                grad_z_CV.div_(temperature)
+            grad_z_CV = grad_z_CV.to(hidden_TH.dtype)
+            if need_h:
+                torch.mm(grad_z_CV, weight_VH, out=grad_h[start:end])
+            if need_w:
+                grad_w.addmm_(grad_z_CV.t(), h_CH)
+        return grad_h, grad_w, None, None, None, None
 
 
 def compute_token_logprobs(
@@ -50,19 +97,7 @@ def compute_token_logprobs(
         raise ValueError(f"temperature={temperature}; it must be > 0")
     if chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size}; it must be >= 1")
-    labels_T = labels_T.to(torch.int64)
-    logprob_chunks, entropy_chunks = [], []
-    for start in range(0, hidden_TH.shape[0], chunk_size):
-        end = min(start + chunk_size, hidden_TH.shape[0])
-        args = (hidden_TH[start:end], weight_VH, labels_T[start:end], temperature, with_entropy)
-        if torch.is_grad_enabled() and (hidden_TH.requires_grad or weight_VH.requires_grad):
-            lp_C, ent_C = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
-        else:
-            lp_C, ent_C = _chunk_logprobs(*args)
-        logprob_chunks.append(lp_C)
-        entropy_chunks.append(ent_C)
-    if not logprob_chunks:  # empty input
-        empty_T = hidden_TH.new_zeros((0,), dtype=torch.promote_types(hidden_TH.dtype, torch.float32))
-        return empty_T, (empty_T if with_entropy else None)
-    logprobs_T = torch.cat(logprob_chunks)
-    return logprobs_T, (torch.cat(entropy_chunks) if with_entropy else None)
+    logprobs_T, entropy_T = _ChunkedLogprobs.apply(
+        hidden_TH, weight_VH, labels_T.to(torch.int64), float(temperature), int(chunk_size), with_entropy
+    )
+    return logprobs_T, (entropy_T if with_entropy else None)
