@@ -77,6 +77,7 @@ def test_main_runs_grpo_and_writes_metrics(tmp_path):
         assert r["rollout/logprob_diff"] < 1e-3
     assert "val/accuracy" in lines[0] and "val/accuracy" in lines[1] and "val/accuracy" in lines[2]
     assert (tmp_path / "run" / "reward.png").stat().st_size > 1000
+    assert (tmp_path / "run" / "run.log").exists() and not (tmp_path / "run" / "main.log").exists()  # no Hydra log
     # The trained actor is saved as a Hugging Face model that differs from the initial weights.
     from transformers import AutoModelForCausalLM
 
