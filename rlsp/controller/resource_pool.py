@@ -40,7 +40,8 @@ class ResourcePool:
 
     def create(self, sp_sizes: tuple[int, ...] = (1,), timeout_s: float = 120.0) -> PlacementGroup:
         bundles = [self.bundle() for _ in range(self.world_size)]
-        self.pg = placement_group(bundles, strategy="PACK" if self.nnodes == 1 else "SPREAD", name="")
+        # one node: all bundles on the same node or none (a one-node run rendezvouses over loopback)
+        self.pg = placement_group(bundles, strategy="STRICT_PACK" if self.nnodes == 1 else "SPREAD", name="")
         if not self.pg.wait(timeout_seconds=timeout_s):
             avail = ray.available_resources()
             self.release()
