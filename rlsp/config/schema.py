@@ -38,6 +38,15 @@ class ModelConfig:
 
 
 @dataclass
+class FSDPConfig:
+    # Ranks one copy of the weights (and optimizer state) is sharded over. -1 = every rank of the role
+    # (FSDP); a divisor of the world size shards within groups of that many ranks and replicates across
+    # groups (HSDP); 1 = every rank holds everything and only gradients are reduced (DDP-like: least
+    # communication, fastest for models that fit one device).
+    fsdp_size: int = -1
+
+
+@dataclass
 class OptimConfig:
     lr: float = 1e-6
     weight_decay: float = 0.0
@@ -71,6 +80,7 @@ class ActorConfig:
     ulysses_sequence_parallel_size: int = 1
     logprob_chunk_size: int = 1024
     optim: OptimConfig = field(default_factory=OptimConfig)
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 
 @dataclass
@@ -78,6 +88,7 @@ class RefConfig:
     log_prob_micro_batch_size_per_gpu: int = 64
     log_prob_use_dynamic_bsz: bool = False
     log_prob_max_token_len_per_gpu: int = 16384
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 
 @dataclass
@@ -111,6 +122,7 @@ class CriticModelConfig:
     path: str | None = None  # None = initialise from the actor's checkpoint (actor_rollout_ref.model.path)
     dtype: str | None = None  # compute dtype; None = actor_rollout_ref.model.dtype (master weights stay fp32)
     enable_gradient_checkpointing: bool = False
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 
 @dataclass

@@ -63,6 +63,19 @@ def _check_parallel(cfg: Any, errors: list[str]) -> ParallelLayout | None:
     return None if mesh is None else ParallelLayout(policy, mesh, critic_colocated=bool(critic.colocate))
 
 
+def _check_fsdp_sizes(cfg: Any, layout: ParallelLayout, errors: list[str]) -> None:
+    arr = cfg.actor_rollout_ref
+    worlds = {"actor_rollout_ref.actor": (arr.actor.fsdp_config, layout.world_size),
+              "actor_rollout_ref.ref": (arr.ref.fsdp_config, layout.world_size)}
+    if layout.critic is not None:
+        worlds["critic.model"] = (cfg.critic.model.fsdp_config, layout.critic.world_size)
+    for prefix, (fsdp, world) in worlds.items():
+        size = fsdp.fsdp_size
+        _require(size == -1 or (isinstance(size, int) and size >= 1 and world % size == 0),
+                 f"{prefix}.fsdp_config.fsdp_size={size} must be -1 (shard over all {world} workers) or a "
+                 f"divisor of {world}: legal values -1, {_divisors(world)}", errors)
+
+
 def _check_batches(cfg: Any, layout: ParallelLayout, errors: list[str]) -> None:
     d, actor, n = cfg.data, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout.n
     _require(d.train_batch_size >= 1, f"data.train_batch_size={d.train_batch_size} must be >= 1", errors)
@@ -238,6 +251,7 @@ def validate_config(cfg: Any) -> ParallelLayout:
         raise ValueError("invalid rlsp config:\n  - " + "\n  - ".join(errors))
     layout = _check_parallel(cfg, errors)
     if layout is not None:
+        _check_fsdp_sizes(cfg, layout, errors)
         _check_batches(cfg, layout, errors)
         _check_critic(cfg, layout, errors)
     _check_algorithm(cfg, errors)

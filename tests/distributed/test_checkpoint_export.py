@@ -35,8 +35,8 @@ def _train_and_save(rank: int, world: int, model_path: str, batch, ckpt: str):
     return (logprobs, params) if rank == 0 else None
 
 
-def _load(rank: int, world: int, model_path: str, ckpt: str, sp: int):
-    engine = policy_engine(model_path, build_parallel_dims(sp, "cpu"), lr=1e-2)
+def _load(rank: int, world: int, model_path: str, ckpt: str, sp: int, fsdp_size: int = -1):
+    engine = policy_engine(model_path, build_parallel_dims(sp, "cpu", fsdp_size), lr=1e-2)
     load_engine(engine, os.path.join(ckpt, "actor"))
     params = {k: v.clone() for k, v in engine.iter_full_params()}
     return (params, engine.scheduler.state_dict()["last_epoch"]) if rank == 0 else None
@@ -52,10 +52,10 @@ def trained(tmp_path_factory):
     return path, batch, ckpt, logprobs, params
 
 
-@pytest.mark.parametrize("world,sp", [(1, 1), (2, 2)])
-def test_checkpoint_reshards_onto_another_layout(trained, world, sp):
+@pytest.mark.parametrize("world,sp,fsdp_size", [(1, 1, -1), (2, 2, -1), (2, 1, 1)])
+def test_checkpoint_reshards_onto_another_layout(trained, world, sp, fsdp_size):
     path, _, ckpt, _, params = trained
-    loaded, last_epoch = run_distributed(_load, world, path, ckpt, sp)[0]
+    loaded, last_epoch = run_distributed(_load, world, path, ckpt, sp, fsdp_size)[0]
     assert loaded.keys() == params.keys()
     assert all(torch.equal(loaded[k], params[k]) for k in params)
     assert last_epoch == 1  # the LR schedule came back too

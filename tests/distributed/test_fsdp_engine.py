@@ -55,8 +55,8 @@ def policy_engine(model_path: str, dims, *, trainable: bool = True, lr: float = 
 
 
 def _train_once(rank: int, world: int, model_path: str, sp: int, micro: int, batch: Batch,
-                max_tokens: int | None = None):
-    dims = build_parallel_dims(sp, "cpu")
+                max_tokens: int | None = None, fsdp_size: int = -1):
+    dims = build_parallel_dims(sp, "cpu", fsdp_size)
     engine = policy_engine(model_path, dims)
     shard = batch.chunk(dims.dp_size)[dims.dp_rank]
     count = shard["response_mask"].sum().double().reshape(1)
@@ -98,6 +98,17 @@ def test_layout_and_micro_batching_do_not_change_loss_or_gradients(model_and_bat
     for k in params:
         torch.testing.assert_close(params[k], ref_params[k], rtol=0, atol=1e-6)
 
+
+
+@pytest.mark.parametrize("world,sp,fsdp_size", [(2, 1, 1), (4, 2, 2), (4, 1, 1), (4, 4, 2)])
+def test_hybrid_sharding_keeps_loss_gradients_and_step_exact(model_and_batch, world, sp, fsdp_size):
+    """fsdp_size < world (HSDP: shard within groups, replicate across; 1 = DDP-like) changes nothing."""
+    path, batch, (ref_metrics, ref_grads, ref_params) = model_and_batch
+    metrics, grads, params = run_distributed(_train_once, world, path, sp, 2, batch, None, fsdp_size)[0]
+    assert abs(metrics["actor/pg_loss"] - ref_metrics["actor/pg_loss"]) <= 1e-6
+    assert max(_rel(grads[k], ref_grads[k]) for k in grads) <= 1e-6
+    for k in params:
+        torch.testing.assert_close(params[k], ref_params[k], rtol=0, atol=1e-6)
 
 
 def test_rank_without_response_tokens_still_exact(model_and_batch):

@@ -56,3 +56,18 @@ def test_all_problems_reported_at_once():
     with pytest.raises(ValueError) as err:
         validate_config(make(**{"trainer.device": "tpu", "actor_rollout_ref.rollout.top_p": 2.0}))
     assert "trainer.device" in str(err.value) and "top_p" in str(err.value)
+
+
+def test_fsdp_size_must_be_minus_one_or_divide_the_world():
+    cfg = OmegaConf.structured(RLSPConfig)
+    cfg.trainer.n_gpus_per_node = 4
+    cfg.actor_rollout_ref.actor.fsdp_config.fsdp_size = 2
+    cfg.actor_rollout_ref.ref.fsdp_config.fsdp_size = 1
+    validate_config(cfg)  # HSDP layouts are legal
+    cfg.actor_rollout_ref.actor.fsdp_config.fsdp_size = 3
+    cfg.actor_rollout_ref.ref.fsdp_config.fsdp_size = 0
+    with pytest.raises(ValueError) as err:
+        validate_config(cfg)
+    assert "actor_rollout_ref.actor.fsdp_config.fsdp_size=3" in str(err.value)
+    assert "actor_rollout_ref.ref.fsdp_config.fsdp_size=0" in str(err.value)
+    assert "legal values -1, [1, 2, 4]" in str(err.value)

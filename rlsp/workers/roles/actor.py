@@ -29,7 +29,8 @@ def build_policy_engine(ctx: RoleContext, trainable: bool) -> FSDPEngine:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     module = TokenLogprobModel(lm.to(ctx.device), chunk_size=arr.actor.logprob_chunk_size)
     optim = optim_settings(arr.actor.optim) if trainable else None
-    return FSDPEngine(module, ctx.dims(arr.actor.ulysses_sequence_parallel_size), ctx.device,
+    fsdp_size = (arr.actor if trainable else arr.ref).fsdp_config.fsdp_size
+    return FSDPEngine(module, ctx.dims(arr.actor.ulysses_sequence_parallel_size, fsdp_size), ctx.device,
                       compute_dtype=compute, optim=optim)
 
 
