@@ -132,18 +132,30 @@ class FSDPEngine:
     # ----------------------------------------------------------------- training
     def train_step(self, batch: Batch, prompt_len: int, micro_size: int, loss_fn: LossFn,
                    max_tokens: int | None = None, **head_kwargs: Any) -> dict[str, float]:
-        """One optimizer step over `batch` (this rank's share of a mini-batch)."""
+        """One optimizer step over `batch` (this rank's share of a mini-batch).
+
+        Besides the loss metrics it reports where the step's time went on the slowest rank:
+        `time_forward_s_max`, `time_backward_s_max` (FSDP collectives included) and
+        `time_optimizer_s_max` (gradient clipping + optimizer step)."""
         if self.optimizer is None:
             raise RuntimeError("train_step called on a frozen engine (built without optimizer settings)")
         self.optimizer.zero_grad(set_to_none=True)
         out = self.backward_batch(batch, prompt_len, micro_size, loss_fn, max_tokens, **head_kwargs)
+        t0 = time.perf_counter()
         grad_norm = self._clip_grad()
         out["lr"] = self.optimizer.param_groups[0]["lr"]
         if torch.isfinite(grad_norm):
             self.optimizer.step()
             self.scheduler.step()
         out["grad_norm"] = float(grad_norm)
+        out["time_optimizer_s_max"] = self._max_over_ranks(time.perf_counter() - t0)
         return out
+
+    @staticmethod
+    def _max_over_ranks(value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
 
     def backward_batch(self, batch: Batch, prompt_len: int, micro_size: int, loss_fn: LossFn,
                        max_tokens: int | None = None, **head_kwargs: Any) -> dict[str, float]:
@@ -151,18 +163,23 @@ class FSDPEngine:
         self.module.train()
         sums: dict[str, torch.Tensor] = {}
         sp_local = torch.zeros(4, dtype=torch.float64)  # local tokens, pad tokens, a2a seconds, total seconds
+        timing = {"time_forward_s_max": torch.zeros((), dtype=torch.float64),
+                  "time_backward_s_max": torch.zeros((), dtype=torch.float64)}
         for _, rows in self._micro_batches(batch, micro_size, max_tokens):
             t0 = time.perf_counter()
             micro = self.prepare(rows, prompt_len)
             loss, metrics = loss_fn(self.forward(micro, **head_kwargs), micro)
+            t1 = time.perf_counter()
             loss.backward()
+            timing["time_forward_s_max"] += t1 - t0
+            timing["time_backward_s_max"] += time.perf_counter() - t1
             for key, val in metrics.items():
                 val = val.detach().float().cpu()
                 sums[key] = torch.maximum(sums[key], val) if key.endswith("_max") and key in sums else (
                     val if key.endswith("_max") else sums.get(key, 0.0) + val)
             sp_local += torch.tensor([micro.ctx.local_len, micro.packed.num_pad / self.dims.sp_size,
                                       micro.ctx.stats.a2a_seconds, time.perf_counter() - t0], dtype=torch.float64)
-        return {**self._reduce_metrics(sums), **self._sp_metrics(sp_local)}
+        return {**self._reduce_metrics({**sums, **timing}), **self._sp_metrics(sp_local)}
 
     def _sp_metrics(self, local: torch.Tensor) -> dict[str, float]:
         """Rank averages of sequence-parallel load: tokens per rank, padding share, all-to-all time share."""

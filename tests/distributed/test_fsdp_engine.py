@@ -100,7 +100,7 @@ def test_layout_and_micro_batching_do_not_change_loss_or_gradients(model_and_bat
 
 
 
-@pytest.mark.parametrize("world,sp,fsdp_size", [(2, 1, 1), (4, 2, 2), (4, 1, 1), (4, 4, 2)])
+@pytest.mark.parametrize("world,sp,fsdp_size", [(2, 1, 1), (2, 2, 1), (4, 2, 2), (4, 1, 1), (4, 4, 2)])
 def test_hybrid_sharding_keeps_loss_gradients_and_step_exact(model_and_batch, world, sp, fsdp_size):
     """fsdp_size < world (HSDP: shard within groups, replicate across; 1 = DDP-like) changes nothing."""
     path, batch, (ref_metrics, ref_grads, ref_params) = model_and_batch

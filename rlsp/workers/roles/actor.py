@@ -17,7 +17,7 @@ from rlsp.workers.actor_loss import ActorLossConfig, make_actor_loss
 from rlsp.workers.context import RoleContext
 from rlsp.workers.dispatch import Dispatch, register
 from rlsp.workers.ppo_loop import global_token_count, run_ppo_epochs
-from rlsp.workers.roles.common import batch_temperature, optim_settings, token_budget
+from rlsp.workers.roles.common import batch_temperature, optim_settings, role_metrics, token_budget
 
 
 def build_policy_engine(ctx: RoleContext, trainable: bool) -> FSDPEngine:
@@ -65,7 +65,7 @@ class ActorRole:
         mini_rows = a.ppo_mini_batch_size * self.cfg.actor_rollout_ref.rollout.n // dims.dp_size
         metrics = run_ppo_epochs(batch, mini_rows, a.ppo_epochs, a.shuffle, self.cfg.trainer.seed, dims.dp_rank,
                                  train_mini)
-        return {k if "/" in k else f"actor/{k}": v for k, v in metrics.items()}
+        return role_metrics("actor", metrics)
 
     def _loss_config(self) -> ActorLossConfig:
         a = self.cfg.actor_rollout_ref.actor

@@ -1,4 +1,4 @@
-"""Helpers the roles share: optimizer settings from the config, the sampling temperature of a batch."""
+"""Helpers the roles share: optimizer settings from the config, metric names, the sampling temperature of a batch."""
 
 from __future__ import annotations
 
@@ -18,6 +18,20 @@ def optim_settings(optim: Any) -> OptimSettings:
 def token_budget(enabled: bool, max_tokens: int) -> int | None:
     """Tokens per rank per micro-batch when token-budget micro-batching is on, else None (fixed rows)."""
     return int(max_tokens) if enabled else None
+
+
+def role_metrics(role: str, metrics: dict[str, float], drop_prefixes: tuple[str, ...] = ()) -> dict[str, float]:
+    """Name an engine's update metrics for the driver: `time_<phase>_s_max` (slowest rank) becomes
+    `timing/<role>_<phase>_s`, other bare names `<role>/<name>`; namespaced keys stay."""
+    out: dict[str, float] = {}
+    for key, val in metrics.items():
+        if key.startswith(drop_prefixes):
+            continue
+        if key.startswith("time_") and key.endswith("_max"):
+            out[f"timing/{role}_{key[len('time_'):-len('_max')]}"] = val
+        else:
+            out[key if "/" in key else f"{role}/{key}"] = val
+    return out
 
 
 def batch_temperature(batch: Batch, cfg: DictConfig) -> float:

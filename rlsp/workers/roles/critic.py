@@ -20,7 +20,7 @@ from rlsp.workers.context import RoleContext
 from rlsp.workers.critic_loss import make_critic_loss
 from rlsp.workers.dispatch import Dispatch, register
 from rlsp.workers.ppo_loop import global_token_count, run_ppo_epochs
-from rlsp.workers.roles.common import optim_settings, token_budget
+from rlsp.workers.roles.common import optim_settings, role_metrics, token_budget
 
 
 def build_critic_engine(ctx: RoleContext) -> FSDPEngine:
@@ -64,7 +64,7 @@ class CriticRole:
         mini_rows = c.ppo_mini_batch_size * self.cfg.actor_rollout_ref.rollout.n // dims.dp_size
         metrics = run_ppo_epochs(batch, mini_rows, c.ppo_epochs, c.shuffle, self.cfg.trainer.seed + 1, dims.dp_rank,
                                  train_mini)
-        return {k if "/" in k else f"critic/{k}": v for k, v in metrics.items() if not k.startswith("sp/")}
+        return role_metrics("critic", metrics, drop_prefixes=("sp/",))
 
     @register(Dispatch.BY_DP)
     def sp_self_check(self, batch: Batch) -> float:
