@@ -18,6 +18,7 @@ The terminal shows rlsp's own lines, a progress bar and a closing summary; every
 from __future__ import annotations
 
 import os
+import time
 
 # Ray reads this when it is imported. Off, a Ray that rlsp starts itself takes 127.0.0.1 as its node
 # address, so every service it opens listens on loopback only. Joining a cluster is unaffected: the
@@ -63,8 +64,11 @@ def _init_ray(cfg: DictConfig, world_size: int) -> bool:
             log.info("RAY_ADDRESS=%s is ignored: trainer.ray_address is unset, so this run starts a private "
                      "local Ray (trainer.ray_address=auto joins that cluster)", os.environ["RAY_ADDRESS"])
         # address="local" makes Ray start a new instance even if it could find another one.
+        # No pre-started idle workers: each rlsp worker carries its own runtime env (rank, threads), so
+        # Ray could never hand one of them out; they only took CPU while the real workers imported torch.
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, world_size), include_dashboard=False,
-                 log_to_driver=True, object_store_memory=512 * 1024**2)
+                 log_to_driver=True, object_store_memory=512 * 1024**2,
+                 _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False})
         log.info("started a private local Ray (%s)", ray.get_runtime_context().gcs_address)
         return True
     try:
@@ -98,7 +102,9 @@ def train(cfg: DictConfig, layout: ParallelLayout, prepared: tuple[RayTrainer, s
           ) -> list[dict[str, Any]]:
     trainer, resume = prepared or prepare(cfg, layout)
     log.info("run dir: %s | %s", cfg.trainer.default_local_dir, layout.describe())
+    t0 = time.perf_counter()
     connected_here = _init_ray(cfg, layout.total_workers)
+    trainer.startup["startup/ray_init_s"] = time.perf_counter() - t0
     clean = False
     try:
         trainer.start_workers()

@@ -57,6 +57,10 @@ class RayWorkerGroup:
             env["OMP_NUM_THREADS"] = str(c)
         return env
 
+    def wait_started(self) -> None:
+        """Block until every worker process is up and has built its `Worker` (imports included)."""
+        self._gather([w.__ray_ready__.remote() for w in self.workers])
+
     def init_workers(self) -> list[dict[str, Any]]:
         addr, port = ray.get(self.workers[0].rendezvous_address.remote())
         infos = self.call_worker("init_worker", addr, port)

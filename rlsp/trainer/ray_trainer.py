@@ -85,11 +85,15 @@ class RayTrainer:
         self.wg: RayWorkerGroup | None = None
         self.critic_wg: RayWorkerGroup | None = None
         self.start_step = 1
+        # where start-up went (ray init, worker processes, worker set-up); logged with the first step
+        self.startup: dict[str, float] = {}
+        self.first_step_done_at: float | None = None  # time.time() when this run's first step ended
         self.data_pos = (0, 0)  # (epoch, batches of that epoch consumed)
         self.ckpt = CheckpointWriter(self.run_dir, cfg.trainer.max_actor_ckpt_to_keep, cfg.trainer.max_critic_ckpt_to_keep)
 
     # ------------------------------------------------------------------ workers
     def start_workers(self) -> list[dict[str, Any]]:
+        t0 = time.perf_counter()
         t, layout = self.cfg.trainer, self.layout
         device_type = resolve_device_type(t.device)
         separate = layout.has_critic and not layout.critic_colocated
@@ -103,10 +107,14 @@ class RayTrainer:
             c = layout.critic
             critic_pool = ResourcePool(c.nnodes, c.procs_per_node, device_type, cpus, name="critic")
             self.critic_wg = RayWorkerGroup(critic_pool, config, layout, "critic", env_vars=env)
+        for wg in self._groups():  # processes up, worker module imported (all groups start at once)
+            wg.wait_started()
+        t1 = time.perf_counter()
         # Both worlds initialise at once (each is collective among its own ranks).
         infos = self.wg.init_workers()
         if separate:
             infos += self.critic_wg.init_workers()
+        self.startup.update({"startup/worker_processes_s": t1 - t0, "startup/worker_init_s": time.perf_counter() - t1})
         return infos
 
     def _groups(self) -> list[RayWorkerGroup]:
@@ -261,6 +269,9 @@ class RayTrainer:
             batches = self._batch_stream()
             for step in range(self.start_step, total + 1):
                 metrics = {**pending_val, **self.train_step(step, next(batches))}
+                if step == self.start_step:
+                    metrics.update(self.startup)
+                    self.first_step_done_at = time.time()
                 check_finite(metrics, step)
                 pending_val = {}
                 if val_on and (step % t.test_freq == 0 or step == total):
