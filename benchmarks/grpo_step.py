@@ -33,6 +33,7 @@ PROCESS_START = time.time()  # before the heavy imports: start-up is measured fr
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import pandas as pd  # noqa: E402
+import psutil  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from rlsp.config.schema import RLSPConfig  # noqa: E402
@@ -94,9 +95,36 @@ def overrides_for(workload: str, cache: str) -> dict:
             "trainer.total_training_steps": w["steps"]}
 
 
+def cpu_seconds() -> float:
+    """CPU seconds used so far by this process and everything it started (Ray's services, the workers)."""
+    total = 0.0
+    me = psutil.Process()
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:  # ended meanwhile
+            pass
+    return total
+
+
+def watch_cpu(trainer, samples: list[tuple[float, float]]) -> None:
+    """Record (CPU seconds of the run, wall seconds) per step: on a shared machine the run's share of
+    the cores says how much other jobs took from it."""
+    step_fn = trainer.train_step
+
+    def train_step(step, items):
+        c0, w0 = cpu_seconds(), time.perf_counter()
+        out = step_fn(step, items)
+        samples.append((cpu_seconds() - c0, time.perf_counter() - w0))
+        return out
+
+    trainer.train_step = train_step
+
+
 def run_workload(workload: dict, argv: list[str]):
     """Train with `workload` + argv overrides; returns (per-step metrics, layout, wall seconds, time.time()
-    at the end of step 1)."""
+    at the end of step 1, (CPU seconds, wall seconds) per step)."""
     cfg = OmegaConf.structured(RLSPConfig)
     for key, val in {**workload, "trainer.default_local_dir": tempfile.mkdtemp(prefix="rlsp_bench_")}.items():
         OmegaConf.update(cfg, key, val)
@@ -105,8 +133,10 @@ def run_workload(workload: dict, argv: list[str]):
     cfg = preflight(cfg)
     t0 = time.perf_counter()
     prepared = prepare(cfg, layout)
+    cpu: list[tuple[float, float]] = []
+    watch_cpu(prepared[0], cpu)
     history = train(cfg, layout, prepared)
-    return history, layout, time.perf_counter() - t0, prepared[0].first_step_done_at
+    return history, layout, time.perf_counter() - t0, prepared[0].first_step_done_at, cpu
 
 
 def median_of(history: list[dict], key: str, skip: int = 2) -> float:
@@ -121,7 +151,8 @@ def main(argv: list[str]) -> None:
     args, overrides = p.parse_known_args(argv)
     os.makedirs(args.cache_dir, exist_ok=True)
     imported_s = time.time() - PROCESS_START
-    history, layout, wall, first_step_end = run_workload(overrides_for(args.workload, args.cache_dir), overrides)
+    load_before = os.getloadavg()[0]
+    history, layout, wall, first_step_end, cpu = run_workload(overrides_for(args.workload, args.cache_dir), overrides)
     # process start to the end of step 1 (imports, Ray, workers, engines, step 1: what a user waits for)
     first_step_done = first_step_end - PROCESS_START
     print(json.dumps({
@@ -135,6 +166,10 @@ def main(argv: list[str]) -> None:
         **{k.split("/")[1]: round(v, 2) for k, v in history[0].items() if k.startswith("startup/")},
         "step1_s": round(history[0]["timing/step_s"], 2),
         "wall_s_incl_startup": round(wall, 1),
+        # share of all cores this run used during steps 3..N (~0.9 when the machine is its own), and
+        # the 1-minute load average before and after: other jobs on the cores slow every phase
+        "cpu_share": round(sum(c for c, _ in cpu[2:]) / max(1e-9, sum(w for _, w in cpu[2:]) * (os.cpu_count() or 1)), 2),
+        "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }))
 
 
