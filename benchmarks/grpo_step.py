@@ -13,8 +13,10 @@ exact): 2 workers of 1 thread each, every worker holding the whole model (fsdp_s
 are reduced), micro-batches of <= 4096 tokens, rollouts with transformers `generate` for tiny (less
 per-call overhead than vLLM for a 2-layer model; `actor_rollout_ref.rollout.name=vllm` to compare) and
 vLLM for small (ignore_eos). The JSON holds the median over steps 3..N of the step time and of each
-phase (the update split into forward, backward and optimizer on the slowest worker), and the
-start-up: process start to the end of step 1. Extra argv entries are config overrides (key=value).
+phase (the update split into forward, backward and optimizer on the slowest worker), the start-up
+(process start to the end of step 1) with its split (driver imports, Ray init, worker processes up,
+worker set-up, step 1), and the run's share of the cores during the measured steps with the load
+average (other jobs on the cores slow every phase). Extra argv entries are config overrides (key=value).
 """
 
 from __future__ import annotations
