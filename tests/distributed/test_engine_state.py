@@ -95,6 +95,8 @@ def test_state_dict_round_trip_gives_the_same_next_step(model_and_batch):
     path, batch = model_and_batch
     same_before, same_after, m1, m2, moved, sched1, sched2 = run_distributed(_resume_equal, 2, path, batch)[0]
     assert same_before and same_after
-    assert m1 == m2
+    timing = ("time_",)  # wall-clock split of the step: differs run to run
+    assert {k: v for k, v in m1.items() if not k.startswith(timing)} == {
+        k: v for k, v in m2.items() if not k.startswith(timing)}
     assert moved  # the loaded state mattered: a fresh engine without it lands elsewhere
     assert sched1 == sched2 and sched1["last_epoch"] == 2
