@@ -108,12 +108,8 @@ def _profile(step) -> list[tuple[str, float]]:
     return [(e.key[:60], round(e.self_device_time_total / 1e3, 2)) for e in rows]
 
 
-def main() -> None:
-    a = _args()
-    device = torch.device(a.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(0)
-    _init_world(a.world, device.type)
+def _build(a: argparse.Namespace, device: torch.device) -> tuple:
+    """The sharded policy, its optimizer and one training step over this rank's share of the stream."""
     cfg = MODELS[a.model]
     dims = build_parallel_dims(a.sp, device.type)
     torch.manual_seed(0)
@@ -130,7 +126,6 @@ def main() -> None:
     ids_S, pos_S, lab_S = (shard_for_rank(x, ctx).to(device) for x in (packed.input_ids, packed.position_ids, packed.labels))
     mask_S = shard_for_rank(packed.label_mask, ctx).to(device).float()
     n_label = float(packed.label_mask.sum())
-    before = {n: p.detach().to_local().clone() for n, p in model.named_parameters()} if a.world == 1 else {}
 
     def step() -> float:
         ctx.cache.clear()
@@ -142,22 +137,49 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
         return float(loss.detach())
 
-    result = {"benchmark": "gpu_train_step", "model": a.model, "params": n_params, "tokens": a.tokens,
-              "seq_len": a.seq_len or a.tokens, "world": a.world, "sp": a.sp, "local_tokens": ctx.local_len,
-              "grad_ckpt": a.grad_ckpt, "dtype": a.dtype,
-              "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "torch": torch.__version__}
-    try:
-        warm_losses = [step() for _ in range(a.warmup)]
-        if device.type == "cuda":
+    return model, step, n_params, ctx.local_len, lens
+
+
+def _run_steps(a: argparse.Namespace, step, cuda: bool) -> tuple[list[float], list[float], list[float]]:
+    """(warm-up losses, timed losses, timed seconds); peak memory is reset after the warm-up."""
+    warm_losses = [step() for _ in range(a.warmup)]
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    for _ in range(a.steps):
+        t0 = time.perf_counter()
+        losses.append(step())
+        if cuda:
             torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        times, losses = [], []
-        for _ in range(a.steps):
-            t0 = time.perf_counter()
-            losses.append(step())
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
+        times.append(time.perf_counter() - t0)
+    return warm_losses, losses, times
+
+
+def _weight_checks(model, before: dict, losses: list[float]) -> dict:
+    moved = sum(int((p.detach().to_local() != before[n]).sum()) for n, p in model.named_parameters())
+    total = sum(t.numel() for t in before.values())
+    return {"loss_first": round(losses[0], 4), "loss_last": round(losses[-1], 4),
+            "loss_finite": all(x == x and abs(x) != float("inf") for x in losses),
+            "frac_weights_moved": round(moved / total, 4),
+            "master_dtype": sorted({str(p.dtype) for p in model.parameters()})}
+
+
+def main() -> None:
+    a = _args()
+    device = torch.device(a.device)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(0)
+    _init_world(a.world, device.type)
+    model, step, n_params, local_len, lens = _build(a, device)
+    before = {n: p.detach().to_local().clone() for n, p in model.named_parameters()} if a.world == 1 else {}
+    result = {"benchmark": "gpu_train_step", "model": a.model, "params": n_params, "tokens": a.tokens,
+              "seq_len": a.seq_len or a.tokens, "world": a.world, "sp": a.sp, "local_tokens": local_len,
+              "grad_ckpt": a.grad_ckpt, "dtype": a.dtype,
+              "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__}
+    try:
+        warm_losses, losses, times = _run_steps(a, step, cuda)
         if a.profile:
             result["top_ops_ms"] = _profile(step)
     except torch.OutOfMemoryError as e:
@@ -165,23 +187,17 @@ def main() -> None:
         print(json.dumps(result), flush=True)
         return
     step_s = statistics.median(times)
-    dense, with_attn = _flops(n_params, cfg, lens)
+    dense, with_attn = _flops(n_params, MODELS[a.model], lens)
     rank_dense, rank_attn = dense / a.sp, with_attn / a.sp  # one rank does 1/sp of its sp group's work
     result.update(
         oom=False, step_s=round(step_s, 4), steps=a.steps,
         tokens_per_s_rank=round(a.tokens / a.sp / step_s, 1),
-        peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
+        peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
         mfu=round(rank_dense / step_s / (a.peak_tflops * 1e12), 4),
         mfu_with_attn=round(rank_attn / step_s / (a.peak_tflops * 1e12), 4),
     )
     if a.world == 1:
-        moved = sum(int((p.detach().to_local() != before[n]).sum()) for n, p in model.named_parameters())
-        total = sum(t.numel() for t in before.values())
-        master = {str(p.dtype) for p in model.parameters()}
-        first_loss = (warm_losses or losses)[0]
-        result.update(loss_first=round(first_loss, 4), loss_last=round(losses[-1], 4),
-                      loss_finite=all(map(lambda x: x == x and abs(x) != float("inf"), [*warm_losses, *losses])),
-                      frac_weights_moved=round(moved / total, 4), master_dtype=sorted(master))
+        result.update(_weight_checks(model, before, [*warm_losses, *losses]))
     print(json.dumps(result), flush=True)
     dist.destroy_process_group()
 
