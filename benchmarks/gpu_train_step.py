@@ -35,6 +35,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from transformers import Qwen2Config  # noqa: E402
 
+from rlsp.config.layout import RoleLayout, World  # noqa: E402
 from rlsp.data.packing import pack_sequences  # noqa: E402
 from rlsp.engine.optim import OptimSettings, build_optimizer  # noqa: E402
 from rlsp.engine.parallelize import parallelize  # noqa: E402
@@ -111,7 +112,7 @@ def _profile(step) -> list[tuple[str, float]]:
 def _build(a: argparse.Namespace, device: torch.device) -> tuple:
     """The sharded policy, its optimizer and one training step over this rank's share of the stream."""
     cfg = MODELS[a.model]
-    dims = build_parallel_dims(a.sp, device.type)
+    dims = build_parallel_dims(RoleLayout(World(1, dist.get_world_size()), ulysses=a.sp), device.type)
     torch.manual_seed(0)
     with device:
         lm = build_causal_lm_from_config(Qwen2Config(**cfg), dtype=torch.float32)
@@ -121,8 +122,7 @@ def _build(a: argparse.Namespace, device: torch.device) -> tuple:
     model = parallelize(TokenLogprobModel(lm, chunk_size=a.chunk), dims, getattr(torch, a.dtype))
     optimizer, _ = build_optimizer(model, OptimSettings(lr=a.lr, grad_clip=1.0))
     packed, lens = _stream(a.tokens, a.seq_len, cfg["vocab_size"], a.sp)
-    group = dims.sp_group if a.sp > 1 else None
-    ctx = build_sp_context(group, packed, cfg["num_attention_heads"], cfg["num_key_value_heads"])
+    ctx = build_sp_context(dims.ulysses_group, packed, cfg["num_attention_heads"], cfg["num_key_value_heads"])
     ids_S, pos_S, lab_S = (shard_for_rank(x, ctx).to(device) for x in (packed.input_ids, packed.position_ids, packed.labels))
     mask_S = shard_for_rank(packed.label_mask, ctx).to(device).float()
     n_label = float(packed.label_mask.sum())

@@ -159,7 +159,7 @@ def main(argv: list[str]) -> None:
     first_step_done = first_step_end - PROCESS_START
     print(json.dumps({
         "benchmark": "grpo_step", "workload": args.workload, "overrides": overrides,
-        "sp": layout.sp_size, "workers": layout.world_size, "steps": len(history),
+        "sp": layout.actor.sp_size, "workers": layout.world_size, "steps": len(history),
         "machine": f"{platform.machine()} {os.cpu_count()} cpus",
         **{name: median_of(history, key) for name, key in PHASES.items()},
         "startup_to_first_step_s": round(first_step_done, 2),

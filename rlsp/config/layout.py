@@ -1,12 +1,27 @@
 """The parallel layout of a run, computed once from the config by `validate_config` and passed down.
 
-A run has one or two training worlds (`MeshLayout`): the policy world hosts the actor, reference and
-rollout roles (and the critic when it is colocated, verl's "hybrid" layout); a separate critic pool
-is its own world. Ranks are numbered node by node (rank = node * procs_per_node + local rank), and an
-sp group is a run of consecutive ranks, so an sp group never straddles nodes as long as sp divides
-procs_per_node (checked by validation).
+A run has one or two pools of worker processes (`World`): the policy pool hosts the actor,
+reference and rollout roles (and the critic when it is colocated, verl's "hybrid" layout); a separate
+critic pool is a world of its own. Ranks are numbered node by node (rank = node * procs_per_node +
+local rank).
 
-No torch here: this is plain arithmetic that the driver, the controller and the workers share.
+Each training role splits its world with its own degrees (`RoleLayout`), ranks ordered
+(dp, ring, ulysses, tp) from outermost to innermost:
+
+    rank = ((dp_rank * ring + ring_rank) * ulysses + ulysses_rank) * tp + tp_rank
+
+- tp (tensor parallel, innermost) and ulysses (head all-to-all) are the chattiest: their groups are
+  runs of consecutive ranks that stay inside a node (validation requires ulysses * tp to divide the
+  workers per node);
+- ring (K/V blocks passed to the neighbour) may span nodes: only neighbour-to-neighbour traffic
+  crosses the slow link;
+- dp ranks get different rows; the ulysses x ring x tp ranks of one dp group share their rows.
+A packed token stream is cut into ring zigzag chunks, each ring rank's tokens into ulysses slices,
+and, with tensor parallelism's sequence-parallel activations, each of those into tp slices. FSDP2
+shards parameters over the dp x ring x ulysses ranks (all but tp), or within groups of `fsdp_size`
+of them (HSDP); tp shards the weights of each layer across its group.
+
+No torch here: plain arithmetic shared by the driver, the controller, the workers and the planner.
 """
 
 from __future__ import annotations
@@ -15,82 +30,155 @@ from dataclasses import dataclass
 
 # Advantage estimators that need a value model (critic workers).
 CRITIC_ESTIMATORS = ("gae",)
+TRAIN_ROLES = ("actor", "ref", "critic")
 
 
 @dataclass(frozen=True)
-class MeshLayout:
-    """One training world: nnodes x procs_per_node ranks, split into dp groups of sp_size ranks."""
+class World:
+    """The worker processes of one pool: nnodes x procs_per_node ranks, numbered node by node."""
 
     nnodes: int
     procs_per_node: int
-    sp_size: int
 
     @property
     def world_size(self) -> int:
         return self.nnodes * self.procs_per_node
 
-    @property
-    def dp_size(self) -> int:
-        return self.world_size // self.sp_size
-
-    def dp_rank(self, rank: int) -> int:
-        return rank // self.sp_size
-
-    def sp_rank(self, rank: int) -> int:
-        return rank % self.sp_size
-
     def node_of(self, rank: int) -> int:
         return rank // self.procs_per_node
 
-    def with_sp(self, sp_size: int) -> MeshLayout:
-        return MeshLayout(self.nnodes, self.procs_per_node, sp_size)
+
+@dataclass(frozen=True)
+class Coords:
+    """Where one rank sits in its role's layout."""
+
+    dp: int
+    ring: int
+    ulysses: int
+    tp: int
+
+
+@dataclass(frozen=True)
+class RoleLayout:
+    """How one training role splits its world: every parallel degree (see the module docstring)."""
+
+    world: World
+    ulysses: int = 1
+    ring: int = 1
+    tp: int = 1
+    sequence_parallel: bool = True  # with tp > 1: norm/residual activations sharded along the sequence
+    fsdp_size: int = -1  # -1: shard over all dp x ring x ulysses ranks; else HSDP groups of this size
+
+    @property
+    def world_size(self) -> int:
+        return self.world.world_size
+
+    @property
+    def sp_size(self) -> int:
+        """Ranks one sequence is split over inside attention: ulysses x ring."""
+        return self.ulysses * self.ring
+
+    @property
+    def tp_shards_tokens(self) -> bool:
+        return self.tp > 1 and self.sequence_parallel
+
+    @property
+    def ranks_per_dp(self) -> int:
+        """Ranks that work on the same rows (one dp group's model replica): ulysses x ring x tp."""
+        return self.ulysses * self.ring * self.tp
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.ranks_per_dp
+
+    @property
+    def token_shards(self) -> int:
+        """Pieces a packed stream is cut into outside attention: each rank holds 1/token_shards of it."""
+        return self.sp_size * (self.tp if self.tp_shards_tokens else 1)
+
+    @property
+    def stream_multiple(self) -> int:
+        """A packed stream's length must be a multiple of this (ring zigzag uses 2 chunks per ring rank)."""
+        return self.token_shards * (2 if self.ring > 1 else 1)
+
+    @property
+    def fsdp_ranks(self) -> int:
+        """Ranks FSDP2 shards parameters over: every rank of the world but the tp dimension."""
+        return self.world_size // self.tp
+
+    @property
+    def fsdp_shard(self) -> int:
+        """Ranks one copy of the parameters is sharded over (the whole fsdp_ranks unless HSDP)."""
+        return self.fsdp_ranks if self.fsdp_size == -1 else self.fsdp_size
+
+    def coords(self, rank: int) -> Coords:
+        rest, tp_rank = divmod(rank, self.tp)
+        rest, uly = divmod(rest, self.ulysses)
+        dp, ring = divmod(rest, self.ring)
+        return Coords(dp=dp, ring=ring, ulysses=uly, tp=tp_rank)
+
+    def dp_rank(self, rank: int) -> int:
+        return rank // self.ranks_per_dp
+
+    def describe(self) -> str:
+        text = f"dp={self.dp_size} ulysses={self.ulysses} ring={self.ring} tp={self.tp}"
+        if self.tp > 1:
+            text += " (sequence-parallel activations)" if self.sequence_parallel else " (replicated activations)"
+        if self.fsdp_size != -1:
+            text += f" fsdp_size={self.fsdp_size}"
+        return text
 
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """Every training world of the run and which roles live on which.
+    """Every worker pool of the run, every training role's degrees, and which roles live where.
 
-    `policy` is the world of the actor/reference/rollout workers; `critic` is the critic's mesh (None
-    without a critic). With `critic_colocated` the critic shares the policy world (same ranks and
-    devices) with its own sp size; otherwise `critic` is a world of its own.
+    `policy` is the pool of the actor/reference/rollout workers; `actor`, `ref` and `critic` split
+    their pool each with their own degrees (`critic` is None without a critic). With
+    `critic_colocated` the critic shares the policy pool (same ranks and devices); otherwise its
+    layout's `world` is a pool of its own.
     """
 
-    policy: MeshLayout
-    critic: MeshLayout | None = None
+    policy: World
+    actor: RoleLayout
+    ref: RoleLayout
+    critic: RoleLayout | None = None
     critic_colocated: bool = True
 
-    # Shorthands for the policy world (the one every run has).
+    # Shorthands for the policy pool and the actor's split (the ones every run has).
     @property
     def world_size(self) -> int:
         return self.policy.world_size
 
     @property
-    def sp_size(self) -> int:
-        return self.policy.sp_size
-
-    @property
     def dp_size(self) -> int:
-        return self.policy.dp_size
+        return self.actor.dp_size
 
     @property
     def total_workers(self) -> int:
-        """Worker processes the run starts: the policy world plus a separate critic pool, if any."""
+        """Worker processes the run starts: the policy pool plus a separate critic pool, if any."""
         separate = self.critic is not None and not self.critic_colocated
-        return self.policy.world_size + (self.critic.world_size if separate else 0)
+        return self.world_size + (self.critic.world_size if separate else 0)
 
     @property
     def has_critic(self) -> bool:
         return self.critic is not None
 
-    def role_mesh(self, role: str) -> MeshLayout:
-        """The mesh a role trains or infers on."""
-        if role == "critic":
+    def role(self, name: str) -> RoleLayout:
+        """The layout a role trains or infers on (rollout: one engine per rank of the policy pool)."""
+        if name == "critic":
             if self.critic is None:
                 raise ValueError("this run has no critic (algorithm.adv_estimator does not use one)")
             return self.critic
-        if role in ("actor", "ref", "rollout"):
-            return self.policy
-        raise ValueError(f"unknown role {role!r}; legal roles: actor, ref, rollout, critic")
+        if name in ("actor", "ref"):
+            return getattr(self, name)
+        if name == "rollout":
+            return RoleLayout(self.policy)
+        raise ValueError(f"unknown role {name!r}; legal roles: actor, ref, rollout, critic")
+
+    def world_of(self, group: str) -> World:
+        """The pool of a worker group: 'policy' or 'critic' (separate pool only)."""
+        return self.policy if group == "policy" else self.role("critic").world
 
     def roles_of(self, group: str) -> tuple[str, ...]:
         """Roles hosted by a worker group: 'policy' (always) or 'critic' (separate pool only)."""
@@ -101,11 +189,18 @@ class ParallelLayout:
             return ("critic",)
         raise ValueError(f"no worker group {group!r} in this layout")
 
+    def node_local_sizes(self, group: str) -> tuple[int, ...]:
+        """Sizes of the rank runs that must share a node in this group (ulysses x tp of each role)."""
+        roles = [r for r in self.roles_of(group) if r in TRAIN_ROLES]
+        return tuple(sorted({self.role(r).ulysses * self.role(r).tp for r in roles}))
+
     def describe(self) -> str:
         p = self.policy
-        text = f"world={p.world_size} ({p.nnodes}x{p.procs_per_node}) dp={p.dp_size} sp={p.sp_size}"
+        text = f"world={p.world_size} ({p.nnodes}x{p.procs_per_node}) actor {self.actor.describe()}"
+        if self.ref != self.actor:
+            text += f" | ref {self.ref.describe()}"
         if self.critic is not None:
-            c = self.critic
+            c = self.critic.world
             where = "colocated" if self.critic_colocated else f"own pool {c.nnodes}x{c.procs_per_node}"
-            text += f" | critic {where} dp={c.dp_size} sp={c.sp_size}"
+            text += f" | critic {where} {self.critic.describe()}"
         return text

@@ -77,7 +77,10 @@ class ActorConfig:
     use_kl_loss: bool = True
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
-    ulysses_sequence_parallel_size: int = 1
+    ulysses_sequence_parallel_size: int = 1  # Ulysses degree: heads exchanged within a node
+    ring_sequence_parallel_size: int = 1  # ring degree: K/V blocks passed around (may span nodes)
+    tensor_model_parallel_size: int = 1  # Megatron-style TP: each layer's weights split over this many ranks
+    sequence_parallel: bool = True  # with TP > 1: norms/residuals sharded along the sequence (Megatron SP)
     logprob_chunk_size: int = 1024
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
@@ -85,6 +88,11 @@ class ActorConfig:
 
 @dataclass
 class RefConfig:
+    # Parallel degrees of the frozen reference; None = the actor's value.
+    ulysses_sequence_parallel_size: int | None = None
+    ring_sequence_parallel_size: int | None = None
+    tensor_model_parallel_size: int | None = None
+    sequence_parallel: bool | None = None
     log_prob_micro_batch_size_per_gpu: int = 64
     log_prob_use_dynamic_bsz: bool = False
     log_prob_max_token_len_per_gpu: int = 16384
@@ -147,6 +155,9 @@ class CriticConfig:
     shuffle: bool = True
     cliprange_value: float = 0.5  # clip of the new value around the rollout-time value
     ulysses_sequence_parallel_size: int = 1
+    ring_sequence_parallel_size: int = 1
+    tensor_model_parallel_size: int = 1
+    sequence_parallel: bool = True
     colocate: bool = True  # share the actor's workers and devices (verl's hybrid layout); False = own pool
     nnodes: int = 1  # own pool only (critic.colocate=false)
     n_gpus_per_node: int = 1  # own pool only: critic worker processes per node
@@ -207,6 +218,7 @@ class TrainerConfig:
     resume_from_path: str | None = None  # resume_mode=resume_path: a global_step_<N> directory
     max_actor_ckpt_to_keep: int | None = None  # keep the actor state of the newest N checkpoints (None: all)
     max_critic_ckpt_to_keep: int | None = None
+    save_on_preempt: bool = False  # SIGTERM: finish the step in flight and checkpoint it before stopping
 
 
 @dataclass

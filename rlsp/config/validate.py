@@ -11,7 +11,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from rlsp.config.layout import CRITIC_ESTIMATORS, MeshLayout, ParallelLayout
+from rlsp.config.layout import CRITIC_ESTIMATORS, ParallelLayout, RoleLayout, World
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # KL estimators for the in-reward penalty (names as verl's algorithm.kl_penalty).
@@ -29,51 +29,75 @@ def _require(cond: bool, msg: str, errors: list[str]) -> None:
         errors.append(msg)
 
 
-def _check_mesh(prefix: str, nnodes: int, per_node: int, sp: int, sp_key: str, errors: list[str]) -> MeshLayout | None:
+def _check_world(prefix: str, nnodes: int, per_node: int, errors: list[str]) -> World | None:
     if nnodes < 1 or per_node < 1:
         errors.append(f"{prefix}nnodes={nnodes} and {prefix}n_gpus_per_node={per_node} must be >= 1")
         return None
-    world = nnodes * per_node
-    if sp < 1 or world % sp != 0:
-        errors.append(f"{sp_key}={sp} does not divide the {world} training workers ({prefix}nnodes*"
-                      f"{prefix}n_gpus_per_node); legal values: {_divisors(world)}")
+    return World(nnodes, per_node)
+
+
+def _role_degrees(cfg: Any, role: str) -> tuple[str, dict[str, Any]]:
+    """(key prefix, the role's degrees) with the reference's unset degrees taken from the actor."""
+    arr = cfg.actor_rollout_ref
+    keys = ("ulysses_sequence_parallel_size", "ring_sequence_parallel_size", "tensor_model_parallel_size",
+            "sequence_parallel")
+    if role == "critic":
+        return "critic.", {k: cfg.critic[k] for k in keys} | {"fsdp_size": cfg.critic.model.fsdp_config.fsdp_size}
+    actor = {k: arr.actor[k] for k in keys}
+    if role == "actor":
+        return "actor_rollout_ref.actor.", actor | {"fsdp_size": arr.actor.fsdp_config.fsdp_size}
+    ref = {k: actor[k] if arr.ref[k] is None else arr.ref[k] for k in keys}
+    return "actor_rollout_ref.ref.", ref | {"fsdp_size": arr.ref.fsdp_config.fsdp_size}
+
+
+def _check_role(cfg: Any, role: str, world: World, errors: list[str]) -> RoleLayout | None:
+    """The role's layout over `world`, or None after naming every degree that does not fit it."""
+    prefix, d = _role_degrees(cfg, role)
+    uly, ring, tp = (d["ulysses_sequence_parallel_size"], d["ring_sequence_parallel_size"],
+                     d["tensor_model_parallel_size"])
+    n_err = len(errors)
+    for key, val in (("ulysses_sequence_parallel_size", uly), ("ring_sequence_parallel_size", ring),
+                     ("tensor_model_parallel_size", tp)):
+        _require(isinstance(val, int) and val >= 1, f"{prefix}{key}={val} must be an integer >= 1", errors)
+    if len(errors) > n_err:
         return None
-    if nnodes > 1 and per_node % sp != 0:
-        errors.append(f"{sp_key}={sp} would make sequence-parallel groups span nodes ({per_node} workers per "
-                      f"node); legal values: {_divisors(per_node)}")
+    per_node, total = world.procs_per_node, world.world_size
+    if uly * tp > per_node or per_node % (uly * tp):
+        errors.append(f"{prefix}ulysses_sequence_parallel_size={uly} x tensor_model_parallel_size={tp} must divide "
+                      f"the {per_node} workers per node (their all-to-alls and all-gathers stay inside a node); "
+                      f"legal values: {_divisors(per_node)} (for ulysses x tp)")
+    elif total % (uly * ring * tp):
+        errors.append(f"ulysses {uly} x ring {ring} x tp {tp} = {uly * ring * tp} ranks per data-parallel group "
+                      f"does not divide the {total} workers ({prefix}ring_sequence_parallel_size={ring}); legal ring "
+                      f"sizes here: {_divisors(total // (uly * tp))}")
+    if tp > 1:
+        errors.append(f"{prefix}tensor_model_parallel_size={tp}: tensor parallelism is not wired into the training "
+                      "engine yet; legal value: 1 (split long sequences with ulysses/ring instead)")
+    fsdp_ranks = total // tp
+    size = d["fsdp_size"]
+    _require(size == -1 or (isinstance(size, int) and size >= 1 and fsdp_ranks % size == 0),
+             f"{prefix.replace('critic.', 'critic.model.')}fsdp_config.fsdp_size={size} must be -1 (shard over all "
+             f"{fsdp_ranks} non-TP ranks) or a divisor of {fsdp_ranks}: legal values -1, {_divisors(fsdp_ranks)}",
+             errors)
+    if len(errors) > n_err:
         return None
-    return MeshLayout(nnodes, per_node, sp)
+    return RoleLayout(world, ulysses=uly, ring=ring, tp=tp, sequence_parallel=bool(d["sequence_parallel"]),
+                      fsdp_size=size)
 
 
 def _check_parallel(cfg: Any, errors: list[str]) -> ParallelLayout | None:
     t, critic = cfg.trainer, cfg.critic
-    policy = _check_mesh("trainer.", t.nnodes, t.n_gpus_per_node,
-                         cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size,
-                         "actor_rollout_ref.actor.ulysses_sequence_parallel_size", errors)
+    policy = _check_world("trainer.", t.nnodes, t.n_gpus_per_node, errors)
     if policy is None:
         return None
+    actor, ref = _check_role(cfg, "actor", policy, errors), _check_role(cfg, "ref", policy, errors)
+    if actor is None or ref is None:
+        return None
     if cfg.algorithm.adv_estimator not in CRITIC_ESTIMATORS:
-        return ParallelLayout(policy)
-    sp_key = "critic.ulysses_sequence_parallel_size"
-    if critic.colocate:
-        mesh = _check_mesh("trainer.", t.nnodes, t.n_gpus_per_node, critic.ulysses_sequence_parallel_size, sp_key, errors)
-    else:
-        mesh = _check_mesh("critic.", critic.nnodes, critic.n_gpus_per_node, critic.ulysses_sequence_parallel_size,
-                           sp_key, errors)
-    return None if mesh is None else ParallelLayout(policy, mesh, critic_colocated=bool(critic.colocate))
-
-
-def _check_fsdp_sizes(cfg: Any, layout: ParallelLayout, errors: list[str]) -> None:
-    arr = cfg.actor_rollout_ref
-    worlds = {"actor_rollout_ref.actor": (arr.actor.fsdp_config, layout.world_size),
-              "actor_rollout_ref.ref": (arr.ref.fsdp_config, layout.world_size)}
-    if layout.critic is not None:
-        worlds["critic.model"] = (cfg.critic.model.fsdp_config, layout.critic.world_size)
-    for prefix, (fsdp, world) in worlds.items():
-        size = fsdp.fsdp_size
-        _require(size == -1 or (isinstance(size, int) and size >= 1 and world % size == 0),
-                 f"{prefix}.fsdp_config.fsdp_size={size} must be -1 (shard over all {world} workers) or a "
-                 f"divisor of {world}: legal values -1, {_divisors(world)}", errors)
+        return ParallelLayout(policy, actor, ref)
+    world = policy if critic.colocate else _check_world("critic.", critic.nnodes, critic.n_gpus_per_node, errors)
+    mesh = None if world is None else _check_role(cfg, "critic", world, errors)
+    return None if mesh is None else ParallelLayout(policy, actor, ref, mesh, critic_colocated=bool(critic.colocate))
 
 
 def _check_batches(cfg: Any, layout: ParallelLayout, errors: list[str]) -> None:
@@ -251,7 +275,6 @@ def validate_config(cfg: Any) -> ParallelLayout:
         raise ValueError("invalid rlsp config:\n  - " + "\n  - ".join(errors))
     layout = _check_parallel(cfg, errors)
     if layout is not None:
-        _check_fsdp_sizes(cfg, layout, errors)
         _check_batches(cfg, layout, errors)
         _check_critic(cfg, layout, errors)
     _check_algorithm(cfg, errors)

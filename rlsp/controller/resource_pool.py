@@ -1,8 +1,8 @@
 """A placement group reserving one bundle per worker process (a GPU each, or CPU cores on CPU).
 
 Ranks are handed out node by node: after the reservation the bundles are ordered by the node Ray put
-them on, so consecutive ranks (an sp group) share a node. A placement that would make an sp group
-straddle nodes is refused with the per-node bundle counts.
+them on, so consecutive ranks (a Ulysses x TP group) share a node. A placement that would make such a
+group straddle nodes is refused with the per-node bundle counts (ring groups may span nodes).
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ class ResourcePool:
             b["GPU"] = 1.0
         return b
 
-    def create(self, sp_sizes: tuple[int, ...] = (1,), timeout_s: float = 120.0) -> PlacementGroup:
+    def create(self, node_local: tuple[int, ...] = (1,), timeout_s: float = 120.0) -> PlacementGroup:
+        """Reserve the bundles; runs of `node_local` consecutive ranks (each size given) must share a node."""
         bundles = [self.bundle() for _ in range(self.world_size)]
         # one node: all bundles on the same node or none (a one-node run rendezvouses over loopback)
         self.pg = placement_group(bundles, strategy="STRICT_PACK" if self.nnodes == 1 else "SPREAD", name="")
@@ -49,27 +50,24 @@ class ResourcePool:
                 f"could not reserve {self.world_size} x {self.bundle()} for the {self.name} workers within "
                 f"{timeout_s:.0f}s; the Ray cluster has {avail}. Lower trainer.n_gpus_per_node/nnodes or add resources."
             )
-        self.rank_to_bundle = self._order_by_node(sp_sizes)
+        self.rank_to_bundle = self._order_by_node(node_local)
         log.info("reserved %d %s worker bundles %s", self.world_size, self.name, self.bundle())
         return self.pg
 
-    def _order_by_node(self, sp_sizes: tuple[int, ...]) -> list[int]:
+    def _order_by_node(self, node_local: tuple[int, ...]) -> list[int]:
         nodes = self._bundle_nodes()
         order = sorted(range(self.world_size), key=lambda b: (nodes[b], b))
-        for sp in sp_sizes:
+        for sp in node_local:
             if any(len({nodes[b] for b in order[i:i + sp]}) > 1 for i in range(0, self.world_size, sp)):
                 counts = {n[:8]: nodes.count(n) for n in dict.fromkeys(nodes)}
                 self.release()
-                raise RuntimeError(f"the {self.name} bundles landed on nodes {counts}: a sequence-parallel group of "
+                raise RuntimeError(f"the {self.name} bundles landed on nodes {counts}: a Ulysses x TP group of "
                                    f"{sp} ranks would span nodes; give every node a multiple of {sp} workers")
         return order
 
     def _bundle_nodes(self) -> list[str]:
         table = placement_group_table(self.pg)["bundles_to_node_id"]
         return [str(table[b]) for b in range(self.world_size)]
-
-    def node_of_rank(self, rank: int) -> str:
-        return self._bundle_nodes()[self.rank_to_bundle[rank]]
 
     def release(self) -> None:
         if self.pg is not None:

@@ -33,8 +33,7 @@ class RayWorkerGroup:
         self.pool, self.layout, self.group = pool, layout, group
         self.roles = layout.roles_of(group)
         self.world_size = pool.world_size
-        sp_sizes = tuple(sorted({layout.role_mesh(r).sp_size for r in self.roles}))
-        pg = pool.pg if pool.pg is not None else pool.create(sp_sizes)
+        pg = pool.pg if pool.pg is not None else pool.create(layout.node_local_sizes(group))
         remote_cls = ray.remote(Worker)
         bundle = pool.bundle()
         self.workers = []
@@ -73,26 +72,27 @@ class RayWorkerGroup:
         if role not in self.roles:
             raise ValueError(f"role {role!r} is not hosted by the {self.group} workers (they host {list(self.roles)})")
         mode = dispatch_mode(ROLE_CLASSES[role], method)
-        sp = self.layout.role_mesh(role).sp_size
-        return self._dispatch(mode, sp, lambda w, *a: w.execute.remote(role, method, *a), args)
+        ranks_per_dp = self.layout.role(role).ranks_per_dp
+        return self._dispatch(mode, ranks_per_dp, lambda w, *a: w.execute.remote(role, method, *a), args)
 
     def call_worker(self, method: str, *args: Any) -> Any:
         """Call a method of the worker itself (set-up, weight sync, shutdown); always ALL."""
         mode = dispatch_mode(Worker, method)
         return self._dispatch(mode, 1, lambda w, *a: getattr(w, method).remote(*a), args)
 
-    def _dispatch(self, mode: Dispatch, sp: int, submit, args: tuple[Any, ...]) -> Any:
+    def _dispatch(self, mode: Dispatch, per_dp: int, submit, args: tuple[Any, ...]) -> Any:
         if mode is Dispatch.ALL:
             return self._gather([submit(w, *args) for w in self.workers])
         batch, rest = args[0], args[1:]
         if mode is Dispatch.BY_RANK:
             parts = batch.chunk(self.world_size)
             return Batch.concat(self._gather([submit(w, p, *rest) for w, p in zip(self.workers, parts)]))
-        # BY_DP: one shard per dp group, shipped once and shared by the group's sp ranks.
-        dp = self.world_size // sp
+        # BY_DP: one shard per dp group, shipped once and shared by the group's ulysses/ring/tp ranks
+        # (consecutive ranks: dp is the outermost dimension of every role's layout).
+        dp = self.world_size // per_dp
         part_refs = [ray.put(p) for p in batch.chunk(dp)]
-        results = self._gather([submit(w, part_refs[rank // sp], *rest) for rank, w in enumerate(self.workers)])
-        firsts = [results[g * sp] for g in range(dp)]
+        results = self._gather([submit(w, part_refs[rank // per_dp], *rest) for rank, w in enumerate(self.workers)])
+        firsts = [results[g * per_dp] for g in range(dp)]
         return Batch.concat(firsts) if isinstance(firsts[0], Batch) else firsts
 
     def _gather(self, refs: list[Any]) -> list[Any]:

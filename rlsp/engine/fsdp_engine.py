@@ -16,14 +16,12 @@ Legend: B rows, P prompt width, R response width, T packed stream, S = T / sp lo
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -46,7 +44,7 @@ LossFn = Callable[[dict[str, torch.Tensor], MicroBatch], tuple[torch.Tensor, dic
 
 
 def assert_sp_matches(max_abs_diff: float, tol: float, sp_size: int, what: str = "logprob") -> None:
-    """Stop a run whose sequence-parallel forward disagrees with the unsharded one."""
+    """Stop a run whose sequence-parallel forward (sp_size = ulysses x ring) disagrees with the unsharded one."""
     if not max_abs_diff <= tol:  # also catches NaN
         raise RuntimeError(
             f"sequence-parallel self-check failed: max |{what}(sp={sp_size}) - {what}(sp=1)| = "
@@ -76,13 +74,9 @@ class FSDPEngine:
             self.optimizer, self.scheduler = build_optimizer(self.module, optim)
 
     # ----------------------------------------------------------------- micro-batches
-    def _sp_group(self) -> dist.ProcessGroup | None:
-        return self.dims.sp_group if self.dims.sp_size > 1 else None
-
     def prepare(self, rows: Batch, prompt_len: int, sharded: bool = True) -> MicroBatch:
-        group = self._sp_group() if sharded else None
-        return prepare_micro_batch(rows, prompt_len, group, self.dims.sp_size if sharded else 1,
-                                   self.num_q_heads, self.num_kv_heads)
+        return prepare_micro_batch(rows, prompt_len, self.dims if sharded else None, self.num_q_heads,
+                                   self.num_kv_heads)
 
     def forward(self, micro: MicroBatch, **head_kwargs: Any) -> dict[str, torch.Tensor]:
         packed = micro.packed
@@ -101,7 +95,8 @@ class FSDPEngine:
         return rows_BR * micro.rows["response_mask"]
 
     def _micro_batches(self, batch: Batch, micro_size: int, max_tokens: int | None) -> list[tuple[list[int], Batch]]:
-        return [(idx, batch.select_rows(idx)) for idx in split_rows(batch, micro_size, max_tokens, self.dims.sp_size)]
+        return [(idx, batch.select_rows(idx)) for idx in split_rows(batch, micro_size, max_tokens,
+                                                                          self.dims.layout.token_shards)]
 
     @torch.no_grad()
     def infer(self, batch: Batch, prompt_len: int, micro_size: int, key: str, max_tokens: int | None = None,
@@ -177,7 +172,7 @@ class FSDPEngine:
                 val = val.detach().float().cpu()
                 sums[key] = torch.maximum(sums[key], val) if key.endswith("_max") and key in sums else (
                     val if key.endswith("_max") else sums.get(key, 0.0) + val)
-            sp_local += torch.tensor([micro.ctx.local_len, micro.packed.num_pad / self.dims.sp_size,
+            sp_local += torch.tensor([micro.ctx.local_len, micro.packed.num_pad / self.dims.layout.token_shards,
                                       micro.ctx.stats.a2a_seconds, time.perf_counter() - t0], dtype=torch.float64)
         return {**self._reduce_metrics({**sums, **timing}), **self._sp_metrics(sp_local)}
 
@@ -245,14 +240,3 @@ class FSDPEngine:
             if param.grad is not None:
                 g = param.grad
                 yield name, (g.full_tensor() if hasattr(g, "full_tensor") else g).detach()
-
-    def save_hf(self, path: str) -> None:
-        """Write the full weights + config as a Hugging Face checkpoint (collective; rank 0 writes)."""
-        state = {name: t.cpu().contiguous() for name, t in self.iter_full_params()}
-        if dist.get_rank() != 0:
-            return
-        if self.tied:
-            state.pop("lm_head.weight", None)  # tied: the embedding is the output layer
-        os.makedirs(path, exist_ok=True)
-        save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-        self.config.save_pretrained(path)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from rlsp.parallel.ring import ring_attention
 from rlsp.parallel.ulysses import SPContext, ulysses_heads_to_seq, ulysses_qkv_to_heads
 
 try:  # optional fast path on GPU
@@ -71,7 +72,7 @@ def _kv_plan(ctx: SPContext, device: torch.device) -> tuple[torch.Tensor, bool]:
     natively; otherwise (a rank whose q range starts inside a GQA group, e.g. 10q/2kv at sp=4)
     kv heads are expanded to one per local q head. Cached per micro-batch: no per-layer host sync.
     """
-    layout, rank = ctx.layout, ctx.sp_rank
+    layout, rank = ctx.layout, ctx.ulysses_rank
 
     def build() -> tuple[torch.Tensor, bool]:
         (qs, qe), (ks, ke) = layout.q_ranges[rank], layout.kv_ranges[rank]
@@ -146,15 +147,29 @@ def _use_flash(q_THD: torch.Tensor) -> bool:
     return _flash_varlen is not None and q_THD.is_cuda and q_THD.dtype in (torch.float16, torch.bfloat16)
 
 
+def _ring(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, ctx: SPContext, scale: float,
+          dropout: float) -> torch.Tensor:
+    """Ring attention over the whole stream for this rank's heads; its ring rank's tokens -> [Tr, hq, D]."""
+    if dropout > 0.0:
+        raise ValueError(f"attention dropout={dropout} is not supported with ring sequence parallelism; set the "
+                         "model's attention_dropout to 0 or ring_sequence_parallel_size=1")
+    kv_index, native = _kv_plan(ctx, q_THD.device)
+    return ring_attention(q_THD, k_THD, v_THD, ctx.ring, scale, None if native else kv_index, stats=ctx.stats)
+
+
 def _local_attention(
     q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, ctx: SPContext, scale: float, dropout: float
 ) -> torch.Tensor:
-    """Causal attention within each segment of the full stream for this rank's heads -> [T, hq, D]."""
+    """Causal attention within each segment of the stream for this rank's heads -> [Tr, hq, D]
+    (the whole stream without a ring; with one, ring attention over its ranks)."""
     hq, hkv = q_THD.shape[1], k_THD.shape[1]
     if hq == 0:
-        # A rank without heads (q heads < sp) still returns a graph-connected empty output so that
-        # its backward all-to-all runs in step with the other ranks.
+        # A rank without heads (q heads < ulysses) still returns a graph-connected empty output so
+        # that its backward all-to-all runs in step with the other ranks. Every rank of its ring
+        # group has the same (empty) heads, so the ring is skipped by all of them.
         return q_THD * 0.0
+    if ctx.ring is not None:
+        return _ring(q_THD, k_THD, v_THD, ctx, scale, dropout)
     kv_index, native = _kv_plan(ctx, q_THD.device)
     if not native:
         k_THD, v_THD = k_THD.index_select(1, kv_index), v_THD.index_select(1, kv_index)

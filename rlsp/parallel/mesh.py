@@ -1,7 +1,14 @@
-"""Parallel dims of the training world: a (dp, sp) device mesh; FSDP2 shards over all ranks.
+"""The torch side of a role's layout: device meshes and process groups for every degree.
 
-Rank layout is row-major over (dp, sp): rank = dp_rank * sp_size + sp_rank, so the ranks of one sp
-group are neighbours (on a GPU node they share the fast interconnect).
+`build_parallel_dims(layout, device_type)` turns a `RoleLayout` (plain arithmetic, rlsp.config) into
+the meshes the engine needs; nothing here re-derives a degree from the config. Rank order is the
+layout's: (dp, ring, ulysses, tp), tp innermost.
+
+- `mesh` (dp, ring, ulysses, tp) gives the groups: `ulysses_group` (head all-to-all), `ring_group`
+  (K/V passing), `tp_group`, and `dp_group` (ranks holding different rows, for global token counts);
+- `fsdp_mesh` is what FSDP2 shards parameters over: every rank but the tp dimension (1-D), or
+  (replicate, shard) for HSDP; with tp > 1 it and `tp_mesh` are sub-meshes of one (replicate,
+  shard, tp) mesh, as FSDP2 over tensor-parallel parameters requires.
 """
 
 from __future__ import annotations
@@ -11,54 +18,73 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from rlsp.config.layout import Coords, RoleLayout
+
 
 @dataclass
 class ParallelDims:
-    world_size: int
-    sp_size: int
+    layout: RoleLayout
     rank: int
-    mesh: DeviceMesh  # 2-D (dp, sp)
-    fsdp_mesh: DeviceMesh  # 1-D over the whole world (FSDP), or 2-D (replicate, shard) for HSDP
-    dp_group: dist.ProcessGroup
-    sp_group: dist.ProcessGroup
+    mesh: DeviceMesh  # (dp, ring, ulysses, tp)
+    fsdp_mesh: DeviceMesh
+    tp_mesh: DeviceMesh | None  # None when tp == 1
+
+    @property
+    def coords(self) -> Coords:
+        return self.layout.coords(self.rank)
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
 
     @property
     def dp_size(self) -> int:
-        return self.world_size // self.sp_size
+        return self.layout.dp_size
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // self.sp_size
+        return self.coords.dp
 
     @property
-    def sp_rank(self) -> int:
-        return self.rank % self.sp_size
+    def dp_group(self) -> dist.ProcessGroup:
+        return self.mesh["dp"].get_group()
+
+    def _group(self, name: str, size: int) -> dist.ProcessGroup | None:
+        return self.mesh[name].get_group() if size > 1 else None
+
+    @property
+    def ulysses_group(self) -> dist.ProcessGroup | None:
+        """None when ulysses == 1 (no all-to-all)."""
+        return self._group("ulysses", self.layout.ulysses)
+
+    @property
+    def ring_group(self) -> dist.ProcessGroup | None:
+        return self._group("ring", self.layout.ring)
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup | None:
+        return self._group("tp", self.layout.tp)
 
 
-def build_parallel_dims(sp_size: int, device_type: str, fsdp_size: int = -1) -> ParallelDims:
-    """Build the mesh over the already-initialised default process group.
+def _param_meshes(layout: RoleLayout, device_type: str) -> tuple[DeviceMesh, DeviceMesh | None]:
+    shard = layout.fsdp_shard
+    replicate = layout.fsdp_ranks // shard
+    if layout.tp == 1:
+        if replicate == 1:
+            return init_device_mesh(device_type, (shard,), mesh_dim_names=("fsdp",)), None
+        return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("replicate", "shard")), None
+    root = init_device_mesh(device_type, (replicate, shard, layout.tp), mesh_dim_names=("replicate", "shard", "tp"))
+    fsdp = root["shard"] if replicate == 1 else root["replicate", "shard"]
+    return fsdp, root["tp"]
 
-    `fsdp_size` -1 (or the world size) shards parameters over every rank; a divisor of the world
-    gives a 2-D (replicate, shard) mesh: FSDP2 then shards within groups of `fsdp_size` consecutive
-    ranks and replicates across them (HSDP), reducing gradients over both dimensions.
-    """
+
+def build_parallel_dims(layout: RoleLayout, device_type: str) -> ParallelDims:
+    """Build the meshes of `layout` over the already-initialised default process group (collective)."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    legal = [d for d in range(1, world + 1) if world % d == 0]
-    if sp_size < 1 or world % sp_size != 0:
-        raise ValueError(f"sp_size={sp_size} does not divide world_size={world}; legal values: {legal}")
-    if fsdp_size != -1 and fsdp_size not in legal:
-        raise ValueError(f"fsdp_size={fsdp_size} does not divide world_size={world}; legal values: -1 or {legal}")
-    mesh = init_device_mesh(device_type, (world // sp_size, sp_size), mesh_dim_names=("dp", "sp"))
-    if fsdp_size in (-1, world):
-        fsdp_mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("fsdp",))
-    else:
-        fsdp_mesh = init_device_mesh(device_type, (world // fsdp_size, fsdp_size), mesh_dim_names=("replicate", "shard"))
-    return ParallelDims(
-        world_size=world,
-        sp_size=sp_size,
-        rank=rank,
-        mesh=mesh,
-        fsdp_mesh=fsdp_mesh,
-        dp_group=mesh["dp"].get_group(),
-        sp_group=mesh["sp"].get_group(),
-    )
+    if world != layout.world_size:
+        raise ValueError(f"the process group has {world} ranks but the layout describes {layout.world_size} "
+                         f"({layout.describe()})")
+    shape = (layout.dp_size, layout.ring, layout.ulysses, layout.tp)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=("dp", "ring", "ulysses", "tp"))
+    fsdp_mesh, tp_mesh = _param_meshes(layout, device_type)
+    return ParallelDims(layout=layout, rank=rank, mesh=mesh, fsdp_mesh=fsdp_mesh, tp_mesh=tp_mesh)

@@ -104,7 +104,7 @@ class RayTrainer:
         self.wg = RayWorkerGroup(pool, config, layout, "policy", env_vars=env)
         self.critic_wg = self.wg if layout.has_critic and layout.critic_colocated else None
         if separate:
-            c = layout.critic
+            c = layout.role("critic").world
             critic_pool = ResourcePool(c.nnodes, c.procs_per_node, device_type, cpus, name="critic")
             self.critic_wg = RayWorkerGroup(critic_pool, config, layout, "critic", env_vars=env)
         for wg in self._groups():  # processes up, worker module imported (all groups start at once)
@@ -229,16 +229,17 @@ class RayTrainer:
         return {**compute_batch_metrics(batch, scores, timing["timing/step_s"]), **metrics, **timing}
 
     def check_sp(self, batch: Batch) -> float:
-        """Stop the run if an sp-sharded forward disagrees with an unsharded one on real rows."""
+        """Stop the run if a sequence-sharded forward (Ulysses, ring) disagrees with an unsharded one on real rows."""
         tol = self.cfg.trainer.sp_self_check_tol
         worst = 0.0
         for role, wg in (("actor", self.wg), ("critic", self.critic_wg)):
-            sp = self.layout.role_mesh(role).sp_size if wg is not None else 1
-            if sp > 1:
+            role_layout = self.layout.role(role) if wg is not None else None
+            if role_layout is not None and role_layout.sp_size > 1:
+                what = "value" if role == "critic" else "logprob"
                 diff = max(wg.call(role, "sp_self_check", batch))
-                assert_sp_matches(diff, tol, sp, what="value" if role == "critic" else "logprob")
-                log.info("sp self-check passed (%s): max |d%s| = %.2e (sp=%d)", role,
-                         "value" if role == "critic" else "logprob", diff, sp)
+                assert_sp_matches(diff, tol, role_layout.sp_size, what=what)
+                log.info("sp self-check passed (%s): max |d%s| = %.2e (sp=%d) [%s]", role, what, diff,
+                         role_layout.sp_size, role_layout.describe())
                 worst = max(worst, diff)
         return worst
 

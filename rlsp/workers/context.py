@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from omegaconf import DictConfig
 
-from rlsp.config.layout import MeshLayout
+from rlsp.config.layout import ParallelLayout, RoleLayout
 from rlsp.parallel.mesh import ParallelDims, build_parallel_dims
 
 
@@ -15,10 +15,10 @@ from rlsp.parallel.mesh import ParallelDims, build_parallel_dims
 class RoleContext:
     cfg: DictConfig
     rank: int
-    mesh_layout: MeshLayout  # the world this worker belongs to (its sp size is the policy's or the critic's)
+    layout: ParallelLayout  # the run's layout, computed once by validate_config in the driver
     device: torch.device
     pad_token_id: int
-    _dims: dict[tuple[int, int], ParallelDims] = field(default_factory=dict, repr=False)
+    _dims: dict[RoleLayout, ParallelDims] = field(default_factory=dict, repr=False)
 
     @property
     def device_type(self) -> str:
@@ -28,12 +28,9 @@ class RoleContext:
     def prompt_len(self) -> int:
         return int(self.cfg.data.max_prompt_length)
 
-    def dims(self, sp_size: int, fsdp_size: int = -1) -> ParallelDims:
-        """The (dp, sp) mesh of this world for `sp_size` and the parameter-sharding mesh for `fsdp_size`
-        (built once per pair; collective on first use)."""
-        key = (sp_size, fsdp_size)
-        if key not in self._dims:
-            if self.mesh_layout.world_size % sp_size:
-                raise ValueError(f"sp_size={sp_size} does not divide the world of {self.mesh_layout.world_size} ranks")
-            self._dims[key] = build_parallel_dims(sp_size, self.device_type, fsdp_size)
-        return self._dims[key]
+    def dims(self, role: str) -> ParallelDims:
+        """The meshes of `role`'s layout (built once per distinct layout; collective on first use)."""
+        layout = self.layout.role(role)
+        if layout not in self._dims:
+            self._dims[layout] = build_parallel_dims(layout, self.device_type)
+        return self._dims[layout]

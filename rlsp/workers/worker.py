@@ -62,7 +62,7 @@ class Worker:
     def __init__(self, config: dict[str, Any], layout: ParallelLayout, group: str, rank: int) -> None:
         self.cfg: DictConfig = OmegaConf.create(config)
         self.layout, self.group, self.rank = layout, group, rank
-        self.mesh = layout.policy if group == "policy" else layout.role_mesh("critic")
+        self.world = layout.world_of(group)
         self.placed = [r for r in layout.roles_of(group) if r != "ref" or needs_reference(self.cfg)]
         self.roles: dict[str, Any] = {}
         self._store_socket: socket.socket | None = None  # rank 0 of a one-node run, until the store adopts it
@@ -72,16 +72,16 @@ class Worker:
         """Rank 0: where the process group meets. On one node rank 0 opens the store's listening socket
         itself, on 127.0.0.1: torch's TCPStore would otherwise listen on every interface, whatever host
         it is given. The store adopts the socket in `init_worker`."""
-        if self.mesh.nnodes > 1:
+        if self.world.nnodes > 1:
             return socket.gethostbyname(socket.gethostname()), find_free_port()
         self._store_socket = socket.create_server((LOOPBACK, 0))
         return LOOPBACK, int(self._store_socket.getsockname()[1])
 
     def _init_process_group(self, backend: str, master_addr: str, master_port: int) -> None:
-        world = self.mesh.world_size
+        world = self.world.world_size
         os.environ.update(RANK=str(self.rank), LOCAL_RANK="0", WORLD_SIZE=str(world),
                           MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-        if self.mesh.nnodes > 1:  # the store listens on all interfaces of rank 0's node
+        if self.world.nnodes > 1:  # the store listens on all interfaces of rank 0's node
             dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
                                     rank=self.rank, world_size=world)
             return
@@ -108,7 +108,7 @@ class Worker:
         tokenizer = AutoTokenizer.from_pretrained(self.cfg.actor_rollout_ref.model.path)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self._init_process_group(backend_for(device_type), master_addr, master_port)
-        ctx = RoleContext(self.cfg, self.rank, self.mesh, torch.device(device_type), int(pad))
+        ctx = RoleContext(self.cfg, self.rank, self.layout, torch.device(device_type), int(pad))
         # The rollout engine first: vLLM re-seeds the global RNGs while it is built, so training
         # seeds are set after it; then every role in a fixed order (their meshes are collective).
         if "rollout" in self.placed:
@@ -158,7 +158,7 @@ class Worker:
         return True
 
     def _rng_file(self, ckpt_dir: str) -> str:
-        return os.path.join(ckpt_dir, "rng", f"{self.group}_rank{self.rank}_of{self.mesh.world_size}.pt")
+        return os.path.join(ckpt_dir, "rng", f"{self.group}_rank{self.rank}_of{self.world.world_size}.pt")
 
     @register(Dispatch.ALL)
     def shutdown(self) -> None:

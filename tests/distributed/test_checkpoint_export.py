@@ -8,21 +8,20 @@ import os
 
 import pytest
 import torch
-from _launch import run_distributed
+from _launch import layout_dims, run_distributed
 from test_fsdp_engine import LOSS, P, _rollout_batch, policy_engine
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from rlsp.engine.checkpoint import load_engine, save_engine
 from rlsp.engine.export import export_hf
 from rlsp.models.tiny import TinyModelSpec, build_tiny_model
-from rlsp.parallel.mesh import build_parallel_dims
 from rlsp.workers.actor_loss import make_actor_loss
 
 pytestmark = pytest.mark.distributed
 
 
 def _train_and_save(rank: int, world: int, model_path: str, batch, ckpt: str):
-    engine = policy_engine(model_path, build_parallel_dims(1, "cpu"), lr=1e-2)
+    engine = policy_engine(model_path, layout_dims(), lr=1e-2)
     engine.train_step(batch, P, 4, make_actor_loss(LOSS, float(batch["response_mask"].sum())),
                       temperature=1.0, with_entropy=True)
     save_engine(engine, os.path.join(ckpt, "actor"))
@@ -36,7 +35,7 @@ def _train_and_save(rank: int, world: int, model_path: str, batch, ckpt: str):
 
 
 def _load(rank: int, world: int, model_path: str, ckpt: str, sp: int, fsdp_size: int = -1):
-    engine = policy_engine(model_path, build_parallel_dims(sp, "cpu", fsdp_size), lr=1e-2)
+    engine = policy_engine(model_path, layout_dims(ulysses=sp, fsdp_size=fsdp_size), lr=1e-2)
     load_engine(engine, os.path.join(ckpt, "actor"))
     params = {k: v.clone() for k, v in engine.iter_full_params()}
     return (params, engine.scheduler.state_dict()["last_epoch"]) if rank == 0 else None

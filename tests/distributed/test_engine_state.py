@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from _launch import run_distributed
+from _launch import layout_dims, run_distributed
 from test_fsdp_engine import LOSS, P, _rollout_batch, policy_engine
 
 from rlsp.engine.fsdp_engine import FSDPEngine
@@ -22,7 +22,6 @@ from rlsp.engine.optim import OptimSettings
 from rlsp.models.lm import TokenLogprobModel
 from rlsp.models.loading import load_causal_lm
 from rlsp.models.tiny import TinyModelSpec, build_tiny_model
-from rlsp.parallel.mesh import build_parallel_dims
 from rlsp.workers.actor_loss import make_actor_loss
 
 pytestmark = pytest.mark.distributed
@@ -43,7 +42,7 @@ def _step(engine: FSDPEngine, batch) -> dict[str, float]:
 
 
 def _changed_fraction(rank: int, world: int, path: str, batch, mode: str):
-    dims = build_parallel_dims(1, "cpu")
+    dims = layout_dims()
     if mode == "pure_bf16":  # weights and optimizer state in bf16: what mixed precision replaces
         lm = load_causal_lm(path, dtype=torch.bfloat16)
         engine = FSDPEngine(TokenLogprobModel(lm), dims, torch.device("cpu"), compute_dtype=torch.bfloat16,
@@ -73,7 +72,7 @@ def test_bf16_compute_keeps_fp32_master_weights_and_small_steps(model_and_batch)
 
 
 def _resume_equal(rank: int, world: int, path: str, batch):
-    dims = build_parallel_dims(1, "cpu")
+    dims = layout_dims()
     trained = policy_engine(path, dims, lr=1e-2)
     _step(trained, batch)
     state = trained.state_dict()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from _launch import run_distributed
+from _launch import layout_dims, run_distributed
 
 from rlsp.data.batch import Batch
 from rlsp.engine.fsdp_engine import FSDPEngine
@@ -18,7 +18,6 @@ from rlsp.engine.optim import OptimSettings
 from rlsp.models.lm import TokenLogprobModel
 from rlsp.models.loading import load_causal_lm
 from rlsp.models.tiny import TinyModelSpec, build_tiny_model
-from rlsp.parallel.mesh import build_parallel_dims
 from rlsp.workers.actor_loss import ActorLossConfig, make_actor_loss
 
 pytestmark = pytest.mark.distributed
@@ -55,8 +54,8 @@ def policy_engine(model_path: str, dims, *, trainable: bool = True, lr: float = 
 
 
 def _train_once(rank: int, world: int, model_path: str, sp: int, micro: int, batch: Batch,
-                max_tokens: int | None = None, fsdp_size: int = -1):
-    dims = build_parallel_dims(sp, "cpu", fsdp_size)
+                max_tokens: int | None = None, fsdp_size: int = -1, ring: int = 1):
+    dims = layout_dims(ulysses=sp, ring=ring, fsdp_size=fsdp_size)
     engine = policy_engine(model_path, dims)
     shard = batch.chunk(dims.dp_size)[dims.dp_rank]
     count = shard["response_mask"].sum().double().reshape(1)
@@ -98,6 +97,23 @@ def test_layout_and_micro_batching_do_not_change_loss_or_gradients(model_and_bat
     for k in params:
         torch.testing.assert_close(params[k], ref_params[k], rtol=0, atol=1e-6)
 
+
+
+@pytest.mark.parametrize("world,ulysses,ring,micro,max_tokens", [
+    (2, 1, 2, 3, None), (4, 1, 4, 2, None), (4, 2, 2, 3, None), (4, 2, 2, B, 24), (8, 2, 2, 2, None)])
+def test_ring_and_ulysses_x_ring_keep_loss_gradients_and_step_exact(model_and_batch, world, ulysses, ring, micro,
+                                                                     max_tokens):
+    """Sequences split over ulysses x ring ranks (zigzag across the ring), dp groups beside them,
+    fixed-size or token-budget micro-batches: the same loss, gradients and AdamW step as one rank."""
+    path, batch, (ref_metrics, ref_grads, ref_params) = model_and_batch
+    metrics, grads, params = run_distributed(_train_once, world, path, ulysses, micro, batch, max_tokens, -1, ring)[0]
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
+        assert abs(metrics[key] - ref_metrics[key]) <= 1e-6, (key, metrics[key], ref_metrics[key])
+    assert ref_grads.keys() == grads.keys() and len(grads) > 0
+    worst = max(_rel(grads[k], ref_grads[k]) for k in grads)
+    assert worst <= 1e-5, f"max relative gradient error {worst:.3g}"
+    for k in params:
+        torch.testing.assert_close(params[k], ref_params[k], rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("world,sp,fsdp_size", [(2, 1, 1), (2, 2, 1), (4, 2, 2), (4, 1, 1), (4, 4, 2)])

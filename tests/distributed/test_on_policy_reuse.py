@@ -6,18 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
-from _launch import run_distributed
+from _launch import layout_dims, run_distributed
 from test_fsdp_engine import LOSS, P, _rollout_batch, policy_engine
 
 from rlsp.models.tiny import TinyModelSpec, build_tiny_model
-from rlsp.parallel.mesh import build_parallel_dims
 from rlsp.workers.actor_loss import make_actor_loss
 
 pytestmark = pytest.mark.distributed
 
 
 def _step(rank: int, world: int, path: str, batch, sp: int, recompute: bool):
-    dims = build_parallel_dims(sp, "cpu")
+    dims = layout_dims(ulysses=sp)
     engine = policy_engine(path, dims, lr=1e-3)
     shard = batch.chunk(dims.dp_size)[dims.dp_rank]
     if recompute:

@@ -6,13 +6,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from _launch import run_distributed
+from _launch import layout_dims, run_distributed
 from test_fsdp_engine import P, _rollout_batch, policy_engine
 
 import rlsp.engine.micro as micro_module
 from rlsp.engine.fsdp_engine import assert_sp_matches
 from rlsp.models.tiny import TinyModelSpec, build_tiny_model
-from rlsp.parallel.mesh import build_parallel_dims
 
 pytestmark = pytest.mark.distributed
 
@@ -21,9 +20,9 @@ def _install_broken_context() -> None:
     """Make rank 0 send rank 1 the wrong KV head: shapes still fit, numbers do not."""
     original = micro_module.build_sp_context
 
-    def broken(group, packed, num_q_heads, num_kv_heads):
-        ctx = original(group, packed, num_q_heads, num_kv_heads)
-        if group is not None and ctx.sp_rank == 0:
+    def broken(group, packed, num_q_heads, num_kv_heads, ring_group=None):
+        ctx = original(group, packed, num_q_heads, num_kv_heads, ring_group=ring_group)
+        if group is not None and ctx.ulysses_rank == 0:
             kv = ctx.layout.kv_ranges
             ctx.layout = dataclasses.replace(ctx.layout, kv_ranges=(kv[0],) * len(kv))
         return ctx
@@ -34,7 +33,7 @@ def _install_broken_context() -> None:
 def _self_check(rank: int, world: int, model_path: str, batch, broken: bool) -> float:
     if broken:  # only in this forked worker process
         _install_broken_context()
-    dims = build_parallel_dims(world, "cpu")
+    dims = layout_dims(ulysses=world)
     engine = policy_engine(model_path, dims, trainable=False)
     return engine.sp_self_check(batch, P, "logprobs", temperature=1.0)
 

@@ -16,7 +16,7 @@ def make(**overrides):
 
 def test_defaults_are_valid():
     layout = validate_config(make())
-    assert (layout.world_size, layout.sp_size, layout.dp_size) == (2, 1, 2)
+    assert (layout.world_size, layout.actor.sp_size, layout.dp_size) == (2, 1, 2)
 
 
 def test_sp_must_divide_world_and_lists_legal_values():
@@ -29,7 +29,7 @@ def test_sp_must_divide_world_and_lists_legal_values():
 def test_sp_layout():
     layout = validate_config(make(**{"trainer.n_gpus_per_node": 4, "actor_rollout_ref.actor.ulysses_sequence_parallel_size": 2,
                                      "data.train_batch_size": 16, "actor_rollout_ref.actor.ppo_mini_batch_size": 8}))
-    assert (layout.dp_size, layout.sp_size) == (2, 2)
+    assert (layout.dp_size, layout.actor.sp_size) == (2, 2)
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""ActorRole: the trainable policy (FSDP2, fp32 master weights) — logprobs, PPO updates, HF export."""
+"""ActorRole: the trainable policy (FSDP2, fp32 master weights) — logprobs, PPO updates, checkpoints."""
 
 from __future__ import annotations
 
@@ -29,8 +29,7 @@ def build_policy_engine(ctx: RoleContext, trainable: bool) -> FSDPEngine:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     module = TokenLogprobModel(lm.to(ctx.device), chunk_size=arr.actor.logprob_chunk_size)
     optim = optim_settings(arr.actor.optim) if trainable else None
-    fsdp_size = (arr.actor if trainable else arr.ref).fsdp_config.fsdp_size
-    return FSDPEngine(module, ctx.dims(arr.actor.ulysses_sequence_parallel_size, fsdp_size), ctx.device,
+    return FSDPEngine(module, ctx.dims("actor" if trainable else "ref"), ctx.device,
                       compute_dtype=compute, optim=optim)
 
 
@@ -101,14 +100,6 @@ class ActorRole:
         AutoTokenizer.from_pretrained(source).save_pretrained(path)
         if os.path.exists(os.path.join(source, "generation_config.json")):  # stop ids for generation
             GenerationConfig.from_pretrained(source).save_pretrained(path)
-
-    @register(Dispatch.ALL)
-    def save_hf(self, path: str) -> str:
-        """Save the actor as a Hugging Face model directory (weights, config, tokenizer); collective."""
-        self.engine.save_hf(path)
-        if self.ctx.rank == 0:
-            self._save_hf_assets(path)
-        return path
 
     @register(Dispatch.ALL)
     def param_checksum(self) -> float:

@@ -32,9 +32,8 @@ def build_critic_engine(ctx: RoleContext) -> FSDPEngine:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(ctx.cfg.trainer.seed)  # the same value head on every rank, whatever ran before
         module = ValueModel(backbone)
-    return FSDPEngine(module.to(ctx.device), ctx.dims(c.ulysses_sequence_parallel_size, c.model.fsdp_config.fsdp_size),
-                      ctx.device,
-                      compute_dtype=compute, optim=optim_settings(c.optim))
+    return FSDPEngine(module.to(ctx.device), ctx.dims("critic"), ctx.device, compute_dtype=compute,
+                      optim=optim_settings(c.optim))
 
 
 class CriticRole:
