@@ -5,6 +5,8 @@ forward+backward on a packed micro-batch, and reads the counters of the SP conte
 counted independently by wrapping `torch.distributed.all_to_all_single` in the worker processes.
 The minimum per layer and direction, summed over ranks, is q + out (T * Hq * D each) plus k and v
 for the kv heads each rank's query heads read (T * sum_r kv_r * D each): one exchange in, one out.
+Per-rank bytes (forward and backward, bytes leaving the rank) against the closed form, with ring
+and Ulysses x ring layouts: benchmarks/sequence_comm.py.
 Prints ONE JSON line. Usage: python benchmarks/ulysses_collectives.py
 """
 
