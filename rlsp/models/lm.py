@@ -8,9 +8,12 @@ are the units FSDP2 shards.
 
 The module takes the LOCAL shards (S = T / sp tokens: input ids, positions and labels already
 rolled on the full stream, then sliced with `rlsp.parallel.ulysses.shard_for_rank`) and the SP
-context of the micro-batch. Everything, parameter access included, happens inside `forward`, so the
-module can be wrapped by FSDP2 `fully_shard` at the root. The output layer is read as
-`lm.lm_head.weight`, which is also correct for tied embeddings.
+context of the micro-batch. Under tensor parallelism (`rlsp.parallel.tensor_parallel`, which sets
+`tp_info`) every rank of a tp group gets the same [S] inputs and an SP context built with the tp
+rank's head counts; with sequence parallelism the outputs cover the tp rank's contiguous [S/tp]
+block of the shard (`tp_info.local_tokens`), without it all S tokens. Everything, parameter access
+included, happens inside `forward`, so the module can be wrapped by FSDP2 `fully_shard` at the root.
+The output layer is read as `lm.lm_head.weight`, which is also correct for tied embeddings.
 
 Legend: S local tokens, H hidden size, V vocabulary size.
 """
@@ -22,6 +25,7 @@ from torch import nn
 
 from rlsp.models.attention import ULYSSES_ATTN_IMPL
 from rlsp.models.logprobs import compute_token_logprobs
+from rlsp.parallel.tensor_parallel import TPInfo, tp_local_param, tp_local_tokens
 from rlsp.parallel.ulysses import SPContext
 
 
@@ -36,9 +40,15 @@ def check_local_inputs(sp_context: SPContext, **inputs_S: torch.Tensor) -> None:
 
 
 def compute_hidden_states(
-    decoder: nn.Module, input_ids_S: torch.Tensor, position_ids_S: torch.Tensor, sp_context: SPContext
+    decoder: nn.Module,
+    input_ids_S: torch.Tensor,
+    position_ids_S: torch.Tensor,
+    sp_context: SPContext,
+    tp: TPInfo | None = None,
 ) -> torch.Tensor:
-    """Final hidden states [S, H] of a HF base model; checks every layer went through Ulysses attention."""
+    """Final hidden states [S, H] of a HF base model ([S/tp, H] under tensor + sequence parallelism);
+    checks every layer went through Ulysses attention."""
+    local_len = sp_context.local_len if tp is None else tp.local_len(sp_context.local_len)
     num_layers = int(decoder.config.num_hidden_layers)
     sp_context.stats.attn_calls = 0
     out = decoder(
@@ -54,7 +64,10 @@ def compute_hidden_states(
             f"({calls} calls): unsupported architecture {type(decoder).__name__} (model attn_implementation="
             f"{getattr(decoder.config, '_attn_implementation', None)!r}); see rlsp.models.loading.check_sp_support"
         )
-    return out.last_hidden_state[0]
+    hidden_SH = tp_local_tokens(out.last_hidden_state)[0]
+    if hidden_SH.shape[0] != local_len:
+        raise RuntimeError(f"decoder returned {hidden_SH.shape[0]} tokens, expected {local_len} (tp={tp})")
+    return hidden_SH
 
 
 class TokenLogprobModel(nn.Module):
@@ -64,6 +77,7 @@ class TokenLogprobModel(nn.Module):
         super().__init__()
         self.lm = lm
         self.chunk_size = chunk_size  # tokens per vocab-projection chunk (memory O(chunk_size * V))
+        self.tp_info: TPInfo | None = None  # set by rlsp.parallel.tensor_parallel.apply_tensor_parallel
 
     @property
     def decoder(self) -> nn.Module:
@@ -78,18 +92,20 @@ class TokenLogprobModel(nn.Module):
         temperature: float = 1.0,
         with_entropy: bool = False,
     ) -> dict[str, torch.Tensor]:
-        """Local shards [S] in -> {"logprobs": [S] fp32, "entropy": [S] fp32 (only with_entropy)}.
+        """Local shards [S] in -> {"logprobs": [S] fp32, "entropy": [S] fp32 (only with_entropy)};
+        [S/tp] (this tp rank's block of the shard) under tensor + sequence parallelism.
 
         logprobs[i] = log p(labels_S[i] | tokens up to local token i of its sequence); entries where
         the packed batch's label_mask is False are meaningless and must be masked by the caller.
         """
         check_local_inputs(sp_context, input_ids=input_ids_S, position_ids=position_ids_S, labels=labels_S)
-        hidden_SH = compute_hidden_states(self.decoder, input_ids_S, position_ids_S, sp_context)
+        tp = self.tp_info
+        hidden_SH = compute_hidden_states(self.decoder, input_ids_S, position_ids_S, sp_context, tp)
         lm_head = self.lm.lm_head
         if getattr(lm_head, "bias", None) is not None:
             raise RuntimeError("lm_head has a bias; the vocab-chunked logprobs support a bias-free output layer only")
         logprobs_S, entropy_S = compute_token_logprobs(
-            hidden_SH, lm_head.weight, labels_S, temperature=temperature, chunk_size=self.chunk_size,
-            with_entropy=with_entropy,
+            hidden_SH, tp_local_param(lm_head.weight, tp), labels_S if tp is None else tp.local_tokens(labels_S),
+            temperature=temperature, chunk_size=self.chunk_size, with_entropy=with_entropy,
         )
         return {"logprobs": logprobs_S} if entropy_S is None else {"logprobs": logprobs_S, "entropy": entropy_S}
