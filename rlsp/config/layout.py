@@ -97,6 +97,11 @@ class RoleLayout:
         return self.sp_size * (self.tp if self.tp_shards_tokens else 1)
 
     @property
+    def token_replicas(self) -> int:
+        """Ranks whose head outputs cover the same tokens: tp without sequence-parallel activations."""
+        return self.tp if self.tp > 1 and not self.sequence_parallel else 1
+
+    @property
     def stream_multiple(self) -> int:
         """A packed stream's length must be a multiple of this (ring zigzag uses 2 chunks per ring rank)."""
         return self.token_shards * (2 if self.ring > 1 else 1)

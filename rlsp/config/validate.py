@@ -70,9 +70,6 @@ def _check_role(cfg: Any, role: str, world: World, errors: list[str]) -> RoleLay
         errors.append(f"ulysses {uly} x ring {ring} x tp {tp} = {uly * ring * tp} ranks per data-parallel group "
                       f"does not divide the {total} workers ({prefix}ring_sequence_parallel_size={ring}); legal ring "
                       f"sizes here: {_divisors(total // (uly * tp))}")
-    if tp > 1:
-        errors.append(f"{prefix}tensor_model_parallel_size={tp}: tensor parallelism is not wired into the training "
-                      "engine yet; legal value: 1 (split long sequences with ulysses/ring instead)")
     fsdp_ranks = total // tp
     size = d["fsdp_size"]
     _require(size == -1 or (isinstance(size, int) and size >= 1 and fsdp_ranks % size == 0),

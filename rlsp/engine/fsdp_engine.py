@@ -2,16 +2,19 @@
 
 It owns a sharded head model (`rlsp.models.lm.TokenLogprobModel` for the policy,
 `rlsp.models.value.ValueModel` for the critic — anything with their calling convention), its
-optimizer and LR schedule, and the packed/sequence-parallel micro-batch path (sp=1 is the same path
-with a trivial group). Callers give padded rollout rows; the engine packs each micro-batch into one
-token stream, shards it across the sp group, runs the head (and backward), and gathers per-token
-results only when they must be returned to the driver. A loss function receives whatever the head
-produced (a dict of local [S] tensors) together with the micro-batch.
+optimizer and LR schedule, and the packed/sequence-parallel micro-batch path (degree 1 is the same
+path with trivial groups). The role's layout (`ParallelDims`) decides everything: tensor parallelism
+(applied first, on the tp mesh), FSDP2 over the other ranks, and how a micro-batch's stream is split
+(ring zigzag x Ulysses, plus tp slices with sequence-parallel activations). Callers give padded
+rollout rows; the engine packs each micro-batch into one token stream, shards it, runs the head (and
+backward), and gathers per-token results only when they must be returned to the driver. A loss
+function receives whatever the head produced (a dict of this rank's per-token tensors) together with
+the micro-batch.
 
 `state_dict()` / `load_state_dict()` cover model, optimizer and LR schedule (sharded tensors, as
 torch.distributed.checkpoint saves them).
 
-Legend: B rows, P prompt width, R response width, T packed stream, S = T / sp local shard.
+Legend: B rows, P prompt width, R response width, T packed stream, S a rank's local tokens.
 """
 
 from __future__ import annotations
@@ -34,20 +37,21 @@ from rlsp.data.batch import Batch
 from rlsp.engine.micro import MicroBatch, prepare_micro_batch, split_rows
 from rlsp.engine.optim import OptimSettings, build_optimizer
 from rlsp.engine.parallelize import parallelize
+from rlsp.engine.reference import meta_skeleton, run_skeleton
 from rlsp.engine.stream import stream_to_response
 from rlsp.models.loading import num_heads
 from rlsp.parallel.mesh import ParallelDims
-from rlsp.parallel.ulysses import gather_from_ranks
+from rlsp.parallel.tensor_parallel import apply_tensor_parallel, local_head_counts
 
 # loss_fn(head outputs {name: local [S] tensor}, micro) -> (loss share of the global mean, metric shares)
 LossFn = Callable[[dict[str, torch.Tensor], MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
-def assert_sp_matches(max_abs_diff: float, tol: float, sp_size: int, what: str = "logprob") -> None:
-    """Stop a run whose sequence-parallel forward (sp_size = ulysses x ring) disagrees with the unsharded one."""
+def assert_sp_matches(max_abs_diff: float, tol: float, layout: str, what: str = "logprob") -> None:
+    """Stop a run whose sharded forward (`layout` names its degrees) disagrees with the unsharded one."""
     if not max_abs_diff <= tol:  # also catches NaN
         raise RuntimeError(
-            f"sequence-parallel self-check failed: max |{what}(sp={sp_size}) - {what}(sp=1)| = "
+            f"sequence-parallel self-check failed: max |{what}({layout}) - {what}(unsharded)| = "
             f"{max_abs_diff:.3g} > tolerance {tol:g} (trainer.sp_self_check_tol); refusing to train on a "
             "broken head layout or all-to-all"
         )
@@ -58,13 +62,19 @@ class FSDPEngine:
 
     def __init__(self, module: nn.Module, dims: ParallelDims, device: torch.device, *,
                  compute_dtype: torch.dtype = torch.float32, optim: OptimSettings | None = None) -> None:
-        self.dims, self.device = dims, device
+        self.dims, self.device, self.compute_dtype = dims, device, compute_dtype
         config = module.decoder.config
         self.config = config
-        self.num_q_heads, self.num_kv_heads = num_heads(config)
+        layout = dims.layout
+        # Heads one rank's attention sees (a tp rank's share under tensor parallelism).
+        self.num_q_heads, self.num_kv_heads = local_head_counts(config, layout.tp)
         # The HF-named parameter tree (policy: the causal LM; critic: backbone + value head).
         self.hf_root: nn.Module = getattr(module, "lm", module)
         self.tied = bool(getattr(config, "tie_word_embeddings", False)) and hasattr(self.hf_root, "lm_head")
+        # Tensor parallelism shards the layers in place: keep a weightless skeleton for the self-check.
+        self.skeleton = meta_skeleton(module) if dims.tp_mesh is not None else None
+        if dims.tp_mesh is not None:
+            apply_tensor_parallel(module, dims.tp_mesh, layout.sequence_parallel)
         self.module = parallelize(module, dims, compute_dtype)
         self.optim = optim
         if optim is None:
@@ -74,9 +84,9 @@ class FSDPEngine:
             self.optimizer, self.scheduler = build_optimizer(self.module, optim)
 
     # ----------------------------------------------------------------- micro-batches
-    def prepare(self, rows: Batch, prompt_len: int, sharded: bool = True) -> MicroBatch:
-        return prepare_micro_batch(rows, prompt_len, self.dims if sharded else None, self.num_q_heads,
-                                   self.num_kv_heads)
+    def prepare(self, rows: Batch, prompt_len: int) -> MicroBatch:
+        return prepare_micro_batch(rows, prompt_len, self.dims, self.num_q_heads, self.num_kv_heads,
+                                   tp=getattr(self.module, "tp_info", None))
 
     def forward(self, micro: MicroBatch, **head_kwargs: Any) -> dict[str, torch.Tensor]:
         packed = micro.packed
@@ -88,9 +98,10 @@ class FSDPEngine:
             **head_kwargs,
         )
 
-    def _to_rows(self, values_S: torch.Tensor, micro: MicroBatch) -> torch.Tensor:
-        """Local [S] -> response rows [B, R] (zeros on padding), gathered over the sp group."""
-        values_T = gather_from_ranks(values_S.detach().float(), micro.ctx).cpu()
+    def _to_rows(self, values: torch.Tensor, micro: MicroBatch) -> torch.Tensor:
+        """This rank's head outputs -> response rows [B, R] (zeros on padding), gathered over the ranks
+        that split the stream."""
+        values_T = micro.gather(values.detach().float()).cpu()
         rows_BR = stream_to_response(values_T, micro.packed, micro.prompt_len, micro.response_len)
         return rows_BR * micro.rows["response_mask"]
 
@@ -112,17 +123,29 @@ class FSDPEngine:
 
     @torch.no_grad()
     def sp_self_check(self, rows: Batch, prompt_len: int, key: str, **head_kwargs: Any) -> float:
-        """Max |difference| of head output `key` between the sp-sharded forward and an unsharded one.
+        """Max |difference| of head output `key` between the sharded forward (every degree of the
+        layout) and an unsharded one over the whole stream with all heads; collective.
 
-        Every rank runs both forwards (FSDP needs matching collectives); the unsharded one uses a
-        trivial sp context over the full stream, so any head-layout or all-to-all bug shows up here.
+        Every rank runs both forwards (FSDP needs matching collectives), so any head-layout,
+        all-to-all, ring or tensor-parallel bug shows up here. Without tensor parallelism the
+        unsharded forward runs the engine's own module on a trivial context; with it, a skeleton of
+        the model with the gathered full weights (rlsp.engine.reference).
         """
         self.module.eval()
         sharded = self.prepare(rows, prompt_len)
         a = self._to_rows(self.forward(sharded, **head_kwargs)[key], sharded)
-        full = self.prepare(rows, prompt_len, sharded=False)
-        b = self._to_rows(self.forward(full, **head_kwargs)[key], full)
+        full = prepare_micro_batch(rows, prompt_len, None, *num_heads(self.config))
+        b = self._to_rows(self._unsharded_forward(full, **head_kwargs)[key], full)
         return float((a - b).abs().max()) if a.numel() else 0.0
+
+    def _unsharded_forward(self, micro: MicroBatch, **head_kwargs: Any) -> dict[str, torch.Tensor]:
+        if self.skeleton is None:
+            return self.forward(micro, **head_kwargs)
+        prefix = "lm." if self.hf_root is not self.module else ""
+        params = {prefix + name: t for name, t in self.iter_full_params(self.compute_dtype)}
+        packed = micro.packed
+        inputs = tuple(micro.local(x).to(self.device) for x in (packed.input_ids, packed.position_ids, packed.labels))
+        return run_skeleton(self.skeleton, params, inputs, {"sp_context": micro.ctx, **head_kwargs})
 
     # ----------------------------------------------------------------- training
     def train_step(self, batch: Batch, prompt_len: int, micro_size: int, loss_fn: LossFn,
@@ -172,7 +195,7 @@ class FSDPEngine:
                 val = val.detach().float().cpu()
                 sums[key] = torch.maximum(sums[key], val) if key.endswith("_max") and key in sums else (
                     val if key.endswith("_max") else sums.get(key, 0.0) + val)
-            sp_local += torch.tensor([micro.ctx.local_len, micro.packed.num_pad / self.dims.layout.token_shards,
+            sp_local += torch.tensor([micro.out_len, micro.packed.num_pad / self.dims.layout.token_shards,
                                       micro.ctx.stats.a2a_seconds, time.perf_counter() - t0], dtype=torch.float64)
         return {**self._reduce_metrics({**sums, **timing}), **self._sp_metrics(sp_local)}
 
@@ -191,15 +214,17 @@ class FSDPEngine:
         return (full() if full is not None else norm).detach().float().cpu()
 
     def _reduce_metrics(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
-        """Metric contributions are shares of a global mean: summing over all ranks gives the value;
-        keys ending in "_max" are maxima instead (reduced with MAX)."""
+        """Metric contributions are shares of a global mean: summing over all ranks gives the value
+        (divided by the ranks holding the same output tokens: tp without sequence parallelism); keys
+        ending in "_max" are maxima instead (reduced with MAX)."""
         out: dict[str, float] = {}
+        replicas = self.dims.layout.token_replicas
         for op, keys in ((dist.ReduceOp.SUM, sorted(k for k in sums if not k.endswith("_max"))),
                          (dist.ReduceOp.MAX, sorted(k for k in sums if k.endswith("_max")))):
             if keys:
                 vec = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64) for k in keys])
                 dist.all_reduce(vec, op=op)
-                out.update(zip(keys, vec.tolist()))
+                out.update(zip(keys, (vec / (replicas if op == dist.ReduceOp.SUM else 1)).tolist()))
         return out
 
     # ----------------------------------------------------------------- state (checkpoints)

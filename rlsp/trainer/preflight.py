@@ -4,14 +4,17 @@ run in the driver before any worker starts, so a bad run fails in seconds with a
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig
 
 from rlsp.algos.kl import KL_ESTIMATORS
 from rlsp.algos.registry import ESTIMATOR_DEFAULTS, estimator_uses, list_adv_estimators, list_policy_losses
-from rlsp.config.layout import CRITIC_ESTIMATORS
+from rlsp.config.layout import CRITIC_ESTIMATORS, ParallelLayout
+from rlsp.config.validate import validate_config
 from rlsp.models.loading import check_sp_support
+from rlsp.parallel.tensor_parallel import check_tp_support
 from rlsp.rewards.loader import load_custom_reward_fn
 from rlsp.rollout.support import check_rollout_support
 from rlsp.trainer.assets import resolve_data_files, resolve_model_path
@@ -49,6 +52,21 @@ def _check_estimator_settings(cfg: DictConfig, errors: list[str]) -> None:
                           f"{ESTIMATOR_DEFAULTS[kw]} or pick an estimator that uses it: {users}")
 
 
+def _check_degrees(config: Any, layout: ParallelLayout, errors: list[str]) -> None:
+    """Every training role's Ulysses and tensor-parallel degrees must suit the model's heads."""
+    prefixes = {"actor": "actor_rollout_ref.actor", "ref": "actor_rollout_ref.ref", "critic": "critic"}
+    for role, prefix in prefixes.items():
+        if role == "critic" and not layout.has_critic:
+            continue
+        degrees = layout.role(role)
+        for check, key, value in ((check_sp_support, "ulysses_sequence_parallel_size", degrees.ulysses),
+                                  (check_tp_support, "tensor_model_parallel_size", degrees.tp)):
+            try:
+                check(config, value)
+            except ValueError as exc:
+                errors.append(f"{prefix}.{key}: {exc}")
+
+
 def _check_model(cfg: DictConfig, errors: list[str]) -> None:
     path = cfg.actor_rollout_ref.model.path
     if not os.path.isdir(path):
@@ -56,12 +74,7 @@ def _check_model(cfg: DictConfig, errors: list[str]) -> None:
                       "(nor a .gguf file or a directory holding one)")
         return
     config = AutoConfig.from_pretrained(path)
-    for key, sp in (("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size),
-                    ("critic", cfg.critic.ulysses_sequence_parallel_size)):
-        try:
-            check_sp_support(config, sp)
-        except ValueError as exc:
-            errors.append(f"{key}.ulysses_sequence_parallel_size: {exc}")
+    _check_degrees(config, validate_config(cfg), errors)
     rollout_error = check_rollout_support(config, cfg.actor_rollout_ref.rollout.name,
                                           resolve_device_type(cfg.trainer.device))
     if rollout_error:

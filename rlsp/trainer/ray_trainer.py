@@ -229,17 +229,19 @@ class RayTrainer:
         return {**compute_batch_metrics(batch, scores, timing["timing/step_s"]), **metrics, **timing}
 
     def check_sp(self, batch: Batch) -> float:
-        """Stop the run if a sequence-sharded forward (Ulysses, ring) disagrees with an unsharded one on real rows."""
+        """Stop the run if a sharded forward (Ulysses, ring, tensor parallel) disagrees with an unsharded
+        one on real rows: the actor, the reference where its layout differs, and the critic."""
         tol = self.cfg.trainer.sp_self_check_tol
+        ref_differs = needs_reference(self.cfg) and self.layout.ref != self.layout.actor
         worst = 0.0
-        for role, wg in (("actor", self.wg), ("critic", self.critic_wg)):
-            role_layout = self.layout.role(role) if wg is not None else None
-            if role_layout is not None and role_layout.sp_size > 1:
+        for role, wg in (("actor", self.wg), ("ref", self.wg if ref_differs else None), ("critic", self.critic_wg)):
+            degrees = self.layout.role(role) if wg is not None else None
+            if degrees is not None and (degrees.sp_size > 1 or degrees.tp > 1):
                 what = "value" if role == "critic" else "logprob"
                 diff = max(wg.call(role, "sp_self_check", batch))
-                assert_sp_matches(diff, tol, role_layout.sp_size, what=what)
+                assert_sp_matches(diff, tol, degrees.describe(), what=what)
                 log.info("sp self-check passed (%s): max |d%s| = %.2e (sp=%d) [%s]", role, what, diff,
-                         role_layout.sp_size, role_layout.describe())
+                         degrees.sp_size, degrees.describe())
                 worst = max(worst, diff)
         return worst
 

@@ -45,8 +45,8 @@ def _with_critic_fields(batch: Batch) -> Batch:
     return batch
 
 
-def _values_and_grads(rank: int, world: int, model_path: str, sp: int, batch: Batch, ring: int = 1):
-    dims = layout_dims(ulysses=sp, ring=ring)
+def _values_and_grads(rank: int, world: int, model_path: str, sp: int, batch: Batch, ring: int = 1, tp: int = 1):
+    dims = layout_dims(ulysses=sp, ring=ring, tp=tp)
     engine = critic_engine(model_path, dims)
     values = engine.infer(batch, P, 3, "values")  # every rank gets the whole batch: the sp ranks split it
     shard = batch.chunk(dims.dp_size)[dims.dp_rank]
@@ -67,11 +67,13 @@ def reference(request, tmp_path_factory):
     return path, batch, run_distributed(_values_and_grads, 1, path, 1, batch)[0]
 
 
-@pytest.mark.parametrize("world,sp,ring", [(2, 2, 1), (4, 4, 1), (4, 2, 1), (2, 1, 2), (4, 2, 2), (8, 4, 2)])
-def test_critic_values_and_grads_match_sp1(reference, world, sp, ring):
-    """Ulysses, ring and Ulysses x ring layouts give the unsharded critic's values, loss and gradients."""
+@pytest.mark.parametrize("world,sp,ring,tp", [(2, 2, 1, 1), (4, 4, 1, 1), (4, 2, 1, 1), (2, 1, 2, 1), (4, 2, 2, 1),
+                                             (8, 4, 2, 1), (2, 1, 1, 2), (4, 1, 1, 2)])
+def test_critic_values_and_grads_match_sp1(reference, world, sp, ring, tp):
+    """Ulysses, ring, Ulysses x ring, TP and dp x TP layouts give the unsharded critic's values, loss and
+    gradients."""
     path, batch, (ref_values, ref_metrics, ref_grads) = reference
-    values, metrics, grads = run_distributed(_values_and_grads, world, path, sp, batch, ring)[0]
+    values, metrics, grads = run_distributed(_values_and_grads, world, path, sp, batch, ring, tp)[0]
     mask = batch["response_mask"].bool()
     assert values.shape == (B, batch["response_mask"].shape[1])
     assert float(ref_values[mask].abs().min()) > 0.0  # real values on every response token

@@ -54,8 +54,9 @@ def policy_engine(model_path: str, dims, *, trainable: bool = True, lr: float = 
 
 
 def _train_once(rank: int, world: int, model_path: str, sp: int, micro: int, batch: Batch,
-                max_tokens: int | None = None, fsdp_size: int = -1, ring: int = 1):
-    dims = layout_dims(ulysses=sp, ring=ring, fsdp_size=fsdp_size)
+                max_tokens: int | None = None, fsdp_size: int = -1, ring: int = 1, tp: int = 1,
+                sequence_parallel: bool = True):
+    dims = layout_dims(ulysses=sp, ring=ring, tp=tp, fsdp_size=fsdp_size, sequence_parallel=sequence_parallel)
     engine = policy_engine(model_path, dims)
     shard = batch.chunk(dims.dp_size)[dims.dp_rank]
     count = shard["response_mask"].sum().double().reshape(1)
@@ -107,6 +108,25 @@ def test_ring_and_ulysses_x_ring_keep_loss_gradients_and_step_exact(model_and_ba
     fixed-size or token-budget micro-batches: the same loss, gradients and AdamW step as one rank."""
     path, batch, (ref_metrics, ref_grads, ref_params) = model_and_batch
     metrics, grads, params = run_distributed(_train_once, world, path, ulysses, micro, batch, max_tokens, -1, ring)[0]
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
+        assert abs(metrics[key] - ref_metrics[key]) <= 1e-6, (key, metrics[key], ref_metrics[key])
+    assert ref_grads.keys() == grads.keys() and len(grads) > 0
+    worst = max(_rel(grads[k], ref_grads[k]) for k in grads)
+    assert worst <= 1e-5, f"max relative gradient error {worst:.3g}"
+    for k in params:
+        torch.testing.assert_close(params[k], ref_params[k], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("world,ulysses,ring,tp,seq_par,micro", [
+    (2, 1, 1, 2, True, 3), (2, 1, 1, 2, False, 3), (4, 1, 1, 2, True, 2), (4, 2, 1, 2, True, 3),
+    (4, 1, 2, 2, True, 3)])
+def test_tensor_parallel_layouts_keep_loss_gradients_and_step_exact(model_and_batch, world, ulysses, ring, tp,
+                                                                    seq_par, micro):
+    """TP 2 with and without sequence-parallel activations, dp x tp (FSDP2 over dp, TP inside), and TP
+    composed with Ulysses or ring: the same loss metrics, gradients and AdamW step as one rank."""
+    path, batch, (ref_metrics, ref_grads, ref_params) = model_and_batch
+    metrics, grads, params = run_distributed(_train_once, world, path, ulysses, micro, batch, None, -1, ring, tp,
+                                             seq_par)[0]
     for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
         assert abs(metrics[key] - ref_metrics[key]) <= 1e-6, (key, metrics[key], ref_metrics[key])
     assert ref_grads.keys() == grads.keys() and len(grads) > 0

@@ -1,5 +1,6 @@
-"""The start-up self-check compares the sp-sharded forward with an unsharded one: it passes on the
-real layout and stops the run on a deliberately broken one."""
+"""The start-up self-check compares the sharded forward with an unsharded one: it passes on the real
+layouts (Ulysses, ring, tensor parallel with and without sequence-parallel activations, and their
+combinations) and stops the run on a deliberately broken one."""
 
 from __future__ import annotations
 
@@ -30,10 +31,10 @@ def _install_broken_context() -> None:
     micro_module.build_sp_context = broken
 
 
-def _self_check(rank: int, world: int, model_path: str, batch, broken: bool) -> float:
+def _self_check(rank: int, world: int, model_path: str, batch, broken: bool, degrees: dict | None = None) -> float:
     if broken:  # only in this forked worker process
         _install_broken_context()
-    dims = layout_dims(ulysses=world)
+    dims = layout_dims(**(degrees or {"ulysses": world}))
     engine = policy_engine(model_path, dims, trainable=False)
     return engine.sp_self_check(batch, P, "logprobs", temperature=1.0)
 
@@ -50,7 +51,7 @@ def test_self_check_passes_on_the_real_layout(model_path):
     batch = _rollout_batch(AutoConfig.from_pretrained(model_path).vocab_size)
     diffs = run_distributed(_self_check, 2, model_path, batch, False)
     assert max(diffs) <= 1e-5
-    assert_sp_matches(max(diffs), 1e-5, 2)
+    assert_sp_matches(max(diffs), 1e-5, "dp=1 ulysses=2 ring=1 tp=1")
 
 
 def test_self_check_stops_a_broken_layout(model_path):
@@ -59,5 +60,17 @@ def test_self_check_stops_a_broken_layout(model_path):
     batch = _rollout_batch(AutoConfig.from_pretrained(model_path).vocab_size)
     diffs = run_distributed(_self_check, 2, model_path, batch, True)
     assert max(diffs) > 1e-2
-    with pytest.raises(RuntimeError, match=r"self-check failed: max \|logprob\(sp=2\) - logprob\(sp=1\)\|"):
-        assert_sp_matches(max(diffs), 1e-4, 2)
+    with pytest.raises(RuntimeError, match=r"self-check failed: max \|logprob\(dp=1 ulysses=2 ring=1 tp=1\) - "
+                                           r"logprob\(unsharded\)\|"):
+        assert_sp_matches(max(diffs), 1e-4, "dp=1 ulysses=2 ring=1 tp=1")
+
+
+@pytest.mark.parametrize("world,degrees", [
+    (2, {"ring": 2}), (2, {"tp": 2}), (2, {"tp": 2, "sequence_parallel": False}), (4, {"ulysses": 2, "tp": 2}),
+    (4, {"ring": 2, "tp": 2})])
+def test_self_check_covers_ring_and_tensor_parallel(model_path, world, degrees):
+    from transformers import AutoConfig
+
+    batch = _rollout_batch(AutoConfig.from_pretrained(model_path).vocab_size)
+    diffs = run_distributed(_self_check, world, model_path, batch, False, degrees)
+    assert max(diffs) <= 1e-5, (degrees, diffs)

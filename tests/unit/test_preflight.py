@@ -47,3 +47,19 @@ def test_critic_path_checked_only_when_a_critic_is_built(tmp_path):
     with pytest.raises(ValueError, match="critic.model.path='/nonexistent/critic' is not a local directory"):
         preflight(make(tmp_path, **bad, **{"algorithm.adv_estimator": "gae"}))
     preflight(make(tmp_path, **{"algorithm.adv_estimator": "gae", "algorithm.gamma": 0.99, "algorithm.lam": 0.95}))
+
+
+def test_tensor_parallel_degree_must_split_the_heads(tmp_path):
+    from rlsp.models.tiny import TinyModelSpec, build_tiny_model
+
+    path = build_tiny_model(TinyModelSpec(hidden_size=48, intermediate_size=64, num_attention_heads=6,
+                                          num_key_value_heads=3), str(tmp_path / "m6q3kv"))
+    with pytest.raises(ValueError) as err:
+        preflight(make(tmp_path, **{"actor_rollout_ref.model.path": path, "actor_rollout_ref.rollout.name": "hf",
+                                    "actor_rollout_ref.actor.tensor_model_parallel_size": 2}))
+    text = str(err.value)
+    assert "actor_rollout_ref.actor.tensor_model_parallel_size: tensor_model_parallel_size=2 does not divide 6 q heads" in text
+    assert "actor_rollout_ref.ref.tensor_model_parallel_size" in text  # the reference inherits the actor's degree
+    assert "legal tensor_model_parallel_size for this model: 1" in text
+    preflight(make(tmp_path, **{"actor_rollout_ref.model.path": path, "actor_rollout_ref.rollout.name": "hf",
+                                "actor_rollout_ref.actor.ring_sequence_parallel_size": 2}))  # ring: any heads

@@ -21,3 +21,10 @@ class ReferenceRole:
                                token_budget(ref.log_prob_use_dynamic_bsz, ref.log_prob_max_token_len_per_gpu),
                                temperature=batch_temperature(batch, self.cfg))
         return Batch.from_dict({"ref_logprobs": lp})
+
+    @register(Dispatch.BY_DP)
+    def sp_self_check(self, batch: Batch) -> float:
+        """Max |logprob(sharded) - logprob(unsharded)| of the reference on `batch` (collective); run when
+        its layout differs from the actor's."""
+        return self.engine.sp_self_check(batch, self.ctx.prompt_len, "logprobs",
+                                         temperature=batch_temperature(batch, self.cfg))
