@@ -10,6 +10,14 @@ workers. Where Ray comes from is `trainer.ray_address`:
     auto              join the running cluster Ray finds: RAY_ADDRESS, else the last `ray start` here.
     <host>:<port>     join that cluster (`ray://<host>:<port>` goes through Ray Client).
 
+Before Ray starts, `rlsp.trainer.resume_check` decides what the run continues from and refuses a
+checkpoint this command cannot load (another model, a critic added or dropped, a damaged file with no
+whole checkpoint before it); a run that is already complete says so and exits 0. Exit codes: 0 done,
+1 a fault during the run, 2 a refused config or resume, 130 Ctrl-C, 143 SIGTERM (both after one line
+naming the last complete checkpoint). torch, Ray and transformers are imported only once a run gets
+that far, so a finished run (its newest trainer_state.json is at trainer.total_training_steps) and a
+refused config answer in about a second.
+
 The terminal shows rlsp's own lines, a progress bar and a closing summary; everything else
 (third-party warnings, Ray and vLLM start-up output, worker output) goes to
 <trainer.default_local_dir>/run.log.
@@ -26,19 +34,21 @@ import time
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import hydra
-import ray
 from omegaconf import DictConfig, OmegaConf
 
 from rlsp.config.layout import ParallelLayout
 from rlsp.config.store import register_schema
 from rlsp.config.validate import validate_config
-from rlsp.trainer.checkpoint import latest_checkpoint, resolve_resume
-from rlsp.trainer.preflight import preflight
-from rlsp.trainer.ray_trainer import RayTrainer
+from rlsp.trainer.checkpoint import finished_step, latest_checkpoint
+from rlsp.trainer.stopping import SIGTERM_EXIT_CODE, Terminated, catch_sigterm
 from rlsp.utils.logging import RUN_LOG_NAME, get_logger, log_to_run_file
+
+if TYPE_CHECKING:  # imported where a run starts (see the module docstring)
+    from rlsp.trainer.ray_trainer import RayTrainer
+    from rlsp.trainer.resume_check import ResumePlan
 
 log = get_logger("rlsp.main")
 register_schema()
@@ -56,6 +66,8 @@ def ray_address(setting: str | None) -> str | None:
 
 def _init_ray(cfg: DictConfig, world_size: int) -> bool:
     """Start or join Ray (see the module docstring); False if this process was already connected."""
+    import ray
+
     if ray.is_initialized():
         return False
     address = ray_address(cfg.trainer.ray_address)
@@ -84,26 +96,35 @@ def _init_ray(cfg: DictConfig, world_size: int) -> bool:
 
 def run(cfg: DictConfig) -> list[dict[str, Any]]:
     """Validate, resolve assets, start workers, train; returns the per-step metrics."""
+    from rlsp.trainer.preflight import preflight
+
     layout = validate_config(cfg)
     cfg = preflight(cfg)
     return train(cfg, layout)
 
 
-def prepare(cfg: DictConfig, layout: ParallelLayout) -> tuple[RayTrainer, str | None]:
-    """Everything that can fail on the user's input, before Ray starts: whether to resume, the datasets."""
-    resume = resolve_resume(cfg)
+def prepare(cfg: DictConfig, layout: ParallelLayout, plan: ResumePlan | None = None
+            ) -> tuple[RayTrainer, str | None]:
+    """Everything that can fail on the user's input, before Ray starts: the resume checks, the datasets."""
+    from rlsp.trainer.ray_trainer import RayTrainer
+    from rlsp.trainer.resume_check import check_resume
+
+    plan = plan or check_resume(cfg)
     trainer = RayTrainer(cfg, layout)
     os.makedirs(cfg.trainer.default_local_dir, exist_ok=True)
     OmegaConf.save(cfg, os.path.join(cfg.trainer.default_local_dir, "config.yaml"), resolve=True)
-    return trainer, resume
+    return trainer, plan.path
 
 
 def train(cfg: DictConfig, layout: ParallelLayout, prepared: tuple[RayTrainer, str | None] | None = None
           ) -> list[dict[str, Any]]:
+    import ray
+
     trainer, resume = prepared or prepare(cfg, layout)
     log.info("run dir: %s | %s", cfg.trainer.default_local_dir, layout.describe())
     t0 = time.perf_counter()
     connected_here = _init_ray(cfg, layout.total_workers)
+    catch_sigterm(trainer)  # again: ray.init replaced the handler with a silent sys.exit(15)
     trainer.startup["startup/ray_init_s"] = time.perf_counter() - t0
     clean = False
     try:
@@ -121,21 +142,21 @@ def train(cfg: DictConfig, layout: ParallelLayout, prepared: tuple[RayTrainer, s
 
 
 def _run_logged(cfg: DictConfig, layout: ParallelLayout) -> None:
-    """`main` once the run's log file holds stdout/stderr: user errors exit 2, Ctrl-C 130, faults 1."""
+    """`main` once the run's log file holds stdout/stderr: user errors exit 2, Ctrl-C 130, SIGTERM 143,
+    faults 1."""
+    catch_sigterm()
     try:
-        cfg = preflight(cfg)
-        prepared = prepare(cfg, layout)
-    except ValueError as exc:
-        # Config and data errors are for the user, not a traceback; nothing has started yet.
-        log.error("%s", exc)
-        raise SystemExit(2) from None
-    try:
-        train(cfg, layout, prepared)
-    except KeyboardInterrupt:
+        if (done := finished_step(cfg)) is not None:
+            log.info("the run is already complete at step %d (trainer.total_training_steps=%d)", done,
+                     cfg.trainer.total_training_steps)
+            return
+        train(cfg, layout, _prepare_checked(cfg, layout))
+    except KeyboardInterrupt as exc:
         latest = latest_checkpoint(cfg.trainer.default_local_dir)
         where = f"last complete checkpoint: {latest} (continue with the same command)" if latest else "no checkpoint was written"
-        log.error("interrupted; %s", where)
-        raise SystemExit(130) from None
+        terminated = isinstance(exc, Terminated)
+        log.error("%s; %s", "terminated (SIGTERM)" if terminated else "interrupted", where)
+        raise SystemExit(SIGTERM_EXIT_CODE if terminated else 130) from None
     except Exception as exc:
         traceback.print_exc()  # into the run's log file
         lines = str(exc).strip().splitlines() or [""]
@@ -143,6 +164,20 @@ def _run_logged(cfg: DictConfig, layout: ParallelLayout) -> None:
         log.error("run failed: %s: %s%s\n(traceback in %s)", type(exc).__name__, "\n".join(lines[:3]), more,
                   os.path.join(cfg.trainer.default_local_dir, RUN_LOG_NAME))
         raise SystemExit(1) from None
+
+
+def _prepare_checked(cfg: DictConfig, layout: ParallelLayout) -> tuple[RayTrainer, str | None]:
+    """Preflight, the resume checks and the datasets; a user error exits 2 before Ray starts."""
+    from rlsp.trainer.preflight import preflight
+    from rlsp.trainer.resume_check import check_resume
+
+    try:
+        preflight(cfg)  # resolves built-in assets in place
+        return prepare(cfg, layout, check_resume(cfg))
+    except ValueError as exc:
+        # Config, data and resume errors are for the user, not a traceback; nothing has started yet.
+        log.error("%s", exc)
+        raise SystemExit(2) from None
 
 
 @hydra.main(config_path="../configs", config_name="rlsp", version_base=None)

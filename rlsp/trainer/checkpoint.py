@@ -5,7 +5,7 @@
         actor/                 DCP shards: model + optimizer + LR schedule (any layout can load them)
         actor/huggingface/     config, tokenizer, generation config (for export)
         critic/                DCP shards of the critic (PPO)
-        rng/<group>_rank<r>.pt every worker's torch RNG state
+        rng/<group>_rank<r>_of<world>.pt   every worker's torch RNG state
         trainer_state.json     step, data position, KL controller, the layout it was written with
         metrics.jsonl          the metrics of steps 1..N
         config.yaml            the resolved config of the run that wrote it
@@ -14,7 +14,9 @@
 A checkpoint is written into `.tmp_global_step_<N>/` and made visible by one rename; the pointer
 file is replaced after that. A run killed at any moment leaves the previous checkpoint and pointer
 intact. Pruning (`trainer.max_{actor,critic}_ckpt_to_keep`) removes old model states only after the
-new checkpoint is complete.
+new checkpoint is complete. `damaged_file` finds a missing, truncated or unreadable file of a
+checkpoint from the DCP metadata and file sizes, without reading any weights. This module imports
+torch only inside those checks: the entry point reads `finished_step` before anything heavy is loaded.
 """
 
 from __future__ import annotations
@@ -26,12 +28,11 @@ import shutil
 from dataclasses import dataclass
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 LATEST = "latest_checkpointed_iteration.txt"
 STATE = "trainer_state.json"
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
-RESUME_MODES = ("auto", "disable", "resume_path")
 
 
 @dataclass
@@ -106,6 +107,18 @@ def resolve_resume(cfg: DictConfig) -> str | None:
     return None
 
 
+def finished_step(cfg: DictConfig) -> int | None:
+    """The step of the checkpoint this command would continue, when it is at or past
+    trainer.total_training_steps (nothing is left to train); else None. Reads trainer_state.json only;
+    anything unusual (a refused resume, an unreadable file) is left to the full checks."""
+    try:
+        path = resolve_resume(cfg)
+        step = TrainerState.read(path).step if path else None
+    except (ValueError, OSError, KeyError, TypeError):
+        return None
+    return step if step is not None and step >= cfg.trainer.total_training_steps else None
+
+
 class CheckpointWriter:
     """Driver side of a save: temp dir, worker writes, trainer files, rename, pointer, pruning."""
 
@@ -156,3 +169,50 @@ def _write_atomic(path: str, text: str) -> None:
 def read_metrics_lines(ckpt_dir: str) -> list[dict[str, Any]]:
     with open(os.path.join(ckpt_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def damaged_file(ckpt_dir: str, parts: tuple[str, ...] = ("actor",)) -> str | None:
+    """The first file of checkpoint `ckpt_dir` that is missing, truncated or unreadable, named with the
+    reason; None when it is whole. `parts` are the DCP directories a resume loads (actor, critic).
+    Cheap: every shard file the DCP metadata references must exist and reach the end of the last
+    record it holds; the small trainer and RNG files are parsed."""
+    import torch
+    readers = ((STATE, TrainerState.read), ("metrics.jsonl", read_metrics_lines),
+               ("config.yaml", lambda d: OmegaConf.load(os.path.join(d, "config.yaml"))))
+    for name, read in readers:
+        try:
+            read(ckpt_dir)
+        except Exception as exc:  # any parse error means the same thing: this file cannot be used
+            return f"{os.path.join(ckpt_dir, name)} is unreadable ({type(exc).__name__}: {exc})"
+    for part in parts:
+        if (damage := _damaged_shard(os.path.join(ckpt_dir, part))) is not None:
+            return damage
+    rng_dir = os.path.join(ckpt_dir, "rng")
+    for name in sorted(os.listdir(rng_dir)) if os.path.isdir(rng_dir) else []:
+        try:
+            torch.load(os.path.join(rng_dir, name), weights_only=True)
+        except Exception as exc:
+            return f"{os.path.join(rng_dir, name)} is unreadable ({type(exc).__name__}: {exc})"
+    return None
+
+
+def _damaged_shard(dcp_dir: str) -> str | None:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = os.path.join(dcp_dir, ".metadata")
+    if not os.path.exists(meta):
+        return f"{meta} is missing (the model state was never written or was pruned)"
+    try:
+        records = FileSystemReader(dcp_dir).read_metadata().storage_data.values()
+    except Exception as exc:
+        return f"{meta} is unreadable ({type(exc).__name__}: {exc})"
+    needed: dict[str, int] = {}
+    for info in records:
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        path = os.path.join(dcp_dir, name)
+        if not os.path.exists(path):
+            return f"{path} is missing"
+        if (have := os.path.getsize(path)) < size:
+            return f"{path} is truncated ({have} bytes; its records end at byte {size})"
+    return None

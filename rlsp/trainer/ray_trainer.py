@@ -31,6 +31,7 @@ from rlsp.trainer.checkpoint import CheckpointWriter, TrainerState, latest_check
 from rlsp.trainer.metrics import MetricsLogger
 from rlsp.trainer.progress import RunProgress
 from rlsp.trainer.scoring import Scorer
+from rlsp.trainer.stopping import Terminated
 from rlsp.utils.device import resolve_device_type
 from rlsp.utils.logging import get_logger
 from rlsp.utils.timing import timed
@@ -88,6 +89,7 @@ class RayTrainer:
         # where start-up went (ray init, worker processes, worker set-up); logged with the first step
         self.startup: dict[str, float] = {}
         self.first_step_done_at: float | None = None  # time.time() when this run's first step ended
+        self.stop_requested = False  # SIGTERM with trainer.save_on_preempt: checkpoint this step, then stop
         self.data_pos = (0, 0)  # (epoch, batches of that epoch consumed)
         self.ckpt = CheckpointWriter(self.run_dir, cfg.trainer.max_actor_ckpt_to_keep, cfg.trainer.max_critic_ckpt_to_keep)
 
@@ -281,10 +283,12 @@ class RayTrainer:
                     metrics.update(self.validate())
                 self.metrics.log(step, metrics)
                 progress.step_done(metrics)
-                if (t.save_freq > 0 and step % t.save_freq == 0) or step == total:
+                if (t.save_freq > 0 and step % t.save_freq == 0) or step == total or self.stop_requested:
                     progress.outputs["checkpoint"] = self.save_checkpoint(step)
                     if step != total:  # the last one is in the summary
                         log.info("checkpoint: %s", progress.outputs["checkpoint"])
+                if self.stop_requested and step != total:
+                    raise Terminated()
             if t.save_final_model:
                 progress.outputs["model (HF)"] = export_hf(latest_checkpoint(self.run_dir),
                                                            os.path.abspath(os.path.join(self.run_dir, "actor_hf")))
