@@ -1,6 +1,7 @@
-"""DCP checkpoints of the engine: a checkpoint written by 2 ranks loads on 1 rank with sp=1 and on
-2 ranks with sp=2 (resharding) with every weight equal, and `export_hf` turns it into a Hugging Face
-model whose logprobs equal the trainer's (every response token, 1e-5)."""
+"""DCP checkpoints of the engine: a checkpoint written by 2 ranks loads on 1 rank, on 2 ranks at
+Ulysses 2, ring 2 or TP 2, and on 4 at Ulysses 2 x TP 2 (resharding) with every weight equal; one
+written under TP 2 loads on one rank; and `export_hf` turns a checkpoint into a Hugging Face model
+whose logprobs equal the trainer's (every response token, 1e-5)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from rlsp.workers.actor_loss import make_actor_loss
 pytestmark = pytest.mark.distributed
 
 
-def _train_and_save(rank: int, world: int, model_path: str, batch, ckpt: str):
-    engine = policy_engine(model_path, layout_dims(), lr=1e-2)
+def _train_and_save(rank: int, world: int, model_path: str, batch, ckpt: str, degrees: dict | None = None):
+    engine = policy_engine(model_path, layout_dims(**(degrees or {})), lr=1e-2)
     engine.train_step(batch, P, 4, make_actor_loss(LOSS, float(batch["response_mask"].sum())),
                       temperature=1.0, with_entropy=True)
     save_engine(engine, os.path.join(ckpt, "actor"))
@@ -34,8 +35,8 @@ def _train_and_save(rank: int, world: int, model_path: str, batch, ckpt: str):
     return (logprobs, params) if rank == 0 else None
 
 
-def _load(rank: int, world: int, model_path: str, ckpt: str, sp: int, fsdp_size: int = -1):
-    engine = policy_engine(model_path, layout_dims(ulysses=sp, fsdp_size=fsdp_size), lr=1e-2)
+def _load(rank: int, world: int, model_path: str, ckpt: str, degrees: dict):
+    engine = policy_engine(model_path, layout_dims(**degrees), lr=1e-2)
     load_engine(engine, os.path.join(ckpt, "actor"))
     params = {k: v.clone() for k, v in engine.iter_full_params()}
     return (params, engine.scheduler.state_dict()["last_epoch"]) if rank == 0 else None
@@ -51,13 +52,25 @@ def trained(tmp_path_factory):
     return path, batch, ckpt, logprobs, params
 
 
-@pytest.mark.parametrize("world,sp,fsdp_size", [(1, 1, -1), (2, 2, -1), (2, 1, 1)])
-def test_checkpoint_reshards_onto_another_layout(trained, world, sp, fsdp_size):
+@pytest.mark.parametrize("world,degrees", [
+    (1, {}), (2, {"ulysses": 2}), (2, {"fsdp_size": 1}), (2, {"ring": 2}), (2, {"tp": 2}),
+    (4, {"ulysses": 2, "tp": 2})])
+def test_checkpoint_reshards_onto_another_layout(trained, world, degrees):
     path, _, ckpt, _, params = trained
-    loaded, last_epoch = run_distributed(_load, world, path, ckpt, sp, fsdp_size)[0]
+    loaded, last_epoch = run_distributed(_load, world, path, ckpt, degrees)[0]
     assert loaded.keys() == params.keys()
     assert all(torch.equal(loaded[k], params[k]) for k in params)
     assert last_epoch == 1  # the LR schedule came back too
+
+
+def test_tensor_parallel_checkpoint_loads_on_one_rank(trained, tmp_path):
+    """Written by dp1 x tp2 (weights split by layer across tp, FSDP over nothing), read by one plain rank."""
+    path, batch, _, _, _ = trained
+    ckpt = str(tmp_path / "tp_ckpt")
+    _, params = run_distributed(_train_and_save, 2, path, batch, ckpt, {"tp": 2})[0]
+    loaded, last_epoch = run_distributed(_load, 1, path, ckpt, {})[0]
+    assert loaded.keys() == params.keys() and last_epoch == 1
+    assert all(torch.equal(loaded[k], params[k]) for k in params)
 
 
 def test_export_gives_the_trainers_logprobs(trained, tmp_path):

@@ -6,7 +6,8 @@ first-step metrics: the same rewards, and the same losses, entropy and gradient 
 precision (the update is exact whatever the layout). The start-up self-check must pass for every
 sharded role.
 
-* GRPO, actor and reference at (ulysses 2, ring 2) on 4 workers vs dp=4;
+* GRPO on 4 workers, actor and reference at (ulysses 2, ring 2), and at TP 2 with sequence-parallel
+  activations x dp 2, vs dp=4;
 * PPO, actor at ring 2 and the critic at ring 2 on 2 workers vs dp=2.
 """
 
@@ -46,19 +47,29 @@ def _assert_same_step(sharded: dict, plain: dict, keys: tuple[str, ...]) -> None
         assert abs(sharded[key] - plain[key]) <= tol, (key, sharded[key], plain[key])
 
 
-def test_grpo_ulysses_x_ring_matches_data_parallel(tmp_path):
-    four = ("trainer.n_gpus_per_node=4",)
-    plain, _ = _first_step(tmp_path, "dp", *four)
-    usp, log = _first_step(tmp_path, "usp", *four, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
-                           "actor_rollout_ref.actor.ring_sequence_parallel_size=2")
-    assert "sp self-check passed (actor)" in log and "ulysses=2 ring=2" in log
-    _assert_same_step(usp, plain, CLOSE)
-    assert usp["sp/tokens_per_rank"] * 4 >= plain["sp/tokens_per_rank"] > 0  # each rank holds a quarter
+FOUR = ("trainer.n_gpus_per_node=4",)
+ACTOR = "actor_rollout_ref.actor."
+
+
+@pytest.fixture(scope="module")
+def grpo_dp4(tmp_path_factory) -> dict:
+    return _first_step(tmp_path_factory.mktemp("grpo"), "dp", *FOUR)[0]
+
+
+@pytest.mark.parametrize("degrees,shown", [
+    ({"ulysses_sequence_parallel_size": 2, "ring_sequence_parallel_size": 2}, "dp=1 ulysses=2 ring=2 tp=1"),
+    ({"tensor_model_parallel_size": 2}, "dp=2 ulysses=1 ring=1 tp=2 (sequence-parallel activations)")])
+def test_grpo_sequence_and_tensor_layouts_match_data_parallel(tmp_path, grpo_dp4, degrees, shown):
+    sharded, log = _first_step(tmp_path, "sharded", *FOUR, *(f"{ACTOR}{k}={v}" for k, v in degrees.items()))
+    assert "sp self-check passed (actor)" in log and shown in log
+    _assert_same_step(sharded, grpo_dp4, CLOSE)
+    # each rank's outputs cover a quarter (ulysses x ring) or half (tp with SP) of its dp shard's tokens
+    assert sharded["sp/tokens_per_rank"] > 0 and grpo_dp4["sp/tokens_per_rank"] > 0
 
 
 def test_ppo_critic_and_actor_at_ring_2_match_data_parallel(tmp_path):
     plain, _ = _first_step(tmp_path, "dp", config_name="ppo")
     ring, log = _first_step(tmp_path, "ring", "critic.ring_sequence_parallel_size=2",
-                            "actor_rollout_ref.actor.ring_sequence_parallel_size=2", config_name="ppo")
+                            f"{ACTOR}ring_sequence_parallel_size=2", config_name="ppo")
     assert "sp self-check passed (critic)" in log and "sp self-check passed (actor)" in log
     _assert_same_step(ring, plain, CLOSE + CRITIC)
