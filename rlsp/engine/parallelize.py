@@ -1,4 +1,5 @@
-"""Apply FSDP2 to a head model: each decoder layer and the root are sharded over the whole world.
+"""Apply FSDP2 to a head model: each decoder layer and the root are sharded over the role's FSDP mesh
+(every rank but the tensor-parallel dimension, or HSDP groups of `fsdp_size` of them; see ParallelDims).
 
 Master weights stay in their load dtype (fp32 for trainable models); `MixedPrecisionPolicy` casts
 them to the compute dtype when FSDP all-gathers them for a forward, and gradients are reduced in
