@@ -40,9 +40,9 @@ class ModelConfig:
 @dataclass
 class FSDPConfig:
     # Ranks one copy of the weights (and optimizer state) is sharded over. -1 = every rank of the role
-    # (FSDP); a divisor of the world size shards within groups of that many ranks and replicates across
-    # groups (HSDP); 1 = every rank holds everything and only gradients are reduced (DDP-like: least
-    # communication, fastest for models that fit one device).
+    # but its tensor-parallel dimension (FSDP); a divisor of those shards within groups of that many
+    # ranks and replicates across groups (HSDP); 1 = every rank holds everything (its tp share) and only
+    # gradients are reduced (DDP-like: least communication, fastest for models that fit one device).
     fsdp_size: int = -1
 
 
