@@ -68,6 +68,7 @@ class RoleLayout:
     tp: int = 1
     sequence_parallel: bool = True  # with tp > 1: norm/residual activations sharded along the sequence
     fsdp_size: int = -1  # -1: shard over all dp x ring x ulysses ranks; else HSDP groups of this size
+    adaptive: bool = False  # each micro-batch at the smallest Ulysses degree whose token budget holds it
 
     @property
     def world_size(self) -> int:
@@ -125,8 +126,15 @@ class RoleLayout:
     def dp_rank(self, rank: int) -> int:
         return rank // self.ranks_per_dp
 
+    @property
+    def ulysses_degrees(self) -> tuple[int, ...]:
+        """Ulysses degrees a micro-batch may run at: every divisor of `ulysses` when adaptive, else it alone."""
+        if not self.adaptive:
+            return (self.ulysses,)
+        return tuple(d for d in range(1, self.ulysses + 1) if self.ulysses % d == 0)
+
     def describe(self) -> str:
-        text = f"dp={self.dp_size} ulysses={self.ulysses} ring={self.ring} tp={self.tp}"
+        text = f"dp={self.dp_size} ulysses={self.ulysses}{' (adaptive)' if self.adaptive else ''} ring={self.ring} tp={self.tp}"
         if self.tp > 1:
             text += " (sequence-parallel activations)" if self.sequence_parallel else " (replicated activations)"
         if self.fsdp_size != -1:

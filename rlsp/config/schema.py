@@ -81,6 +81,9 @@ class ActorConfig:
     ring_sequence_parallel_size: int = 1  # ring degree: K/V blocks passed around (may span nodes)
     tensor_model_parallel_size: int = 1  # Megatron-style TP: each layer's weights split over this many ranks
     sequence_parallel: bool = True  # with TP > 1: norms/residuals sharded along the sequence (Megatron SP)
+    # Ulysses degree per micro-batch: the smallest divisor of ulysses_sequence_parallel_size whose token
+    # budget (use_dynamic_bsz) holds the micro-batch; the group's other ranks take other micro-batches
+    sequence_parallel_adaptive: bool = False
     logprob_chunk_size: int = 1024
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
@@ -93,6 +96,7 @@ class RefConfig:
     ring_sequence_parallel_size: int | None = None
     tensor_model_parallel_size: int | None = None
     sequence_parallel: bool | None = None
+    sequence_parallel_adaptive: bool | None = None
     log_prob_micro_batch_size_per_gpu: int = 64
     log_prob_use_dynamic_bsz: bool = False
     log_prob_max_token_len_per_gpu: int = 16384
@@ -158,6 +162,7 @@ class CriticConfig:
     ring_sequence_parallel_size: int = 1
     tensor_model_parallel_size: int = 1
     sequence_parallel: bool = True
+    sequence_parallel_adaptive: bool = False  # see actor_rollout_ref.actor.sequence_parallel_adaptive
     colocate: bool = True  # share the actor's workers and devices (verl's hybrid layout); False = own pool
     nnodes: int = 1  # own pool only (critic.colocate=false)
     n_gpus_per_node: int = 1  # own pool only: critic worker processes per node

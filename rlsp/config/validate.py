@@ -40,7 +40,7 @@ def _role_degrees(cfg: Any, role: str) -> tuple[str, dict[str, Any]]:
     """(key prefix, the role's degrees) with the reference's unset degrees taken from the actor."""
     arr = cfg.actor_rollout_ref
     keys = ("ulysses_sequence_parallel_size", "ring_sequence_parallel_size", "tensor_model_parallel_size",
-            "sequence_parallel")
+            "sequence_parallel", "sequence_parallel_adaptive")
     if role == "critic":
         return "critic.", {k: cfg.critic[k] for k in keys} | {"fsdp_size": cfg.critic.model.fsdp_config.fsdp_size}
     actor = {k: arr.actor[k] for k in keys}
@@ -76,10 +76,15 @@ def _check_role(cfg: Any, role: str, world: World, errors: list[str]) -> RoleLay
              f"{prefix.replace('critic.', 'critic.model.')}fsdp_config.fsdp_size={size} must be -1 (shard over all "
              f"{fsdp_ranks} non-TP ranks) or a divisor of {fsdp_ranks}: legal values -1, {_divisors(fsdp_ranks)}",
              errors)
+    adaptive = bool(d["sequence_parallel_adaptive"])
+    if adaptive and (uly == 1 or ring > 1 or tp > 1):
+        errors.append(f"{prefix}sequence_parallel_adaptive=true varies the Ulysses degree per micro-batch: it needs "
+                      f"ulysses_sequence_parallel_size > 1 (got {uly}), ring_sequence_parallel_size=1 (got {ring}) "
+                      f"and tensor_model_parallel_size=1 (got {tp})")
     if len(errors) > n_err:
         return None
     return RoleLayout(world, ulysses=uly, ring=ring, tp=tp, sequence_parallel=bool(d["sequence_parallel"]),
-                      fsdp_size=size)
+                      fsdp_size=size, adaptive=adaptive)
 
 
 def _check_parallel(cfg: Any, errors: list[str]) -> ParallelLayout | None:
@@ -95,6 +100,18 @@ def _check_parallel(cfg: Any, errors: list[str]) -> ParallelLayout | None:
     world = policy if critic.colocate else _check_world("critic.", critic.nnodes, critic.n_gpus_per_node, errors)
     mesh = None if world is None else _check_role(cfg, "critic", world, errors)
     return None if mesh is None else ParallelLayout(policy, actor, ref, mesh, critic_colocated=bool(critic.colocate))
+
+
+def _check_adaptive(cfg: Any, layout: ParallelLayout, errors: list[str]) -> None:
+    """Adaptive sequence parallelism sizes micro-batches by tokens: the role's token budget must be on."""
+    arr = cfg.actor_rollout_ref
+    needs = {"actor": ("actor_rollout_ref.actor.use_dynamic_bsz", arr.actor.use_dynamic_bsz),
+             "ref": ("actor_rollout_ref.ref.log_prob_use_dynamic_bsz", arr.ref.log_prob_use_dynamic_bsz),
+             "critic": ("critic.use_dynamic_bsz", cfg.critic.use_dynamic_bsz)}
+    for role, (key, on) in needs.items():
+        if (role != "critic" or layout.has_critic) and layout.role(role).adaptive and not on:
+            errors.append(f"{role} has sequence_parallel_adaptive=true, which picks each micro-batch's Ulysses "
+                          f"degree from its token budget: set {key}=true")
 
 
 def _check_batches(cfg: Any, layout: ParallelLayout, errors: list[str]) -> None:
@@ -272,6 +289,7 @@ def validate_config(cfg: Any) -> ParallelLayout:
         raise ValueError("invalid rlsp config:\n  - " + "\n  - ".join(errors))
     layout = _check_parallel(cfg, errors)
     if layout is not None:
+        _check_adaptive(cfg, layout, errors)
         _check_batches(cfg, layout, errors)
         _check_critic(cfg, layout, errors)
     _check_algorithm(cfg, errors)

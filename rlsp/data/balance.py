@@ -2,8 +2,10 @@
 
 `plan_token_bins` packs rows into micro-batches whose token totals stay within a budget (first-fit
 decreasing), into exactly `num_bins` bins when asked (so every rank runs the same number of
-micro-batches, as FSDP's collectives require). `balanced_order` permutes rows so that the `parts`
-equal contiguous chunks a dispatch makes have nearly equal token totals.
+micro-batches, as FSDP's collectives require). `plan_degree_rounds` does the same for a group of
+ranks that may split a micro-batch over fewer of them (adaptive sequence parallelism).
+`balanced_order` permutes rows so that the `parts` equal contiguous chunks a dispatch makes have
+nearly equal token totals.
 """
 
 from __future__ import annotations
@@ -48,6 +50,33 @@ def plan_token_bins(lengths: Sequence[int], budget: int, num_bins: int | None = 
             bins.remove(heavy)
             bins += [heavy[0::2], heavy[1::2]]
     return [sorted(b) for b in sorted(bins, key=min)]
+
+
+def plan_degree_rounds(lengths: Sequence[int], budget: int, group_size: int) -> list[tuple[int, list[list[int]]]]:
+    """Rounds of micro-batches for `group_size` ranks that share the rows `lengths`.
+
+    A round runs at one degree d (a divisor of group_size): its group_size / d sub-groups of d
+    consecutive ranks each take one bin of rows (an empty list: that sub-group idles through an empty
+    micro-batch), a bin holding at most budget * d tokens. Each row goes to the smallest degree whose
+    bin holds it (a row longer than budget * group_size runs alone at the full degree, as a fixed
+    degree would run it), so short rows skip the head exchange and the per-rank sliver of a long one.
+    Returns [(degree, [rows of sub-group 0, rows of sub-group 1, ...]), ...], degrees ascending.
+    """
+    degrees = [d for d in range(1, group_size + 1) if group_size % d == 0]
+    by_degree: dict[int, list[int]] = {d: [] for d in degrees}
+    for i, n in enumerate(lengths):
+        by_degree[next((d for d in degrees if n <= budget * d), group_size)].append(i)
+    rounds: list[tuple[int, list[list[int]]]] = []
+    for d in degrees:
+        rows = by_degree[d]
+        if not rows:
+            continue
+        bins = [sorted(rows[j] for j in b) for b in _ffd([lengths[i] for i in rows], budget * d)]
+        lanes = group_size // d
+        for k in range(0, len(bins), lanes):
+            chunk = bins[k:k + lanes]
+            rounds.append((d, chunk + [[] for _ in range(lanes - len(chunk))]))
+    return rounds
 
 
 def balanced_order(lengths: Sequence[int], parts: int) -> list[int]:

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from rlsp.data.batch import Batch
-from rlsp.engine.micro import MicroBatch, prepare_micro_batch, split_rows
+from rlsp.engine.micro import MicroBatch, MicroPlan, plan_micro_batches, plan_rows, prepare_micro_batch
 from rlsp.engine.optim import OptimSettings, build_optimizer
 from rlsp.engine.parallelize import parallelize
 from rlsp.engine.reference import meta_skeleton, run_skeleton
@@ -84,9 +84,9 @@ class FSDPEngine:
             self.optimizer, self.scheduler = build_optimizer(self.module, optim)
 
     # ----------------------------------------------------------------- micro-batches
-    def prepare(self, rows: Batch, prompt_len: int) -> MicroBatch:
+    def prepare(self, rows: Batch, prompt_len: int, degree: int | None = None) -> MicroBatch:
         return prepare_micro_batch(rows, prompt_len, self.dims, self.num_q_heads, self.num_kv_heads,
-                                   tp=getattr(self.module, "tp_info", None))
+                                   tp=getattr(self.module, "tp_info", None), degree=degree)
 
     def forward(self, micro: MicroBatch, **head_kwargs: Any) -> dict[str, torch.Tensor]:
         packed = micro.packed
@@ -105,9 +105,8 @@ class FSDPEngine:
         rows_BR = stream_to_response(values_T, micro.packed, micro.prompt_len, micro.response_len)
         return rows_BR * micro.rows["response_mask"]
 
-    def _micro_batches(self, batch: Batch, micro_size: int, max_tokens: int | None) -> list[tuple[list[int], Batch]]:
-        return [(idx, batch.select_rows(idx)) for idx in split_rows(batch, micro_size, max_tokens,
-                                                                          self.dims.layout.token_shards)]
+    def _micro_batches(self, batch: Batch, micro_size: int, max_tokens: int | None) -> list[tuple[MicroPlan, Batch]]:
+        return [(plan, plan_rows(batch, plan)) for plan in plan_micro_batches(batch, micro_size, max_tokens, self.dims)]
 
     @torch.no_grad()
     def infer(self, batch: Batch, prompt_len: int, micro_size: int, key: str, max_tokens: int | None = None,
@@ -116,9 +115,16 @@ class FSDPEngine:
         Micro-batches hold `micro_size` rows, or up to `max_tokens` tokens per rank when given."""
         self.module.eval()
         out_BR = torch.zeros(len(batch), batch["input_ids"].shape[1] - prompt_len)
-        for idx, rows in self._micro_batches(batch, micro_size, max_tokens):
-            micro = self.prepare(rows, prompt_len)
-            out_BR[idx] = self._to_rows(self.forward(micro, **head_kwargs)[key], micro)
+        adaptive = False
+        for plan, rows in self._micro_batches(batch, micro_size, max_tokens):
+            micro = self.prepare(rows, prompt_len, plan.degree)
+            values_BR = self._to_rows(self.forward(micro, **head_kwargs)[key], micro)
+            adaptive |= plan.degree is not None
+            if plan.reports:
+                out_BR[plan.rows] = values_BR
+        if adaptive and self.dims.ulysses_group is not None:
+            # each micro-batch was reported by one rank of its sub-group: the Ulysses group's sum has them all
+            dist.all_reduce(out_BR, group=self.dims.ulysses_group)
         return out_BR
 
     @torch.no_grad()
@@ -132,11 +138,14 @@ class FSDPEngine:
         the model with the gathered full weights (rlsp.engine.reference).
         """
         self.module.eval()
-        sharded = self.prepare(rows, prompt_len)
-        a = self._to_rows(self.forward(sharded, **head_kwargs)[key], sharded)
         full = prepare_micro_batch(rows, prompt_len, None, *num_heads(self.config))
         b = self._to_rows(self._unsharded_forward(full, **head_kwargs)[key], full)
-        return float((a - b).abs().max()) if a.numel() else 0.0
+        layout, worst = self.dims.layout, 0.0
+        for degree in layout.ulysses_degrees if layout.adaptive else (None,):  # adaptive: every degree
+            sharded = self.prepare(rows, prompt_len, degree)
+            a = self._to_rows(self.forward(sharded, **head_kwargs)[key], sharded)
+            worst = max(worst, float((a - b).abs().max()) if a.numel() else 0.0)
+        return worst
 
     def _unsharded_forward(self, micro: MicroBatch, **head_kwargs: Any) -> dict[str, torch.Tensor]:
         if self.skeleton is None:
@@ -183,9 +192,9 @@ class FSDPEngine:
         sp_local = torch.zeros(4, dtype=torch.float64)  # local tokens, pad tokens, a2a seconds, total seconds
         timing = {"time_forward_s_max": torch.zeros((), dtype=torch.float64),
                   "time_backward_s_max": torch.zeros((), dtype=torch.float64)}
-        for _, rows in self._micro_batches(batch, micro_size, max_tokens):
+        for plan, rows in self._micro_batches(batch, micro_size, max_tokens):
             t0 = time.perf_counter()
-            micro = self.prepare(rows, prompt_len)
+            micro = self.prepare(rows, prompt_len, plan.degree)
             loss, metrics = loss_fn(self.forward(micro, **head_kwargs), micro)
             t1 = time.perf_counter()
             loss.backward()
@@ -195,7 +204,8 @@ class FSDPEngine:
                 val = val.detach().float().cpu()
                 sums[key] = torch.maximum(sums[key], val) if key.endswith("_max") and key in sums else (
                     val if key.endswith("_max") else sums.get(key, 0.0) + val)
-            sp_local += torch.tensor([micro.out_len, micro.packed.num_pad / self.dims.layout.token_shards,
+            pad = micro.packed.num_pad * micro.out_len / micro.packed.total_len
+            sp_local += torch.tensor([micro.out_len, pad,
                                       micro.ctx.stats.a2a_seconds, time.perf_counter() - t0], dtype=torch.float64)
         return {**self._reduce_metrics({**sums, **timing}), **self._sp_metrics(sp_local)}
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from rlsp.data.balance import count_token_bins, plan_token_bins
+from rlsp.data.balance import count_token_bins, plan_degree_rounds, plan_token_bins
 from rlsp.data.batch import Batch
 from rlsp.data.packing import PackedBatch, pack_sequences
 from rlsp.engine.stream import response_to_stream
@@ -59,16 +59,59 @@ class MicroBatch:
 
 
 def prepare_micro_batch(rows: Batch, prompt_len: int, dims: ParallelDims | None, num_q_heads: int,
-                        num_kv_heads: int, tp: TPInfo | None = None) -> MicroBatch:
+                        num_kv_heads: int, tp: TPInfo | None = None, degree: int | None = None) -> MicroBatch:
     """Pack `rows` into one stream and build its sp context over the groups of `dims` (None: unsharded,
     one rank holds the whole stream). The stream is padded to the layout's `stream_multiple`; the head
-    counts are those one rank's attention sees (a tp rank's share under tensor parallelism)."""
-    multiple = 1 if dims is None else dims.layout.stream_multiple
+    counts are those one rank's attention sees (a tp rank's share under tensor parallelism). With
+    adaptive sequence parallelism `degree` is this micro-batch's Ulysses degree (ring and tp are 1)."""
+    if dims is None:
+        multiple, groups = 1, (None, None)
+    elif degree is not None:
+        multiple, groups = degree, (dims.ulysses_group_of(degree), None)
+    else:
+        multiple, groups = dims.layout.stream_multiple, (dims.ulysses_group, dims.ring_group)
     packed = pack_sequences(rows["input_ids"], rows["attention_mask"], pad_to_multiple=multiple)
-    groups = (None, None) if dims is None else (dims.ulysses_group, dims.ring_group)
     ctx = build_sp_context(groups[0], packed, num_q_heads, num_kv_heads, ring_group=groups[1])
     response_len = rows["input_ids"].shape[1] - prompt_len
     return MicroBatch(rows=rows, packed=packed, ctx=ctx, prompt_len=prompt_len, response_len=response_len, tp=tp)
+
+
+@dataclass(frozen=True)
+class MicroPlan:
+    """One micro-batch of a rank: its rows, its Ulysses degree (adaptive only; None = the layout's) and
+    whether this rank's copy of the results counts (adaptive: one rank per sub-group reports)."""
+
+    rows: list[int]
+    degree: int | None = None
+    reports: bool = True
+
+
+def plan_micro_batches(batch: Batch, micro_size: int, max_tokens: int | None, dims: ParallelDims) -> list[MicroPlan]:
+    """This rank's micro-batches (collective when `max_tokens` is set): fixed-size or token-budget
+    micro-batches at the layout's degrees, or, with adaptive sequence parallelism and a token budget,
+    rounds at the smallest Ulysses degree that holds them (`plan_degree_rounds`). Every rank of the
+    world runs the same number of micro-batches (FSDP's collectives); spare rounds are idle ones."""
+    layout = dims.layout
+    if max_tokens is None or not layout.adaptive:
+        return [MicroPlan(idx) for idx in split_rows(batch, micro_size, max_tokens, layout.token_shards)]
+    rounds = plan_degree_rounds(batch["attention_mask"].sum(-1).tolist(), max_tokens, layout.ulysses)
+    total = torch.tensor([len(rounds)], dtype=torch.int64)
+    dist.all_reduce(total, op=dist.ReduceOp.MAX)
+    rank = dims.coords.ulysses
+    plans = [MicroPlan(bins[rank // d], d, rank % d == 0) for d, bins in rounds]
+    return plans + [MicroPlan([], 1, False)] * (int(total) - len(rounds))
+
+
+def plan_rows(batch: Batch, plan: MicroPlan) -> Batch:
+    """The rows of a micro-batch; an idle one (no rows) is the first row with every token masked out: a
+    stream of padding that runs the same collectives and contributes nothing."""
+    if plan.rows:
+        return batch.select_rows(plan.rows)
+    idle = batch.select_rows([0])
+    for key in ("attention_mask", "response_mask"):
+        if key in idle:
+            idle.set(key, torch.zeros_like(idle[key]))
+    return idle
 
 
 def split_rows(batch: Batch, micro_size: int, max_tokens: int | None, token_shards: int) -> list[list[int]]:

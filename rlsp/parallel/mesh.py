@@ -13,7 +13,7 @@ layout's: (dp, ring, ulysses, tp), tp innermost.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -28,6 +28,8 @@ class ParallelDims:
     mesh: DeviceMesh  # (dp, ring, ulysses, tp)
     fsdp_mesh: DeviceMesh
     tp_mesh: DeviceMesh | None  # None when tp == 1
+    # adaptive Ulysses: degree -> this rank's group of that many consecutive Ulysses ranks (1 < d < ulysses)
+    ulysses_subgroups: dict[int, dist.ProcessGroup] = field(default_factory=dict)
 
     @property
     def coords(self) -> Coords:
@@ -57,6 +59,16 @@ class ParallelDims:
         """None when ulysses == 1 (no all-to-all)."""
         return self._group("ulysses", self.layout.ulysses)
 
+    def ulysses_group_of(self, degree: int) -> dist.ProcessGroup | None:
+        """This rank's Ulysses group at `degree` (the full group, a sub-group when adaptive, None at 1)."""
+        if degree == self.layout.ulysses:
+            return self.ulysses_group
+        if degree == 1:
+            return None
+        if degree not in self.ulysses_subgroups:
+            raise ValueError(f"no Ulysses sub-group of degree {degree}; legal degrees: {self.layout.ulysses_degrees}")
+        return self.ulysses_subgroups[degree]
+
     @property
     def ring_group(self) -> dist.ProcessGroup | None:
         return self._group("ring", self.layout.ring)
@@ -78,6 +90,20 @@ def _param_meshes(layout: RoleLayout, device_type: str) -> tuple[DeviceMesh, Dev
     return fsdp, root["tp"]
 
 
+def _ulysses_subgroups(layout: RoleLayout, rank: int) -> dict[int, dist.ProcessGroup]:
+    """Groups of d consecutive ranks of every Ulysses group, for each degree 1 < d < ulysses (collective:
+    every rank creates every group, in the same order)."""
+    mine: dict[int, dist.ProcessGroup] = {}
+    starts = range(0, layout.world_size, layout.ulysses)  # ring == tp == 1 when adaptive
+    for d in layout.ulysses_degrees[1:-1]:
+        for start in starts:
+            for first in range(start, start + layout.ulysses, d):
+                group = dist.new_group(list(range(first, first + d)))
+                if first <= rank < first + d:
+                    mine[d] = group
+    return mine
+
+
 def build_parallel_dims(layout: RoleLayout, device_type: str) -> ParallelDims:
     """Build the meshes of `layout` over the already-initialised default process group (collective)."""
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -87,4 +113,6 @@ def build_parallel_dims(layout: RoleLayout, device_type: str) -> ParallelDims:
     shape = (layout.dp_size, layout.ring, layout.ulysses, layout.tp)
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=("dp", "ring", "ulysses", "tp"))
     fsdp_mesh, tp_mesh = _param_meshes(layout, device_type)
-    return ParallelDims(layout=layout, rank=rank, mesh=mesh, fsdp_mesh=fsdp_mesh, tp_mesh=tp_mesh)
+    subgroups = _ulysses_subgroups(layout, rank) if layout.adaptive else {}
+    return ParallelDims(layout=layout, rank=rank, mesh=mesh, fsdp_mesh=fsdp_mesh, tp_mesh=tp_mesh,
+                        ulysses_subgroups=subgroups)

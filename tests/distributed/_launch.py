@@ -71,11 +71,12 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
 
 
-def layout_dims(ulysses: int = 1, ring: int = 1, tp: int = 1, fsdp_size: int = -1, sequence_parallel: bool = True):
+def layout_dims(ulysses: int = 1, ring: int = 1, tp: int = 1, fsdp_size: int = -1, sequence_parallel: bool = True,
+                adaptive: bool = False):
     """The meshes of a one-node role layout over the current default group (call inside a worker)."""
     from rlsp.config.layout import RoleLayout, World
     from rlsp.parallel.mesh import build_parallel_dims
 
     layout = RoleLayout(World(1, dist.get_world_size()), ulysses=ulysses, ring=ring, tp=tp,
-                        sequence_parallel=sequence_parallel, fsdp_size=fsdp_size)
+                        sequence_parallel=sequence_parallel, fsdp_size=fsdp_size, adaptive=adaptive)
     return build_parallel_dims(layout, "cpu")

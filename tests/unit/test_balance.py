@@ -37,3 +37,23 @@ def test_balanced_order_evens_out_token_totals():
     assert abs(sum(chunk[:4]) - sum(chunk[4:])) <= 4
     with pytest.raises(ValueError, match="cannot balance 8 rows over 3 equal parts"):
         balanced_order(lengths, 3)
+
+
+def test_degree_rounds_put_every_row_once_at_its_smallest_degree():
+    from rlsp.data.balance import plan_degree_rounds
+
+    lengths = [3, 40, 9, 17, 5, 2, 30, 8, 1, 70]
+    budget, group = 10, 4
+    rounds = plan_degree_rounds(lengths, budget, group)
+    seen = sorted(i for _, bins in rounds for b in bins for i in b)
+    assert seen == list(range(len(lengths)))
+    for degree, bins in rounds:
+        assert len(bins) == group // degree and group % degree == 0
+        for b in bins:
+            assert len(b) == 1 or sum(lengths[i] for i in b) <= budget * degree
+            for i in b:  # the smallest degree that holds the row (or the full one for an over-long row)
+                smallest = next((d for d in (1, 2, 4) if lengths[i] <= budget * d), 4)
+                assert degree == smallest, (i, lengths[i], degree)
+    assert [d for d, _ in rounds] == sorted(d for d, _ in rounds)
+    # first-fit decreasing at each degree; a round's spare sub-groups idle
+    assert rounds == [(1, [[2, 8], [5, 7], [0, 4], []]), (2, [[3], []]), (4, [[9]]), (4, [[1]]), (4, [[6]])]

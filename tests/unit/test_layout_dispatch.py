@@ -62,6 +62,12 @@ def test_every_degree_has_its_place_in_the_rank_order():
     ({"actor_rollout_ref.actor.ring_sequence_parallel_size": 0},
      "actor_rollout_ref.actor.ring_sequence_parallel_size=0 must be an integer >= 1"),
     ({"actor_rollout_ref.ref.ring_sequence_parallel_size": 4}, "actor_rollout_ref.ref.ring_sequence_parallel_size=4"),
+    ({"actor_rollout_ref.actor.sequence_parallel_adaptive": True, "actor_rollout_ref.actor.use_dynamic_bsz": True},
+     "it needs ulysses_sequence_parallel_size > 1 (got 1)"),
+    ({"actor_rollout_ref.actor.sequence_parallel_adaptive": True,
+      "actor_rollout_ref.actor.ulysses_sequence_parallel_size": 2},
+     "actor has sequence_parallel_adaptive=true, which picks each micro-batch's Ulysses degree from its token "
+     "budget: set actor_rollout_ref.actor.use_dynamic_bsz=true"),
 ])
 def test_bad_degrees_are_named(overrides, needle):
     with pytest.raises(ValueError) as err:
@@ -78,6 +84,12 @@ def test_ring_may_span_nodes_and_the_reference_inherits_the_actor():
     own = validate_config(make(**{"actor_rollout_ref.actor.ring_sequence_parallel_size": 2,
                                   "actor_rollout_ref.ref.ring_sequence_parallel_size": 1}))
     assert own.actor.ring == 2 and own.ref.ring == 1 and "| ref dp=2" in own.describe()
+    adaptive = validate_config(make(**{"actor_rollout_ref.actor.sequence_parallel_adaptive": True,
+                                       "actor_rollout_ref.actor.ulysses_sequence_parallel_size": 2,
+                                       "actor_rollout_ref.actor.use_dynamic_bsz": True,
+                                       "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": True}))
+    assert adaptive.actor.ulysses_degrees == (1, 2) and adaptive.ref.adaptive
+    assert "ulysses=2 (adaptive)" in adaptive.describe()
 
 
 @pytest.mark.parametrize("overrides,needle", [
