@@ -1,6 +1,7 @@
 """Adaptive sequence parallelism: each micro-batch runs at the smallest Ulysses degree whose token
 budget holds it, the group's other ranks taking other micro-batches. Loss, gradients, the AdamW step
-and inferred logprobs must equal one rank's exactly, whatever mix of degrees the rows get.
+and inferred logprobs (the actor) and values, value loss and gradients (the critic) must equal one
+rank's exactly, whatever mix of degrees the rows get.
 
 The batch (test_fsdp_engine's rollout rows, 2..13 tokens) under a budget of 5 tokens per rank: rows
 of <= 5 tokens run at degree 1, <= 10 at degree 2, longer ones at 4 (or at the group's full degree).
@@ -9,16 +10,20 @@ of <= 5 tokens run at degree 1, <= 10 at degree 2, longer ones at 4 (or at the g
 from __future__ import annotations
 
 import pytest
+import test_fsdp_engine
 import torch
 import torch.distributed as dist
 from _launch import layout_dims, run_distributed
-from test_fsdp_engine import LOSS, P, _rel, model_and_batch, policy_engine  # noqa: F401  (fixture)
+from test_critic_exact import CLIP, _with_critic_fields, critic_engine
+from test_fsdp_engine import LOSS, P, _rel, policy_engine
 
 from rlsp.engine.micro import plan_micro_batches
 from rlsp.workers.actor_loss import make_actor_loss
+from rlsp.workers.critic_loss import make_critic_loss
 
 pytestmark = pytest.mark.distributed
 BUDGET = 5
+model_and_batch = test_fsdp_engine.model_and_batch  # the tiny model, its batch and the one-rank reference step
 
 
 def _adaptive_step(rank: int, world: int, model_path: str, ulysses: int, batch, budget: int):
@@ -58,3 +63,23 @@ def test_adaptive_degrees_keep_loss_gradients_step_and_logprobs_exact(model_and_
         torch.testing.assert_close(params[k], ref_params[k], rtol=0, atol=1e-6)
     shards = torch.cat([r[3] for r in results])  # dp shards in rank order
     assert float((shards - ref_lp).abs().max()) <= 1e-5
+
+
+def _critic_adaptive(rank: int, world: int, model_path: str, batch, adaptive: bool):
+    dims = layout_dims(ulysses=world, adaptive=adaptive) if adaptive else layout_dims()
+    engine = critic_engine(model_path, dims)
+    values = engine.infer(batch, P, 1, "values", BUDGET)
+    engine.optimizer.zero_grad(set_to_none=True)
+    metrics = engine.backward_batch(batch, P, 1, make_critic_loss(CLIP, float(batch["response_mask"].sum())), BUDGET)
+    grads = {k: v.clone() for k, v in engine.iter_full_grads()}
+    return (values, metrics, grads) if rank == 0 else None
+
+
+def test_adaptive_critic_matches_one_rank(model_and_batch):
+    path, batch, _ = model_and_batch
+    batch = _with_critic_fields(batch)
+    ref_values, ref_metrics, ref_grads = run_distributed(_critic_adaptive, 1, path, batch, False)[0]
+    values, metrics, grads = run_distributed(_critic_adaptive, 2, path, batch, True)[0]
+    assert float((values - ref_values).abs().max()) <= 1e-5 and float(ref_values.abs().max()) > 0
+    assert abs(metrics["critic/vf_loss"] - ref_metrics["critic/vf_loss"]) <= 1e-6
+    assert max(_rel(grads[k], ref_grads[k]) for k in grads) <= 1e-5
