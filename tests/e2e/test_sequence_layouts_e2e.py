@@ -6,8 +6,8 @@ first-step metrics: the same rewards, and the same losses, entropy and gradient 
 precision (the update is exact whatever the layout). The start-up self-check must pass for every
 sharded role.
 
-* GRPO on 4 workers, actor and reference at (ulysses 2, ring 2), and at TP 2 with sequence-parallel
-  activations x dp 2, vs dp=4;
+* GRPO on 4 workers, actor and reference at (ulysses 2, ring 2), at TP 2 with sequence-parallel
+  activations x dp 2, and at adaptive Ulysses 2 x dp 2 (token budgets), vs dp=4;
 * PPO, actor at ring 2 and the critic at ring 2 on 2 workers vs dp=2.
 """
 
@@ -58,9 +58,14 @@ def grpo_dp4(tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("degrees,shown", [
     ({"ulysses_sequence_parallel_size": 2, "ring_sequence_parallel_size": 2}, "dp=1 ulysses=2 ring=2 tp=1"),
-    ({"tensor_model_parallel_size": 2}, "dp=2 ulysses=1 ring=1 tp=2 (sequence-parallel activations)")])
+    ({"tensor_model_parallel_size": 2}, "dp=2 ulysses=1 ring=1 tp=2 (sequence-parallel activations)"),
+    # rows of <= 24 tokens at degree 1 (one rank each), longer ones over the pair
+    ({"ulysses_sequence_parallel_size": 2, "sequence_parallel_adaptive": True, "use_dynamic_bsz": True,
+      "ppo_max_token_len_per_gpu": 24}, "dp=2 ulysses=2 (adaptive) ring=1 tp=1")])
 def test_grpo_sequence_and_tensor_layouts_match_data_parallel(tmp_path, grpo_dp4, degrees, shown):
-    sharded, log = _first_step(tmp_path, "sharded", *FOUR, *(f"{ACTOR}{k}={v}" for k, v in degrees.items()))
+    extra = ("actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true", "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=24",
+             ) if "sequence_parallel_adaptive" in degrees else ()
+    sharded, log = _first_step(tmp_path, "sharded", *FOUR, *(f"{ACTOR}{k}={v}" for k, v in degrees.items()), *extra)
     assert "sp self-check passed (actor)" in log and shown in log
     _assert_same_step(sharded, grpo_dp4, CLOSE)
     # each rank's outputs cover a quarter (ulysses x ring) or half (tp with SP) of its dp shard's tokens
