@@ -15,6 +15,9 @@ Every policy loss shares::
 
     fn(logprobs, old_logprobs, advantages, mask, **loss_kwargs) -> (loss_tokens, metrics)
 
+Rollout-correction importance weights (``register_rollout_is``) and rejection criteria
+(``register_rollout_rs``) have registries of their own (rlsp/algos/rollout_is.py, rollout_rs.py).
+
 Estimators and losses register themselves from their own module; importing ``rlsp.algos`` imports
 all of them, so the registries are full whenever this module is reachable.
 """
@@ -106,6 +109,42 @@ def get_policy_loss(name: str) -> Callable[..., Any]:
 def list_policy_losses() -> list[str]:
     """Sorted names of all registered policy losses."""
     return sorted(_POLICY_LOSSES)
+
+
+_ROLLOUT_IS: dict[str, Callable[..., Any]] = {}
+_ROLLOUT_RS: dict[str, Callable[..., Any]] = {}
+
+
+def register_rollout_is(name: str) -> Callable[[F], F]:
+    """Decorator registering an importance-weight level (``algorithm.rollout_correction.rollout_is``)::
+
+        fn(log_ratio_BR, mask_BR) -> (log_weight_BR, log_ratio_for_metrics)
+    """
+    return _register(_ROLLOUT_IS, "rollout_is level", name)
+
+
+def get_rollout_is(name: str) -> Callable[..., Any]:
+    return _lookup(_ROLLOUT_IS, "rollout_is level", name)
+
+
+def list_rollout_is() -> list[str]:
+    return sorted(_ROLLOUT_IS)
+
+
+def register_rollout_rs(name: str, fn: Callable[..., Any]) -> None:
+    """Register a rejection criterion (``algorithm.rollout_correction.rollout_rs``)::
+
+        fn(log_ratio_BR, mask_BR, lower, upper) -> (keep_BR bool, statistic)
+    """
+    _register(_ROLLOUT_RS, "rollout_rs option", name)(fn)
+
+
+def get_rollout_rs(name: str) -> Callable[..., Any]:
+    return _lookup(_ROLLOUT_RS, "rollout_rs option", name)
+
+
+def list_rollout_rs() -> list[str]:
+    return sorted(_ROLLOUT_RS)
 
 
 def check_unused_defaults(estimator: str, **given: Any) -> None:

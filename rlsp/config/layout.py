@@ -157,6 +157,7 @@ class ParallelLayout:
     ref: RoleLayout
     critic: RoleLayout | None = None
     critic_colocated: bool = True
+    rollout: World | None = None  # a rollout pool of its own (async training); None: engines on the policy workers
 
     # Shorthands for the policy pool and the actor's split (the ones every run has).
     @property
@@ -171,7 +172,8 @@ class ParallelLayout:
     def total_workers(self) -> int:
         """Worker processes the run starts: the policy pool plus a separate critic pool, if any."""
         separate = self.critic is not None and not self.critic_colocated
-        return self.world_size + (self.critic.world_size if separate else 0)
+        pool = self.rollout.world_size if self.rollout is not None else 0
+        return self.world_size + (self.critic.world_size if separate else 0) + pool
 
     @property
     def has_critic(self) -> bool:
@@ -186,18 +188,23 @@ class ParallelLayout:
         if name in ("actor", "ref"):
             return getattr(self, name)
         if name == "rollout":
-            return RoleLayout(self.policy)
+            return RoleLayout(self.rollout or self.policy)
         raise ValueError(f"unknown role {name!r}; legal roles: actor, ref, rollout, critic")
 
     def world_of(self, group: str) -> World:
-        """The pool of a worker group: 'policy' or 'critic' (separate pool only)."""
+        """The pool of a worker group: 'policy', 'critic' or 'rollout' (separate pools only)."""
+        if group == "rollout" and self.rollout is not None:
+            return self.rollout
         return self.policy if group == "policy" else self.role("critic").world
 
     def roles_of(self, group: str) -> tuple[str, ...]:
-        """Roles hosted by a worker group: 'policy' (always) or 'critic' (separate pool only)."""
+        """Roles hosted by a worker group: 'policy' (always), 'critic' or 'rollout' (separate pools only)."""
         if group == "policy":
             colocated = ("critic",) if self.has_critic and self.critic_colocated else ()
-            return ("actor", "ref", "rollout", *colocated)
+            engines = ("rollout",) if self.rollout is None else ()
+            return ("actor", "ref", *engines, *colocated)
+        if group == "rollout" and self.rollout is not None:
+            return ("rollout",)
         if group == "critic" and self.has_critic and not self.critic_colocated:
             return ("critic",)
         raise ValueError(f"no worker group {group!r} in this layout")
@@ -216,4 +223,6 @@ class ParallelLayout:
             c = self.critic.world
             where = "colocated" if self.critic_colocated else f"own pool {c.nnodes}x{c.procs_per_node}"
             text += f" | critic {where} {self.critic.describe()}"
+        if self.rollout is not None:
+            text += f" | rollout own pool {self.rollout.nnodes}x{self.rollout.procs_per_node}"
         return text

@@ -177,6 +177,17 @@ class KLControlConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """Off-policy correction between the rollout engine's logprobs and the trainer's (verl's keys; docs/async.md)."""
+
+    rollout_is: str | None = None  # importance weights pi_old / pi_rollout: null | token | sequence
+    rollout_is_threshold: float = 2.0  # truncate the weights above this
+    rollout_is_batch_normalize: bool = False  # divide the truncated weights by their batch mean
+    rollout_rs: str | None = None  # rejection: null or comma-separated token_k1..k3, seq_sum_k1..k3, seq_mean_k1..k3, seq_max_k2/k3
+    rollout_rs_threshold: Any = None  # per option: an upper bound, or "lower_upper" ratio bounds for *_k1
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     norm_adv_by_std_in_grpo: bool = True
@@ -185,6 +196,27 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False  # subtract kl_ctrl.kl_coef * KL(actor || ref) from the token rewards
     kl_penalty: str = "kl"  # estimator of that KL: kl | abs | mse | low_var_kl
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+
+
+@dataclass
+class AsyncTrainingConfig:
+    """Generation on a rollout pool of its own, overlapped with training (verl's keys; docs/async.md)."""
+
+    staleness_threshold: float = 0.0  # 0: synchronous; s > 0: floor(s * trigger_parameter_sync_step) batches generated ahead
+    trigger_parameter_sync_step: int = 1  # trainer updates between weight syncs to the rollout pool
+    require_batches: int = 1  # ppo mini-batches per trainer step (x ppo_mini_batch_size = data.train_batch_size)
+    partial_rollout: bool = False  # interrupt generation at a sync and continue it with new weights: refused (not built)
+    use_rollout_log_probs: bool = False  # true: the rollout engine's logprobs are the behaviour policy of the loss
+    compute_prox_log_prob: bool = False  # with use_rollout_log_probs: recompute the proximal policy (decoupled PPO)
+
+
+@dataclass
+class RolloutPoolConfig:
+    """Workers that only generate, each with its own engine (verl's `rollout.*`); 0 = on the policy workers."""
+
+    nnodes: int = 1
+    n_gpus_per_node: int = 0  # > 0: a rollout pool of nnodes x n_gpus_per_node workers (needs async_training)
 
 
 @dataclass
@@ -234,3 +266,5 @@ class RLSPConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    rollout: RolloutPoolConfig = field(default_factory=RolloutPoolConfig)
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)

@@ -12,6 +12,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from rlsp.config.layout import CRITIC_ESTIMATORS, ParallelLayout, RoleLayout, World
+from rlsp.config.validate_async import check_async, check_off_policy
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # KL estimators for the in-reward penalty (names as verl's algorithm.kl_penalty).
@@ -295,6 +296,8 @@ def validate_config(cfg: Any) -> ParallelLayout:
     _check_algorithm(cfg, errors)
     _check_choices(cfg, errors)
     _check_ranges(cfg, errors)
+    check_off_policy(cfg, errors)
+    layout = check_async(cfg, layout, errors)
     if errors:
         raise ValueError("invalid rlsp config:\n  - " + "\n  - ".join(errors))
     assert layout is not None

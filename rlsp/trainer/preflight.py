@@ -18,6 +18,7 @@ from rlsp.parallel.tensor_parallel import check_tp_support
 from rlsp.rewards.loader import load_custom_reward_fn
 from rlsp.rollout.support import check_rollout_support
 from rlsp.trainer.assets import resolve_data_files, resolve_model_path
+from rlsp.trainer.off_policy import check_rollout_correction_names
 from rlsp.utils.device import resolve_device_type
 from rlsp.utils.logging import get_logger
 
@@ -38,6 +39,7 @@ def _check_names(cfg: DictConfig, errors: list[str]) -> None:
             errors.append(f"{key}={val!r} is unknown; legal values: {legal}")
     if cfg.algorithm.adv_estimator in list_adv_estimators():
         _check_estimator_settings(cfg, errors)
+    check_rollout_correction_names(cfg, errors)
 
 
 def _check_estimator_settings(cfg: DictConfig, errors: list[str]) -> None:

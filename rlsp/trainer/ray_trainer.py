@@ -29,6 +29,7 @@ from rlsp.engine.fsdp_engine import assert_sp_matches
 from rlsp.trainer.batch_metrics import check_finite, compute_batch_metrics
 from rlsp.trainer.checkpoint import CheckpointWriter, TrainerState, latest_checkpoint, read_metrics_lines
 from rlsp.trainer.metrics import MetricsLogger
+from rlsp.trainer.off_policy import apply_rollout_correction, rollout_correction_settings, uses_rollout_logprobs
 from rlsp.trainer.progress import RunProgress
 from rlsp.trainer.scoring import Scorer
 from rlsp.trainer.stopping import Terminated
@@ -83,6 +84,7 @@ class RayTrainer:
         self.metrics = MetricsLogger(self.run_dir, list(cfg.trainer.logger))
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = build_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
+        self.correction = rollout_correction_settings(cfg)
         self.wg: RayWorkerGroup | None = None
         self.critic_wg: RayWorkerGroup | None = None
         self.start_step = 1
@@ -169,7 +171,8 @@ class RayTrainer:
         the actor's own forward in the update, so the separate pass is skipped (as TRL does)."""
         a, cfg = self.cfg.actor_rollout_ref.actor, self.cfg
         return bool(a.reuse_update_logprobs and a.ppo_epochs == 1 and a.ppo_mini_batch_size == cfg.data.train_batch_size
-                    and not cfg.algorithm.use_kl_in_reward and step > cfg.trainer.critic_warmup)
+                    and not cfg.algorithm.use_kl_in_reward and step > cfg.trainer.critic_warmup
+                    and not self.correction.enabled)  # the correction needs them on the driver
 
     def _rewards(self, batch: Batch) -> dict[str, float]:
         """token_level_rewards = scores, minus beta * KL(old || ref) per token with use_kl_in_reward."""
@@ -207,7 +210,9 @@ class RayTrainer:
         with timed("timing/reward_s", timing):
             scores = self.scorer.score_rows(batch)
         metrics["reward/errors"] = float(self.scorer.last_errors)
-        if not self._reuses_update_logprobs(step):
+        if uses_rollout_logprobs(self.cfg):  # the engine's logprobs are the behaviour policy of the loss
+            batch.set("old_logprobs", batch["rollout_logprobs"])
+        elif not self._reuses_update_logprobs(step):
             with timed("timing/old_logprob_s", timing):
                 batch.update(self.wg.call("actor", "compute_log_prob", batch))
         if needs_reference(self.cfg):
@@ -223,8 +228,10 @@ class RayTrainer:
             with timed("timing/update_critic_s", timing):
                 metrics.update(self.critic_wg.call("critic", "update_critic", batch)[0])
         if step > self.cfg.trainer.critic_warmup:
+            actor_batch, corrected = apply_rollout_correction(batch, self.correction)
+            metrics.update(corrected)
             with timed("timing/update_actor_s", timing):
-                metrics.update(self.wg.call("actor", "update_actor", batch)[0])
+                metrics.update(self.wg.call("actor", "update_actor", actor_batch)[0])
             with timed("timing/weight_sync_s", timing):
                 self.wg.call_worker("sync_weights")
         timing["timing/step_s"] = time.perf_counter() - t0

@@ -44,6 +44,8 @@ def make_actor_loss(cfg: ActorLossConfig, global_tokens: float) -> LossFn:
             logprobs_S, old_S, adv_S, mask_S,
             clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
         )
+        if "rollout_is_weights" in micro.rows:  # off-policy correction (algorithm.rollout_correction.rollout_is)
+            pg_tokens = pg_tokens * micro.response_local("rollout_is_weights").to(logprobs_S.device)
         pg_loss = aggregate_token_mean(pg_tokens, mask_S, global_tokens)
         loss = pg_loss
         metrics = {"actor/pg_loss": pg_loss.detach()}
