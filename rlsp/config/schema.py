@@ -31,10 +31,18 @@ class DataConfig:
 
 
 @dataclass
+class TiledMLPConfig:
+    enabled: bool = False  # each layer's MLP runs over sequence tiles: its [tokens, intermediate] activations exist one tile at a time; +1 MLP forward per layer in backward; not with tp > 1
+    num_shards: int = 4  # tiles per MLP call (>= 1)
+
+
+@dataclass
 class ModelConfig:
     path: str = TINY_MODEL
     dtype: str = "float32"  # parameter/compute dtype of the trainer: float32 | bfloat16
     enable_gradient_checkpointing: bool = False
+    enable_activation_offload: bool = False  # saved activations (checkpointed layer inputs) wait in pinned host memory for backward; needs enable_gradient_checkpointing; no effect on cpu
+    tiled_mlp: TiledMLPConfig = field(default_factory=TiledMLPConfig)
 
 
 @dataclass
@@ -134,6 +142,8 @@ class CriticModelConfig:
     path: str | None = None  # None = initialise from the actor's checkpoint (actor_rollout_ref.model.path)
     dtype: str | None = None  # compute dtype; None = actor_rollout_ref.model.dtype (master weights stay fp32)
     enable_gradient_checkpointing: bool = False
+    enable_activation_offload: bool = False  # as actor_rollout_ref.model.enable_activation_offload, for the critic
+    tiled_mlp: TiledMLPConfig = field(default_factory=TiledMLPConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 

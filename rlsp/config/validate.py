@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlsp.config.layout import CRITIC_ESTIMATORS, ParallelLayout, RoleLayout, World
 from rlsp.config.validate_async import check_async, check_off_policy
+from rlsp.config.validate_memory import check_memory_options
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # KL estimators for the in-reward penalty (names as verl's algorithm.kl_penalty).
@@ -293,6 +294,7 @@ def validate_config(cfg: Any) -> ParallelLayout:
         _check_adaptive(cfg, layout, errors)
         _check_batches(cfg, layout, errors)
         _check_critic(cfg, layout, errors)
+        check_memory_options(cfg, layout, errors)
     _check_algorithm(cfg, errors)
     _check_choices(cfg, errors)
     _check_ranges(cfg, errors)

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from rlsp.data.batch import Batch
 from rlsp.engine.micro import MicroBatch, MicroPlan, plan_micro_batches, plan_rows, prepare_micro_batch
+from rlsp.engine.offload import ActivationOffload
 from rlsp.engine.optim import OptimSettings, build_optimizer
 from rlsp.engine.parallelize import parallelize
 from rlsp.engine.reference import meta_skeleton, run_skeleton
@@ -61,7 +62,8 @@ class FSDPEngine:
     """`module` is an unsharded head model (on `device`, master dtype); the engine shards it in place."""
 
     def __init__(self, module: nn.Module, dims: ParallelDims, device: torch.device, *,
-                 compute_dtype: torch.dtype = torch.float32, optim: OptimSettings | None = None) -> None:
+                 compute_dtype: torch.dtype = torch.float32, optim: OptimSettings | None = None,
+                 activation_offload: bool = False) -> None:
         self.dims, self.device, self.compute_dtype = dims, device, compute_dtype
         config = module.decoder.config
         self.config = config
@@ -77,6 +79,7 @@ class FSDPEngine:
             apply_tensor_parallel(module, dims.tp_mesh, layout.sequence_parallel)
         self.module = parallelize(module, dims, compute_dtype)
         self.optim = optim
+        self.offload = ActivationOffload(activation_offload, self.module, device)  # rlsp.engine.offload
         if optim is None:
             self.module.requires_grad_(False)
             self.optimizer, self.scheduler = None, None
@@ -195,7 +198,8 @@ class FSDPEngine:
         for plan, rows in self._micro_batches(batch, micro_size, max_tokens):
             t0 = time.perf_counter()
             micro = self.prepare(rows, prompt_len, plan.degree)
-            loss, metrics = loss_fn(self.forward(micro, **head_kwargs), micro)
+            with self.offload():  # the forward only: backward's recomputations keep their tensors
+                loss, metrics = loss_fn(self.forward(micro, **head_kwargs), micro)
             t1 = time.perf_counter()
             loss.backward()
             timing["time_forward_s_max"] += t1 - t0

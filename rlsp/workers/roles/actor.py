@@ -12,6 +12,7 @@ from rlsp.engine.checkpoint import load_engine, save_engine
 from rlsp.engine.fsdp_engine import FSDPEngine
 from rlsp.models.lm import TokenLogprobModel
 from rlsp.models.loading import load_causal_lm
+from rlsp.models.tiled_mlp import apply_tiled_mlp
 from rlsp.utils.dtypes import resolve_dtype
 from rlsp.workers.actor_loss import ActorLossConfig, make_actor_loss
 from rlsp.workers.context import RoleContext
@@ -27,10 +28,13 @@ def build_policy_engine(ctx: RoleContext, trainable: bool) -> FSDPEngine:
     lm = load_causal_lm(arr.model.path, dtype=torch.float32 if trainable else compute)
     if trainable and arr.model.enable_gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if arr.model.tiled_mlp.enabled:  # before TP/FSDP; parameter names stay the same
+        apply_tiled_mlp(lm.model, arr.model.tiled_mlp.num_shards)
     module = TokenLogprobModel(lm.to(ctx.device), chunk_size=arr.actor.logprob_chunk_size)
     optim = optim_settings(arr.actor.optim) if trainable else None
     return FSDPEngine(module, ctx.dims("actor" if trainable else "ref"), ctx.device,
-                      compute_dtype=compute, optim=optim)
+                      compute_dtype=compute, optim=optim,
+                      activation_offload=trainable and arr.model.enable_activation_offload)
 
 
 class ActorRole:

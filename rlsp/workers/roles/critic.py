@@ -14,6 +14,7 @@ from rlsp.data.batch import Batch
 from rlsp.engine.checkpoint import load_engine, save_engine
 from rlsp.engine.fsdp_engine import FSDPEngine
 from rlsp.models.loading import load_backbone
+from rlsp.models.tiled_mlp import apply_tiled_mlp
 from rlsp.models.value import ValueModel
 from rlsp.utils.dtypes import resolve_dtype
 from rlsp.workers.context import RoleContext
@@ -29,11 +30,13 @@ def build_critic_engine(ctx: RoleContext) -> FSDPEngine:
     backbone = load_backbone(c.model.path or arr.model.path, dtype=torch.float32)
     if c.model.enable_gradient_checkpointing:
         backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if c.model.tiled_mlp.enabled:  # before TP/FSDP; parameter names stay the same
+        apply_tiled_mlp(backbone, c.model.tiled_mlp.num_shards)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(ctx.cfg.trainer.seed)  # the same value head on every rank, whatever ran before
         module = ValueModel(backbone)
     return FSDPEngine(module.to(ctx.device), ctx.dims("critic"), ctx.device, compute_dtype=compute,
-                      optim=optim_settings(c.optim))
+                      optim=optim_settings(c.optim), activation_offload=c.model.enable_activation_offload)
 
 
 class CriticRole:
