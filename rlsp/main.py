@@ -26,6 +26,7 @@ The terminal shows rlsp's own lines, a progress bar and a closing summary; every
 from __future__ import annotations
 
 import os
+import secrets
 import time
 
 # Ray reads this when it is imported. Off, a Ray that rlsp starts itself takes 127.0.0.1 as its node
@@ -64,6 +65,16 @@ def ray_address(setting: str | None) -> str | None:
     return setting
 
 
+def private_auth_token() -> None:
+    """A Ray started here authenticates every client with a token. Left to itself it writes a new one to
+    ~/.ray/auth_token with the umask's mode (0644: readable by every local user), where it stays after the
+    run. Unless a token or mode is configured (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, RAY_AUTH_MODE), this
+    run makes its own and passes it in the environment, which the Ray processes it starts inherit and only
+    this user can read (/proc/<pid>/environ is 0400): nothing is written to disk."""
+    if not any(key in os.environ for key in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE")):
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+
+
 def _init_ray(cfg: DictConfig, world_size: int) -> bool:
     """Start or join Ray (see the module docstring); False if this process was already connected."""
     import ray
@@ -75,6 +86,7 @@ def _init_ray(cfg: DictConfig, world_size: int) -> bool:
         if os.environ.get("RAY_ADDRESS"):
             log.info("RAY_ADDRESS=%s is ignored: trainer.ray_address is unset, so this run starts a private "
                      "local Ray (trainer.ray_address=auto joins that cluster)", os.environ["RAY_ADDRESS"])
+        private_auth_token()
         # address="local" makes Ray start a new instance even if it could find another one.
         # No pre-started idle workers: each rlsp worker carries its own runtime env (rank, threads), so
         # Ray could never hand one of them out; they only took CPU while the real workers imported torch.

@@ -1,0 +1,41 @@
+"""The private local Ray a run starts keeps its authentication token off the disk: Ray would otherwise
+write ~/.ray/auth_token with mode 0644 (readable by every local user) and leave it there.
+
+A driver with its own empty HOME starts the private Ray the way `rlsp.main` does, runs a task on a worker
+(which must authenticate with the same token), and stops; HOME must still be free of `.ray`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+DRIVER = """
+import os, ray
+from omegaconf import OmegaConf
+from rlsp.config.schema import RLSPConfig
+from rlsp.main import _init_ray
+assert _init_ray(OmegaConf.structured(RLSPConfig), 1)
+assert len(os.environ["RAY_AUTH_TOKEN"]) == 64
+print("task:", ray.get(ray.remote(lambda: 41 + 1).remote()))
+ray.shutdown()
+"""
+
+
+def test_private_ray_writes_no_token_into_home(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH", "RAY_ADDRESS"))}
+    env["HOME"] = str(home)
+    proc = subprocess.run([sys.executable, "-c", DRIVER], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "task: 42" in proc.stdout
+    written = [os.path.join(d, f) for d, _, files in os.walk(home) for f in files]
+    assert not (home / ".ray").exists(), f"Ray wrote into HOME: {written}"
