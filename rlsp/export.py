@@ -1,7 +1,9 @@
 """`python -m rlsp.export <checkpoint_dir> <out_dir>`: a Hugging Face model from any rlsp checkpoint.
 
 <checkpoint_dir> is a `global_step_<N>` directory (or a run directory: its latest checkpoint is used).
-The result loads with transformers' `from_pretrained` and with vLLM.
+The result loads with transformers' `from_pretrained` and with vLLM. For a LoRA run
+(`actor_rollout_ref.model.lora_rank > 0`) it is the merged model, and `<out_dir>/lora_adapter/` holds
+the PEFT adapter (load it with `PeftModel.from_pretrained(base, <out_dir>/lora_adapter)`).
 """
 
 from __future__ import annotations

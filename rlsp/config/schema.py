@@ -43,6 +43,12 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = False
     enable_activation_offload: bool = False  # saved activations (checkpointed layer inputs) wait in pinned host memory for backward; needs enable_gradient_checkpointing; no effect on cpu
     tiled_mlp: TiledMLPConfig = field(default_factory=TiledMLPConfig)
+    # LoRA on the actor (peft): the base stays frozen, the reference is the base itself (adapters off).
+    lora_rank: int = 0  # > 0: train rank-r LoRA adapters only (peft); 0 = full fine-tuning
+    lora_alpha: float = 16  # adapter scale = lora_alpha / lora_rank
+    target_modules: Any = "all-linear"  # "all-linear" or a list of linear-layer names (e.g. [q_proj, v_proj])
+    exclude_modules: Any = None  # None, or layer names (a list) / a regex (a string) to leave unadapted
+    lora_adapter_path: str | None = None  # start from a saved PEFT adapter (its config sets rank and targets)
 
 
 @dataclass
@@ -127,6 +133,8 @@ class RolloutConfig:
     log_prob_max_token_len_per_gpu: int = 16384
     val_temperature: float = 0.0  # greedy validation
     ignore_eos: bool = False  # sample max_response_length tokens even past EOS (fixed-length benchmarks; vllm only)
+    load_format: str = "auto"  # vLLM's first weights: auto | safetensors (read model.path) | dummy (random; synced from the actor before generating)
+    layered_summon: bool = True  # weight sync gathers one parameter at a time (finer than per layer); false (whole-model gather) is refused
 
 
 @dataclass

@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlsp.config.layout import CRITIC_ESTIMATORS, ParallelLayout, RoleLayout, World
 from rlsp.config.validate_async import check_async, check_off_policy
+from rlsp.config.validate_lora import check_lora, check_rollout_loading
 from rlsp.config.validate_memory import check_memory_options
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -300,6 +301,8 @@ def validate_config(cfg: Any) -> ParallelLayout:
     _check_ranges(cfg, errors)
     check_off_policy(cfg, errors)
     layout = check_async(cfg, layout, errors)
+    check_lora(cfg, layout, errors)
+    check_rollout_loading(cfg, errors)
     if errors:
         raise ValueError("invalid rlsp config:\n  - " + "\n  - ".join(errors))
     assert layout is not None

@@ -30,11 +30,16 @@ def load_engine(engine: FSDPEngine, path: str) -> None:
     engine.load_state_dict(state)
 
 
-def load_model_offline(module: nn.Module, path: str) -> None:
+def load_model_offline(module: nn.Module, path: str, trainable_only: bool = False) -> None:
     """Fill an unsharded `module` (same class as the engine's) with the checkpoint's model weights,
-    in this process only (no process group needed)."""
-    template: dict[str, Any] = {"model": module.state_dict()}
+    in this process only (no process group needed). `trainable_only`: the checkpoint holds only the
+    parameters of `module` that require grad (LoRA adapters; the frozen base is the module's own)."""
+    state = module.state_dict()
+    if trainable_only:
+        trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+        state = {k: v for k, v in state.items() if k in trainable}
+    template: dict[str, Any] = {"model": state}
     with warnings.catch_warnings():  # single-process loading is the point here, not an accident
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(template, checkpoint_id=path, no_dist=True)
-    module.load_state_dict(template["model"], strict=True)
+    module.load_state_dict(template["model"], strict=not trainable_only)

@@ -1,5 +1,10 @@
 """Export the actor of a checkpoint as a Hugging Face model directory (weights, config, tokenizer).
 
+A LoRA checkpoint (adapters only, see FSDPEngine.state_dict) is rebuilt on the base model its
+adapter config names: the export then holds the merged model (base + scale * B @ A, a plain HF model)
+and, under `lora_adapter/`, the PEFT adapter itself (adapter_config.json + adapter_model.safetensors,
+loadable with `PeftModel.from_pretrained` on the base).
+
 Runs in one process without a process group: the sharded DCP state is read once into an unsharded
 model, so full weights exist on this process only. The end-of-run export (`actor_hf/`) uses this
 same code on the run's last checkpoint. CLI: `python -m rlsp.export <checkpoint_dir> <out_dir>`.
@@ -11,10 +16,13 @@ import os
 import shutil
 
 import torch
+from peft import PeftConfig
+from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlsp.engine.checkpoint import load_model_offline
 from rlsp.models.lm import TokenLogprobModel
+from rlsp.models.lora import LORA_ADAPTER_DIR, apply_saved_lora_config
 
 
 def export_hf(ckpt_dir: str, out_dir: str) -> str:
@@ -24,16 +32,10 @@ def export_hf(ckpt_dir: str, out_dir: str) -> str:
     if not os.path.exists(os.path.join(actor, ".metadata")) or not os.path.isdir(assets):
         raise ValueError(f"{ckpt_dir!r} holds no actor checkpoint (expected {actor}/.metadata and {assets}/); "
                          "pass a global_step_<N> directory written by rlsp")
-    config = AutoConfig.from_pretrained(assets)
-    with torch.device("meta"):
-        lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    lm = lm.to_empty(device="cpu")
-    if getattr(config, "tie_word_embeddings", False):
-        lm.tie_weights()
-    module = TokenLogprobModel(lm)
-    load_model_offline(module, actor)
     staging = f"{out_dir.rstrip(os.sep)}.tmp-export"
     shutil.rmtree(staging, ignore_errors=True)
+    adapter = os.path.join(assets, LORA_ADAPTER_DIR)
+    lm = _merged_lora(actor, adapter, staging) if os.path.isdir(adapter) else _full_model(actor, assets)
     lm.save_pretrained(staging, safe_serialization=True)
     for name in os.listdir(assets):  # tokenizer and generation config, as the checkpoint recorded them
         if name not in ("config.json",) and not os.path.exists(os.path.join(staging, name)):
@@ -43,3 +45,29 @@ def export_hf(ckpt_dir: str, out_dir: str) -> str:
         shutil.rmtree(out_dir)
     os.rename(staging, out_dir)
     return out_dir
+
+
+def _full_model(actor: str, assets: str) -> nn.Module:
+    """The causal LM with every weight from the checkpoint (full fine-tuning)."""
+    config = AutoConfig.from_pretrained(assets)
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    lm = lm.to_empty(device="cpu")
+    if getattr(config, "tie_word_embeddings", False):
+        lm.tie_weights()
+    load_model_offline(TokenLogprobModel(lm), actor)
+    return lm
+
+
+def _merged_lora(actor: str, adapter_dir: str, staging: str) -> nn.Module:
+    """A LoRA checkpoint: the base its adapter_config.json names, with the checkpoint's adapters. Writes
+    the PEFT adapter to <staging>/lora_adapter and returns the merged model (W + scale * B @ A)."""
+    base_path = PeftConfig.from_pretrained(adapter_dir).base_model_name_or_path
+    if not base_path or not os.path.isdir(base_path):
+        raise ValueError(f"the LoRA checkpoint's base model {base_path!r} (adapter_config.json in {adapter_dir}) is "
+                         "not a directory here; the adapter needs the base it was trained on")
+    lm = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    adapters = apply_saved_lora_config(lm, adapter_dir)
+    load_model_offline(TokenLogprobModel(lm), actor, trainable_only=True)
+    adapters.peft_model.save_pretrained(os.path.join(staging, LORA_ADAPTER_DIR))
+    return adapters.peft_model.merge_and_unload()

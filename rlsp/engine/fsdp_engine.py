@@ -12,7 +12,8 @@ function receives whatever the head produced (a dict of this rank's per-token te
 the micro-batch.
 
 `state_dict()` / `load_state_dict()` cover model, optimizer and LR schedule (sharded tensors, as
-torch.distributed.checkpoint saves them).
+torch.distributed.checkpoint saves them); a partly frozen model (LoRA adapters on a frozen base)
+contributes only its trainable parameters.
 
 Legend: B rows, P prompt width, R response width, T packed stream, S a rank's local tokens.
 """
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -242,9 +244,21 @@ class FSDPEngine:
         return out
 
     # ----------------------------------------------------------------- state (checkpoints)
+    def _trainable_only(self) -> set[str] | None:
+        """Names of the trainable parameters when a trainable engine also holds frozen ones (LoRA
+        adapters on a base), else None. Such an engine checkpoints only what training changes: the
+        frozen weights are those it was built from (the model path)."""
+        if self.optimizer is None:
+            return None
+        trainable = {n for n, p in self.module.named_parameters() if p.requires_grad}
+        return trainable if len(trainable) < len(list(self.module.parameters())) else None
+
     def state_dict(self) -> dict[str, Any]:
         """Model, optimizer and LR-schedule state; model/optimizer tensors stay sharded (DTensors)."""
-        state: dict[str, Any] = {"model": get_model_state_dict(self.module)}
+        model = get_model_state_dict(self.module)
+        if (trainable := self._trainable_only()) is not None:
+            model = {k: v for k, v in model.items() if k in trainable}
+        state: dict[str, Any] = {"model": model}
         if self.optimizer is not None:
             state["optimizer"] = get_optimizer_state_dict(self.module, self.optimizer)
             state["scheduler"] = self.scheduler.state_dict()
@@ -252,7 +266,8 @@ class FSDPEngine:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict()` returned; the optimizer keeps (does not copy) the given tensors."""
-        set_model_state_dict(self.module, state["model"])
+        set_model_state_dict(self.module, state["model"],
+                             options=StateDictOptions(strict=self._trainable_only() is None))
         if self.optimizer is not None:
             missing = sorted({"optimizer", "scheduler"} - set(state))
             if missing:

@@ -1,4 +1,4 @@
-"""Optimizer and learning-rate schedule of a trainable engine (AdamW, linear warm-up then constant)."""
+"""Optimizer and learning-rate schedule of a trainable engine (AdamW over the trainable parameters, linear warm-up then constant)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,12 @@ class OptimSettings:
 
 
 def build_optimizer(module: nn.Module, s: OptimSettings) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    optimizer = torch.optim.AdamW(module.parameters(), lr=s.lr, betas=tuple(s.betas), weight_decay=s.weight_decay)
+    """AdamW over the parameters that require grad (all of them, or only LoRA adapters: frozen base
+    weights get no optimizer state)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError(f"{type(module).__name__} has no trainable parameters to optimise")
+    optimizer = torch.optim.AdamW(params, lr=s.lr, betas=tuple(s.betas), weight_decay=s.weight_decay)
     warmup = max(1, s.warmup_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
     return optimizer, scheduler

@@ -1,8 +1,9 @@
 """Worker: one process per device, assembled from the roles placed on it.
 
 A plain class (no ray import): the controller wraps it as a Ray actor, tests drive it directly. The
-policy group's workers host actor + rollout (+ reference when a KL term needs it, + critic when it
-is colocated: verl's hybrid layout, every role sharing the device); a separate critic pool's workers
+policy group's workers host actor + rollout (+ reference when a KL term needs it — with LoRA the
+actor's base, adapters off, on the actor's engine —, + critic when it is colocated: verl's hybrid
+layout, every role sharing the device); a separate critic pool's workers
 host the critic only. Role methods are reached through `execute(role, method, ...)`; each declares
 its dispatch contract where it is defined (see rlsp/workers/dispatch.py).
 """
@@ -116,7 +117,11 @@ class Worker:
         seed_everything(self.cfg.trainer.seed)
         for role in ("actor", "ref", "critic"):
             if role in self.placed:
-                self.roles[role] = ROLE_CLASSES[role](ctx)
+                # The reference gets the actor: with LoRA it is the actor's base (adapters off), no engine of its own.
+                extra = (self.roles.get("actor"),) if role == "ref" else ()
+                self.roles[role] = ROLE_CLASSES[role](ctx, *extra)
+        if "rollout" in self.roles and "actor" in self.roles and self._rollout_starts_stale():
+            self.sync_weights()
         log.info("worker ready in %.1fs (roles %s)", time.perf_counter() - t0, ", ".join(self.roles))
         return {"rank": self.rank, "roles": list(self.roles), "init_s": time.perf_counter() - t0,
                 "torch_threads": torch.get_num_threads()}
@@ -128,12 +133,19 @@ class Worker:
             raise ValueError(f"role {role!r} is not placed on this {self.group} worker; it has {sorted(self.roles)}")
         return getattr(self.roles[role], method)(*args)
 
+    def _rollout_starts_stale(self) -> bool:
+        """The rollout engine starts from model.path's weights (random ones with load_format=dummy); the
+        actor differs from those when it continues from a saved LoRA adapter."""
+        arr = self.cfg.actor_rollout_ref
+        return arr.rollout.load_format == "dummy" or bool(arr.model.lora_adapter_path)
+
     @register(Dispatch.ALL)
     def sync_weights(self) -> dict[str, float]:
-        """Push the actor's full weights into this rank's rollout engine, parameter by parameter."""
+        """Push the actor's full weights into this rank's rollout engine, parameter by parameter (with
+        LoRA: merged into the base weights, under their base names)."""
         t0 = time.perf_counter()
         dtype = resolve_dtype(self.cfg.actor_rollout_ref.rollout.dtype)
-        self.roles["rollout"].load_weights(self.roles["actor"].engine.iter_full_params(dtype))
+        self.roles["rollout"].load_weights(self.roles["actor"].rollout_weights(dtype))
         return {"timing/weight_sync_s": time.perf_counter() - t0}
 
     @register(Dispatch.ALL)

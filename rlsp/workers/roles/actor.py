@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
+from rlsp.config.validate_lora import lora_enabled
 from rlsp.data.batch import Batch
 from rlsp.engine.checkpoint import load_engine, save_engine
 from rlsp.engine.fsdp_engine import FSDPEngine
 from rlsp.models.lm import TokenLogprobModel
 from rlsp.models.loading import load_causal_lm
+from rlsp.models.lora import LORA_ADAPTER_DIR, LoraAdapters, LoraSettings, apply_lora
 from rlsp.models.tiled_mlp import apply_tiled_mlp
 from rlsp.utils.dtypes import resolve_dtype
 from rlsp.workers.actor_loss import ActorLossConfig, make_actor_loss
@@ -21,26 +26,53 @@ from rlsp.workers.ppo_loop import global_token_count, run_ppo_epochs
 from rlsp.workers.roles.common import batch_temperature, optim_settings, role_metrics, token_budget
 
 
-def build_policy_engine(ctx: RoleContext, trainable: bool) -> FSDPEngine:
-    """The policy model on this rank: fp32 master weights when trainable, compute dtype from model.dtype."""
+def lora_settings(model: Any) -> LoraSettings | None:
+    """The LoRA adapters `actor_rollout_ref.model` asks for, or None (full fine-tuning)."""
+    if not lora_enabled(model):
+        return None
+    def names(v: Any) -> Any:
+        return v if v is None or isinstance(v, str) else tuple(v)
+    return LoraSettings(rank=int(model.lora_rank), alpha=float(model.lora_alpha), target_modules=names(model.target_modules),
+                        exclude_modules=names(model.exclude_modules), adapter_path=model.lora_adapter_path)
+
+
+def build_policy_engine(ctx: RoleContext, trainable: bool,
+                        lora: LoraSettings | None = None) -> tuple[FSDPEngine, LoraAdapters | None]:
+    """The policy model on this rank: fp32 master weights when trainable, compute dtype from model.dtype.
+    With `lora` only the adapters are trainable (fp32 masters); the frozen base stays in the compute dtype."""
     arr = ctx.cfg.actor_rollout_ref
     compute = resolve_dtype(arr.model.dtype)
-    lm = load_causal_lm(arr.model.path, dtype=torch.float32 if trainable else compute)
+    lm = load_causal_lm(arr.model.path, dtype=torch.float32 if trainable and lora is None else compute)
     if trainable and arr.model.enable_gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if arr.model.tiled_mlp.enabled:  # before TP/FSDP; parameter names stay the same
         apply_tiled_mlp(lm.model, arr.model.tiled_mlp.num_shards)
+    adapters = apply_lora(lm, lora) if trainable and lora is not None else None  # after tiling: peft wraps the linears in place
     module = TokenLogprobModel(lm.to(ctx.device), chunk_size=arr.actor.logprob_chunk_size)
     optim = optim_settings(arr.actor.optim) if trainable else None
-    return FSDPEngine(module, ctx.dims("actor" if trainable else "ref"), ctx.device,
-                      compute_dtype=compute, optim=optim,
-                      activation_offload=trainable and arr.model.enable_activation_offload)
+    engine = FSDPEngine(module, ctx.dims("actor" if trainable else "ref"), ctx.device,
+                        compute_dtype=compute, optim=optim,
+                        activation_offload=trainable and arr.model.enable_activation_offload)
+    return engine, adapters
 
 
 class ActorRole:
     def __init__(self, ctx: RoleContext) -> None:
         self.ctx, self.cfg = ctx, ctx.cfg
-        self.engine = build_policy_engine(ctx, trainable=True)
+        self.engine, self.lora = build_policy_engine(ctx, trainable=True, lora=lora_settings(ctx.cfg.actor_rollout_ref.model))
+
+    def rollout_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full weights under the rollout engine's (base) names, one at a time (collective); with LoRA the
+        adapters are merged in (W + scale * B @ A)."""
+        if self.lora is None:
+            return self.engine.iter_full_params(dtype)
+        return ((name, t.to(dtype)) for name, t in self.lora.merge_for_rollout(self.engine.iter_full_params()))
+
+    def base_model(self) -> contextlib.AbstractContextManager[None]:
+        """The reference policy in this engine: the base with the adapters switched off (LoRA only)."""
+        if self.lora is None:
+            raise RuntimeError("the actor's base model is the reference only with LoRA (actor_rollout_ref.model.lora_rank > 0)")
+        return self.lora.adapters_disabled()
 
     @register(Dispatch.BY_DP)
     def compute_log_prob(self, batch: Batch) -> Batch:
@@ -104,6 +136,8 @@ class ActorRole:
         AutoTokenizer.from_pretrained(source).save_pretrained(path)
         if os.path.exists(os.path.join(source, "generation_config.json")):  # stop ids for generation
             GenerationConfig.from_pretrained(source).save_pretrained(path)
+        if self.lora is not None:  # the adapter's config; its weights are in the sharded state
+            self.lora.save_config(os.path.join(path, LORA_ADAPTER_DIR), base_model=os.path.abspath(source))
 
     @register(Dispatch.ALL)
     def param_checksum(self) -> float:

@@ -28,8 +28,11 @@ class RolloutRole:
         if r.name == "vllm":
             # vLLM joins the existing world ("external_launcher": every rank runs its own engine)
             # instead of creating a default process group of its own.
+            # load_format (verl's key, vLLM's meaning): "dummy" starts from random weights, which the
+            # worker replaces with the actor's by a sync before anything is generated.
             return {"enforce_eager": r.enforce_eager, "gpu_memory_utilization": r.gpu_memory_utilization,
-                    "cpu_kvcache_space_gib": r.cpu_kvcache_space_gib, "distributed_executor_backend": "external_launcher"}
+                    "cpu_kvcache_space_gib": r.cpu_kvcache_space_gib, "distributed_executor_backend": "external_launcher",
+                    "load_format": r.load_format}
         return {"device": self.ctx.device_type}
 
     @register(Dispatch.BY_RANK)

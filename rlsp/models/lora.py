@@ -1,0 +1,150 @@
+"""LoRA adapters on the policy with `peft`: inject them, name them, switch them off, merge them for rollouts.
+
+`apply_lora(lm, settings)` turns the targeted `nn.Linear` layers of a HF causal LM into peft LoRA
+layers *in place* (the LM keeps its HF parameter tree, so FSDP2, Ulysses/ring attention and the
+vocab-chunked logprob head run on it unchanged) and freezes everything but the adapters. peft
+renames what it wraps: `...q_proj.weight` becomes `...q_proj.base_layer.weight` next to
+`...q_proj.lora_A.default.weight` [r, in] and `...q_proj.lora_B.default.weight` [out, r]; the layer
+computes `base(x) + scale * B(A(x))` with scale = alpha / r.
+
+The returned `LoraAdapters` handle gives what the rest of rlsp needs from peft:
+- `adapters_disabled()`: the base model in the same module (the reference policy, no second copy);
+- `merge_for_rollout(named)`: turns a stream of full (gathered) HF-named tensors into base-named
+  weights with `W + scale * B @ A` folded in, one layer at a time, for the rollout engine;
+- `peft_model`: peft's own view (`save_pretrained`, `merge_and_unload`) for exports.
+
+The adapters' master weights are fp32 whatever the base dtype (base weights may stay in the compute
+dtype: they are frozen). Dropout on the adapter input is off: the rollout engine samples from the
+merged weights, which must be the function the trainer differentiates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.lora import LoraLayer
+from torch import nn
+
+from rlsp.config.validate_lora import LORA_ALL_LINEAR, LORA_REFUSED_TARGETS
+
+ADAPTER = "default"  # peft's adapter name; rlsp trains one adapter
+LORA_ADAPTER_DIR = "lora_adapter"  # where a checkpoint's HF assets and an export keep the PEFT adapter
+_BASE, _A, _B = ".base_layer.", f".lora_A.{ADAPTER}.", f".lora_B.{ADAPTER}."
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """What `actor_rollout_ref.model.lora_*` asks for (verl's keys)."""
+
+    rank: int
+    alpha: float
+    target_modules: str | tuple[str, ...] = LORA_ALL_LINEAR
+    exclude_modules: str | tuple[str, ...] | None = None
+    adapter_path: str | None = None  # continue from a saved PEFT adapter (its config decides rank/targets)
+
+
+def is_adapter_param(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def base_name(name: str) -> str:
+    """HF name of a parameter as the unwrapped model spells it (`q_proj.base_layer.weight` -> `q_proj.weight`)."""
+    return name.replace(_BASE, ".")
+
+
+def _peft_config(s: LoraSettings) -> LoraConfig:
+    targets = s.target_modules if isinstance(s.target_modules, str) else list(s.target_modules)
+    exclude = s.exclude_modules if s.exclude_modules is None or isinstance(s.exclude_modules, str) \
+        else list(s.exclude_modules)
+    return LoraConfig(r=s.rank, lora_alpha=s.alpha, target_modules=targets, exclude_modules=exclude,
+                      lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
+
+
+def apply_lora(lm: nn.Module, s: LoraSettings) -> LoraAdapters:
+    """Wrap `lm`'s targeted linear layers with trainable LoRA adapters in place (new ones, or the
+    adapter saved at `s.adapter_path`); every other parameter is frozen."""
+    if s.adapter_path:
+        peft_model = PeftModel.from_pretrained(lm, s.adapter_path, is_trainable=True)
+        if s.rank and peft_model.peft_config[ADAPTER].r != s.rank:
+            raise ValueError(f"actor_rollout_ref.model.lora_rank={s.rank} but the adapter at {s.adapter_path!r} has "
+                             f"rank {peft_model.peft_config[ADAPTER].r}; set lora_rank to it (or 0: the adapter decides)")
+    else:
+        peft_model = get_peft_model(lm, _peft_config(s), autocast_adapter_dtype=True)
+    return LoraAdapters(peft_model, lm)
+
+
+def apply_saved_lora_config(lm: nn.Module, config_dir: str) -> LoraAdapters:
+    """`apply_lora` with the adapter_config.json under `config_dir` (fresh adapter weights: an export
+    fills them from a checkpoint)."""
+    return LoraAdapters(get_peft_model(lm, LoraConfig.from_pretrained(config_dir)), lm)
+
+
+class LoraAdapters:
+    """peft's view of a LoRA-wrapped LM (`lm` itself holds the layers; names are relative to it)."""
+
+    def __init__(self, peft_model: PeftModel, lm: nn.Module) -> None:
+        self.peft_model, self.lm = peft_model, lm
+        cfg = peft_model.peft_config[ADAPTER]
+        if cfg.peft_type.value != "LORA" or getattr(cfg, "use_dora", False):
+            raise ValueError(f"only plain LoRA adapters are supported, got {cfg.peft_type.value} (use_dora="
+                             f"{getattr(cfg, 'use_dora', False)})")
+        self.layers = {name: m for name, m in lm.named_modules() if isinstance(m, LoraLayer)}
+        bad = sorted({n.rsplit(".", 1)[-1] for n in self.layers if n.rsplit(".", 1)[-1] in LORA_REFUSED_TARGETS})
+        bad += sorted({type(m.base_layer).__name__ for m in self.layers.values() if type(m.base_layer) is not nn.Linear})
+        if not self.layers or bad:
+            raise ValueError(f"LoRA targets must be nn.Linear layers inside the decoder (not {list(LORA_REFUSED_TARGETS)}); "
+                             f"got {len(self.layers)} adapted layers{', refused: ' + str(bad) if bad else ''} "
+                             f"(target_modules={cfg.target_modules!r}, exclude_modules={cfg.exclude_modules!r})")
+        self.scaling = {name: float(m.scaling[ADAPTER]) for name, m in self.layers.items()}
+        for p in self.adapter_params():  # fp32 masters for what the optimizer updates
+            p.data = p.data.float()
+
+    @property
+    def config(self) -> LoraConfig:
+        return self.peft_model.peft_config[ADAPTER]
+
+    def save_config(self, path: str, base_model: str) -> None:
+        """Write adapter_config.json under `path`, naming `base_model` (what an export rebuilds on)."""
+        cfg = copy.copy(self.config)
+        cfg.base_model_name_or_path = base_model
+        cfg.save_pretrained(path)
+
+    def adapter_params(self) -> list[nn.Parameter]:
+        return [p for n, p in self.lm.named_parameters() if is_adapter_param(n)]
+
+    @contextlib.contextmanager
+    def adapters_disabled(self) -> Iterator[None]:
+        """Run the base model: every LoRA layer computes `base(x)` only (peft's disable_adapter())."""
+        params = self.adapter_params()
+        with self.peft_model.disable_adapter():
+            # peft also marks the adapters frozen while they are off; FSDP2 reads requires_grad when it
+            # initialises lazily (possibly in this forward) to set up gradient reduction, so keep it.
+            for p in params:
+                p.requires_grad_(True)
+            yield
+
+    def merge_for_rollout(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full HF-named tensors (any order within a layer) -> base names, each adapted weight replaced by
+        `W + scale * B @ A` in fp32 (callers cast once, to the rollout dtype); holds one layer's parts at a time."""
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        for name, t in named:
+            layer = next((name.split(tag)[0] for tag in (_BASE, _A, _B) if tag in name), None)
+            if layer is None or layer not in self.scaling:
+                yield name, t
+                continue
+            if _BASE in name and not name.endswith(".base_layer.weight"):
+                yield base_name(name), t  # the base layer's bias passes through
+                continue
+            parts = pending.setdefault(layer, {})
+            parts["W" if _BASE in name else "A" if _A in name else "B"] = t
+            if len(parts) == 3:
+                del pending[layer]
+                w = parts["W"].float() + self.scaling[layer] * (parts["B"].float() @ parts["A"].float())
+                yield f"{layer}.weight", w
+        if pending:
+            raise RuntimeError(f"LoRA layers missing parts when merging: {sorted(pending)[:3]}")
