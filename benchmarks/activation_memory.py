@@ -122,7 +122,7 @@ def _measure(rank: int, world: int, ulysses: int, ring: int, tp: int, seq_par: b
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         lp_S = model(*(shard_for_rank(x, ctx) for x in (packed.input_ids, packed.position_ids, packed.labels)), ctx)["logprobs"]
-    masks = [b for blocks in (ctx.ring.cache.values() if ctx.ring else ()) for b in blocks if b is not None]
+    masks = [b for steps in (ctx.ring.cache.values() if ctx.ring else ()) for blocks in steps for b in blocks]
     weights = shard_for_rank(packed.label_mask, ctx)
     weights = model.tp_info.local_tokens(weights) if tp > 1 else weights
     (lp_S * weights).sum().backward()  # the graph is valid end to end

@@ -12,8 +12,10 @@ i-1). Backward is written out: delta = rowsum(dO * O); at each step dq is accumu
 the visiting block's dk/dv contribution is added to an accumulator that travels around the ring
 with the block and reaches its owner after the last step. Only the local q, k, v, out and lse are
 saved. Visibility (same segment of cu_seqlens, key position <= query position) depends only on
-the step, so `RingPlan` caches, per step, the bounding box of visible (query row, key row) pairs
-and its mask; a step with no visible pair is skipped (its block still travels).
+the step, so `RingPlan` caches, per step, one box per segment present on both sides (its visible
+(query row, key row) pairs and their mask): attention never crosses segments, so a packed stream of
+many rollouts costs the sum of their squares; a step with no visible pair is skipped (its block
+still travels).
 
 Bytes SENT by a rank per call (r > 1; nothing when r == 1), e_in = element size of q/k/v,
 e_acc = 4 (8 for fp64 inputs):
@@ -83,7 +85,7 @@ class RingPlan:
     segment_T: torch.Tensor = field(repr=False)  # int64 [T]: segment id of each stream position
     next_peer: int = 0  # global ranks of ring rank i+1 and i-1
     prev_peer: int = 0
-    cache: dict[str, list[StepBlock | None]] = field(default_factory=dict, repr=False)
+    cache: dict[str, list[list[StepBlock]]] = field(default_factory=dict, repr=False)
 
     @property
     def local_len(self) -> int:
@@ -94,22 +96,30 @@ class RingPlan:
         """Ring rank whose K/V block this rank holds at `step`."""
         return (self.ring_rank - step) % self.ring_size
 
-    def step_blocks(self, device: torch.device) -> list[StepBlock | None]:
-        """Per step, the visible block (None: fully masked, skip). Built once per device, then cached."""
+    def step_blocks(self, device: torch.device) -> list[list[StepBlock]]:
+        """Per step, the visible blocks (none: fully masked, skip). Built once per device, then cached."""
         key = str(device)
         if key not in self.cache:
             self.cache[key] = [self._build_step(s, device) for s in range(self.ring_size)]
         return self.cache[key]
 
-    def _build_step(self, step: int, device: torch.device) -> StepBlock | None:
+    def _build_step(self, step: int, device: torch.device) -> list[StepBlock]:
+        """One box per segment present on both sides: attention never crosses segments, so a packed
+        stream of many short sequences costs the sum of their squares, not the square of their sum."""
         pos_q, pos_k = self.positions_RT[self.ring_rank], self.positions_RT[self.source_rank(step)]
-        same_segment = self.segment_T[pos_q][:, None] == self.segment_T[pos_k][None, :]
-        mask_QK = same_segment & (pos_k[None, :] <= pos_q[:, None])
-        rows, cols = mask_QK.any(dim=1).nonzero().flatten(), mask_QK.any(dim=0).nonzero().flatten()
-        if rows.numel() == 0:
-            return None
-        q0, q1, k0, k1 = int(rows[0]), int(rows[-1]) + 1, int(cols[0]), int(cols[-1]) + 1
-        return StepBlock(q0, q1, k0, k1, mask_QK[q0:q1, k0:k1].contiguous().to(device))
+        seg_q, seg_k = self.segment_T[pos_q], self.segment_T[pos_k]
+        blocks = []
+        for seg in sorted(set(seg_q.tolist()) & set(seg_k.tolist())):
+            rows, cols = (seg_q == seg).nonzero().flatten(), (seg_k == seg).nonzero().flatten()
+            q0, q1, k0, k1 = int(rows[0]), int(rows[-1]) + 1, int(cols[0]), int(cols[-1]) + 1
+            mask_QK = ((seg_q[q0:q1, None] == seg) & (seg_k[None, k0:k1] == seg)
+                       & (pos_k[None, k0:k1] <= pos_q[q0:q1, None]))
+            rows, cols = mask_QK.any(dim=1).nonzero().flatten(), mask_QK.any(dim=0).nonzero().flatten()
+            if rows.numel():  # tighten to the rows and keys that see anything (causal: half a zigzag block)
+                r0, r1, c0, c1 = int(rows[0]), int(rows[-1]) + 1, int(cols[0]), int(cols[-1]) + 1
+                block_mask = mask_QK[r0:r1, c0:c1].contiguous().to(device)
+                blocks.append(StepBlock(q0 + r0, q0 + r1, k0 + c0, k0 + c1, block_mask))
+        return blocks
 
 
 def _check_cu_seqlens(cu_seqlens: torch.Tensor, total_len: int) -> list[int]:
@@ -225,10 +235,10 @@ def _ring_forward(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor,
     out_THD = q_THD.new_zeros((Tr, hq, D), dtype=acc)
     lse_HT = q_THD.new_full((hq, Tr), float("-inf"), dtype=acc)
     kv_2THD, sent = torch.stack([k_THD, v_THD]), 0
-    for step, block in enumerate(plan.step_blocks(q_THD.device)):
+    for step, blocks in enumerate(plan.step_blocks(q_THD.device)):
         works, next_2THD, nbytes = _pass_kv(plan, step, kv_2THD)  # pass the block on while computing with it
         sent += nbytes
-        if block is not None:
+        for block in blocks:
             k_KHD, v_KHD = (_expand(x[block.k0:block.k1], kv_index) for x in kv_2THD)
             o_QHD, lse_HQ = block_attention(q_THD[block.q0:block.q1], k_KHD, v_KHD, block.mask_QK, scale)
             _merge(out_THD[block.q0:block.q1], lse_HT[:, block.q0:block.q1], o_QHD, lse_HQ)
@@ -237,14 +247,20 @@ def _ring_forward(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor,
     return out_THD.to(q_THD.dtype), lse_HT, sent
 
 
-def _block_grads(do_THD: torch.Tensor, q_THD: torch.Tensor, kv_2THD: torch.Tensor, block: StepBlock | None,
+def _block_grads(do_THD: torch.Tensor, q_THD: torch.Tensor, kv_2THD: torch.Tensor, blocks: list[StepBlock],
                  saved: tuple[torch.Tensor, torch.Tensor, float, torch.Tensor | None],
                  dq_THD: torch.Tensor) -> torch.Tensor:
     """Add one step's dq into dq_THD; return the visiting block's dK/dV part [2, Tr, hkv, D] (fp32/fp64)."""
-    lse_HT, delta_HT, scale, kv_index = saved
     dkv_2THD = kv_2THD.new_zeros(kv_2THD.shape, dtype=dq_THD.dtype)
-    if block is None:
-        return dkv_2THD
+    for block in blocks:
+        _add_block_grads(do_THD, q_THD, kv_2THD, block, saved, dq_THD, dkv_2THD)
+    return dkv_2THD
+
+
+def _add_block_grads(do_THD: torch.Tensor, q_THD: torch.Tensor, kv_2THD: torch.Tensor, block: StepBlock,
+                     saved: tuple[torch.Tensor, torch.Tensor, float, torch.Tensor | None], dq_THD: torch.Tensor,
+                     dkv_2THD: torch.Tensor) -> None:
+    lse_HT, delta_HT, scale, kv_index = saved
     rows, keys = slice(block.q0, block.q1), slice(block.k0, block.k1)
     k_KHD, v_KHD = (_expand(x[keys], kv_index) for x in kv_2THD)
     dq_QHD, dk_KHD, dv_KHD = block_attention_backward(do_THD[rows], q_THD[rows], k_KHD, v_KHD, block.mask_QK,
@@ -252,10 +268,9 @@ def _block_grads(do_THD: torch.Tensor, q_THD: torch.Tensor, kv_2THD: torch.Tenso
     dq_THD[rows] += dq_QHD
     for dst_KHD, grad_KHD in ((dkv_2THD[0, keys], dk_KHD), (dkv_2THD[1, keys], dv_KHD)):
         if kv_index is None:
-            dst_KHD.copy_(grad_KHD)
+            dst_KHD.add_(grad_KHD)  # boxes of different segments may overlap: accumulate
         else:  # sum the expanded heads' gradients back onto the kv heads before they travel
             dst_KHD.index_add_(1, kv_index, grad_KHD)
-    return dkv_2THD
 
 
 def _ring_backward(do_THD: torch.Tensor, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor,
@@ -267,10 +282,10 @@ def _ring_backward(do_THD: torch.Tensor, q_THD: torch.Tensor, k_THD: torch.Tenso
     saved = (lse_HT, delta_HT, scale, kv_index)
     dq_THD = q_THD.new_zeros(q_THD.shape, dtype=acc)
     kv_2THD, sent, own_2THD, dkv_works, dkv_recv = torch.stack([k_THD, v_THD]), 0, None, None, None
-    for step, block in enumerate(plan.step_blocks(q_THD.device)):
+    for step, blocks in enumerate(plan.step_blocks(q_THD.device)):
         kv_works, next_2THD, nbytes = _pass_kv(plan, step, kv_2THD)
         sent += nbytes
-        dkv_2THD = _block_grads(do_THD, q_THD, kv_2THD, block, saved, dq_THD)
+        dkv_2THD = _block_grads(do_THD, q_THD, kv_2THD, blocks, saved, dq_THD)
         if step == 0:
             own_2THD = dkv_2THD  # this rank's block: its accumulator comes back after the last step
         else:

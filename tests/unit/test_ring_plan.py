@@ -89,12 +89,11 @@ def test_step_masks_tile_the_dense_mask(lens: tuple[int, ...], ring_size: int) -
     covered = torch.zeros(total, total, dtype=torch.int64)
     for rank in range(ring_size):
         plan = _plan_for(cu, total, ring_size, rank)
-        for step, block in enumerate(plan.step_blocks(torch.device("cpu"))):
-            if block is None:
-                continue
-            rows = plan.positions_RT[rank][block.q0 : block.q1]
-            cols = plan.positions_RT[plan.source_rank(step)][block.k0 : block.k1]
-            covered[rows[:, None], cols[None, :]] += block.mask_QK.long()
+        for step, blocks in enumerate(plan.step_blocks(torch.device("cpu"))):
+            for block in blocks:
+                rows = plan.positions_RT[rank][block.q0 : block.q1]
+                cols = plan.positions_RT[plan.source_rank(step)][block.k0 : block.k1]
+                covered[rows[:, None], cols[None, :]] += block.mask_QK.long()
         assert plan.step_blocks(torch.device("cpu")) is plan.step_blocks(torch.device("cpu"))  # cached per plan
     assert torch.equal(covered, dense_mask(cu, total).long())
 
@@ -102,12 +101,23 @@ def test_step_masks_tile_the_dense_mask(lens: tuple[int, ...], ring_size: int) -
 def test_plan_skips_fully_masked_steps_and_halves_zigzag_blocks() -> None:
     # segments equal to the chunks: rank 0 (chunks 0, 3) never sees rank 1's keys (chunks 1, 2)
     blocks = _plan_for(_cu((2, 2, 2, 2)), 8, 2, 0).step_blocks(torch.device("cpu"))
-    assert blocks[0] is not None and blocks[1] is None
+    assert len(blocks[0]) == 2 and blocks[1] == []  # one box per own segment, none for the visitor
     # one causal sequence: the visiting block is half the queries (rank 0) or half the keys (rank 1)
-    b0 = _plan_for(_cu((16,)), 16, 2, 0).step_blocks(torch.device("cpu"))[1]
-    b1 = _plan_for(_cu((16,)), 16, 2, 1).step_blocks(torch.device("cpu"))[1]
+    [b0] = _plan_for(_cu((16,)), 16, 2, 0).step_blocks(torch.device("cpu"))[1]
+    [b1] = _plan_for(_cu((16,)), 16, 2, 1).step_blocks(torch.device("cpu"))[1]
     assert (b0.q0, b0.q1, b0.k0, b0.k1) == (4, 8, 0, 8) and bool(b0.mask_QK.all())
     assert (b1.q0, b1.q1, b1.k0, b1.k1) == (0, 8, 0, 4) and bool(b1.mask_QK.all())
+
+
+def test_boxes_follow_segments_so_packed_work_is_the_sum_of_squares() -> None:
+    """Eight 16-token rollouts packed in one stream: the boxes cover 16x16 per segment at most, never
+    the 64x64 of a ring rank's whole share."""
+    lens = (16,) * 8
+    total = sum(lens)
+    for rank in range(2):
+        plan = _plan_for(_cu(lens), total, 2, rank)
+        area = sum((b.q1 - b.q0) * (b.k1 - b.k0) for blocks in plan.step_blocks(torch.device("cpu")) for b in blocks)
+        assert area <= 8 * 16 * 16 // 2 + 8 * 16, (rank, area)
 
 
 def test_block_rows_without_keys_give_zeros_not_nans() -> None:
