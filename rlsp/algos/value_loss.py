@@ -25,7 +25,9 @@ def compute_value_loss(
     """(loss_tokens, metrics): per-token clipped value loss (exact 0 where ``mask`` is off).
 
     metrics (detached sums over this call's masked-in tokens, for exact global means):
-    "vf_clipfrac_sum" tokens where the clipped term was the larger one, "vpred_sum" sum of values.
+    "vf_clipfrac_sum" tokens whose value was clipped AND whose clipped term was the larger one (an
+    unclipped token's `old + (v - old)` differs from v by rounding only, which must not count),
+    "vpred_sum" sum of values.
     """
     if cliprange_value <= 0:
         raise ValueError(f"cliprange_value must be > 0, got {cliprange_value}")
@@ -36,7 +38,8 @@ def compute_value_loss(
     loss_tokens = torch.where(mask.bool(), loss, torch.zeros_like(loss))
     with torch.no_grad():
         metrics = {
-            "vf_clipfrac_sum": masked_sum((loss_clipped > loss_unclipped).to(loss.dtype), mask),
+            "vf_clipfrac_sum": masked_sum(((values - old_values).abs() > cliprange_value)
+                                          .logical_and(loss_clipped > loss_unclipped).to(loss.dtype), mask),
             "vpred_sum": masked_sum(values.detach(), mask),
         }
     return loss_tokens, metrics
