@@ -236,10 +236,15 @@ def test_checkpoint_holds_adapters_and_resumes_exactly(tiny, checkpoint, world, 
         torch.testing.assert_close(params[k], continued[k], rtol=0, atol=tol)
 
 
-def test_export_writes_adapter_and_merged_model_with_equal_logits(tiny, checkpoint, tmp_path):
+@pytest.fixture(scope="module")
+def exported(checkpoint, tmp_path_factory):
+    return export_hf(checkpoint[0], str(tmp_path_factory.mktemp("export") / "hf"))
+
+
+def test_export_writes_adapter_and_merged_model_with_equal_logits(tiny, checkpoint, exported):
     path, batch = tiny
-    ckpt, _, lp, _ = checkpoint
-    out = export_hf(ckpt, str(tmp_path / "hf"))
+    _, _, lp, _ = checkpoint
+    out = exported
     adapter_dir = os.path.join(out, LORA_ADAPTER_DIR)
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(adapter_dir))
     assert json.load(open(os.path.join(adapter_dir, "adapter_config.json")))["r"] == LORA.rank
@@ -255,3 +260,28 @@ def test_export_writes_adapter_and_merged_model_with_equal_logits(tiny, checkpoi
     for b in range(len(batch)):
         n_resp = int(batch["response_mask"][b].sum())
         torch.testing.assert_close(_hf_response_logprobs(merged, batch, b), lp[b, :n_resp], rtol=0, atol=1e-5)
+
+
+def _from_adapter(rank, world, path, batch, adapter_dir):
+    lm = load_causal_lm(path)
+    adapters = apply_lora(lm, LoraSettings(rank=0, alpha=1.0, adapter_path=adapter_dir))
+    engine = FSDPEngine(TokenLogprobModel(lm), layout_dims(ulysses=world), torch.device("cpu"),
+                        optim=OptimSettings(lr=1e-2, grad_clip=0.0))
+    lp = engine.infer(batch, P, 3, "logprobs", temperature=1.0)
+    metrics = _step(engine, batch)
+    trainable = sorted(n for n, p in engine.module.named_parameters() if p.requires_grad)
+    return (lp, metrics, trainable, adapters.config.r) if rank == 0 else None
+
+
+def test_continue_from_a_saved_adapter(tiny, checkpoint, exported):
+    """actor_rollout_ref.model.lora_adapter_path: the exported PEFT adapter, loaded on the base at
+    Ulysses 2, gives the logprobs of the run that saved it and trains on."""
+    path, batch = tiny
+    _, saved, lp, _ = checkpoint
+    adapter_dir = os.path.join(exported, LORA_ADAPTER_DIR)
+    loaded_lp, metrics, trainable, r = run_distributed(_from_adapter, 2, path, batch, adapter_dir)[0]
+    torch.testing.assert_close(loaded_lp, lp, rtol=0, atol=1e-6)
+    assert r == LORA.rank and metrics["grad_norm"] > 0
+    assert trainable == sorted(saved)
+    with pytest.raises(ValueError, match="lora_rank=8 but the adapter"):
+        apply_lora(load_causal_lm(path), LoraSettings(rank=8, alpha=1.0, adapter_path=adapter_dir))

@@ -2,7 +2,8 @@
 (reference = the actor's base with the adapters off), vLLM rollouts, two GRPO steps.
 
 * vLLM samples from the merged weights the trainer differentiates: rollout/logprob_diff_max <= 1e-4
-  on both steps (step 2 after a sync of base + scale * B @ A);
+  on both steps (vLLM starts from random weights, rollout.load_format=dummy: step 1 proves the sync
+  at start-up, step 2 the sync of base + scale * B @ A after the update);
 * the KL loss sees a reference that stayed the base while the adapters moved (kl_loss > 0 on step 2);
 * the checkpoint holds adapters and their optimizer state only;
 * the export holds the PEFT adapter, and the merged model differs from the base by exactly
@@ -29,6 +30,8 @@ LORA = ("actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alp
         # one optimizer step per training step: step 1 starts from B = 0 (policy = reference, KL 0) and
         # its old logprobs are the update's own forward, so the reference pass is the run's first forward
         "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        # vLLM starts from random weights: the actor's arrive by the sync before anything is generated
+        "actor_rollout_ref.rollout.load_format=dummy",
         "trainer.total_training_steps=2", "trainer.test_freq=0")
 
 
