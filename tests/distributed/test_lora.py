@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -285,3 +286,29 @@ def test_continue_from_a_saved_adapter(tiny, checkpoint, exported):
     assert trainable == sorted(saved)
     with pytest.raises(ValueError, match="lora_rank=8 but the adapter"):
         apply_lora(load_causal_lm(path), LoraSettings(rank=8, alpha=1.0, adapter_path=adapter_dir))
+
+
+def _bf16_step(rank, world, path, batch):
+    lm = load_causal_lm(path, dtype=torch.bfloat16)  # as the actor loads the base under LoRA
+    adapters = apply_lora(lm, LORA)
+    engine = FSDPEngine(TokenLogprobModel(lm), layout_dims(ulysses=world), torch.device("cpu"),
+                        compute_dtype=torch.bfloat16, optim=OptimSettings(lr=1e-2, grad_clip=0.0))
+    before = _full(engine)
+    metrics = _step(engine, batch)
+    after = _full(engine)
+    dtypes = {n: p.dtype for n, p in engine.module.named_parameters()}
+    state = {v.dtype for s in engine.optimizer.state.values() for k, v in s.items() if k != "step"}
+    return (before, after, metrics, dtypes, state, len(adapters.adapter_params())) if rank == 0 else None
+
+
+def test_bf16_compute_keeps_fp32_adapter_masters_and_a_bf16_base(tiny):
+    """The GPU setting on CPU: base weights stored in bf16 (frozen), adapters and their AdamW state in
+    fp32, FSDP2 casting both to bf16 for compute; a step moves the adapters only (from peft's B = 0)."""
+    path, batch = tiny
+    before, after, metrics, dtypes, state, n_adapters = run_distributed(_bf16_step, 2, path, batch)[0]
+    assert math.isfinite(metrics["actor/pg_loss"]) and metrics["grad_norm"] > 0
+    assert n_adapters == 28 and state == {torch.float32}
+    for name, dtype in dtypes.items():
+        assert dtype == (torch.float32 if is_adapter_param(name) else torch.bfloat16), (name, dtype)
+    for name in before:  # B starts at zero (peft), so the first step moves B only (A's gradient is zero)
+        assert torch.equal(before[name], after[name]) != (".lora_B." in name), name
