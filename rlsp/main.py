@@ -122,7 +122,12 @@ def prepare(cfg: DictConfig, layout: ParallelLayout, plan: ResumePlan | None = N
     from rlsp.trainer.resume_check import check_resume
 
     plan = plan or check_resume(cfg)
-    trainer = RayTrainer(cfg, layout)
+    if layout.rollout is not None:  # a rollout pool of its own: generation overlapped with training
+        from rlsp.trainer.async_trainer import AsyncTrainer
+
+        trainer = AsyncTrainer(cfg, layout)
+    else:
+        trainer = RayTrainer(cfg, layout)
     os.makedirs(cfg.trainer.default_local_dir, exist_ok=True)
     OmegaConf.save(cfg, os.path.join(cfg.trainer.default_local_dir, "config.yaml"), resolve=True)
     return trainer, plan.path

@@ -25,6 +25,7 @@ class ResourcePool:
     device_type: str  # cpu | cuda
     cpus_per_worker: int = 1
     name: str = "policy"
+    first_core: int = 0  # CPU: this pool's workers bind cores from here on (pools sharing a node do not overlap)
     pg: PlacementGroup | None = field(default=None, init=False)
     rank_to_bundle: list[int] = field(default_factory=list, init=False)
 

@@ -7,6 +7,7 @@ Calls name a role and a method; the dispatch contract is the one the role method
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -25,6 +26,26 @@ log = get_logger("rlsp.controller")
 
 class WorkerDiedError(RuntimeError):
     """A worker process ended (killed, out of memory, crashed) while the driver waited on it."""
+
+
+@dataclass
+class PendingCall:
+    """A dispatched call (one Ray task per rank, in rank order) whose results are collected later."""
+
+    group: RayWorkerGroup
+    refs: list[Any]
+    firsts: list[int] | None  # BY_DP: the rank answering for each dp group; None: every rank's result (ALL)
+
+    def done(self) -> bool:
+        return len(ray.wait(self.refs, num_returns=len(self.refs), timeout=0)[0]) == len(self.refs)
+
+    def result(self) -> Any:
+        """What `RayWorkerGroup.call` returns; raises WorkerDiedError naming a rank that died."""
+        results = self.group._gather(self.refs)
+        if self.firsts is None:
+            return results
+        firsts = [results[rank] for rank in self.firsts]
+        return Batch.concat(firsts) if isinstance(firsts[0], Batch) else firsts
 
 
 class RayWorkerGroup:
@@ -47,11 +68,11 @@ class RayWorkerGroup:
             ).remote(config, layout, group, rank))
 
     def _rank_env(self, rank: int) -> dict[str, str]:
-        env = {"RANK": str(rank), "WORLD_SIZE": str(self.world_size)}
+        env = {"RANK": str(rank), "WORLD_SIZE": str(self.world_size), "RLSP_WORKER_GROUP": self.group}
         if self.pool.device_type == "cpu":
             # Each worker gets its own cores: vLLM binds its OpenMP threads, so give disjoint ranges.
             c = self.pool.cpus_per_worker
-            first = (rank % self.pool.procs_per_node) * c
+            first = self.pool.first_core + (rank % self.pool.procs_per_node) * c
             env["VLLM_CPU_OMP_THREADS_BIND"] = f"{first}-{first + c - 1}" if c > 1 else str(first)
             env["OMP_NUM_THREADS"] = str(c)
         return env
@@ -69,6 +90,10 @@ class RayWorkerGroup:
     # ------------------------------------------------------------------ calls
     def call(self, role: str, method: str, *args: Any) -> Any:
         """Call `role.method` on the workers with the contract the method declares."""
+        return self.submit(role, method, *args).result()
+
+    def submit(self, role: str, method: str, *args: Any) -> PendingCall:
+        """`call` without waiting: the workers start now; `.result()` collects (or raises) later."""
         if role not in self.roles:
             raise ValueError(f"role {role!r} is not hosted by the {self.group} workers (they host {list(self.roles)})")
         mode = dispatch_mode(ROLE_CLASSES[role], method)
@@ -78,22 +103,22 @@ class RayWorkerGroup:
     def call_worker(self, method: str, *args: Any) -> Any:
         """Call a method of the worker itself (set-up, weight sync, shutdown); always ALL."""
         mode = dispatch_mode(Worker, method)
-        return self._dispatch(mode, 1, lambda w, *a: getattr(w, method).remote(*a), args)
+        return self._dispatch(mode, 1, lambda w, *a: getattr(w, method).remote(*a), args).result()
 
-    def _dispatch(self, mode: Dispatch, per_dp: int, submit, args: tuple[Any, ...]) -> Any:
+    def _dispatch(self, mode: Dispatch, per_dp: int, submit, args: tuple[Any, ...]) -> PendingCall:
         if mode is Dispatch.ALL:
-            return self._gather([submit(w, *args) for w in self.workers])
+            return PendingCall(self, [submit(w, *args) for w in self.workers], None)
         batch, rest = args[0], args[1:]
         if mode is Dispatch.BY_RANK:
             parts = batch.chunk(self.world_size)
-            return Batch.concat(self._gather([submit(w, p, *rest) for w, p in zip(self.workers, parts)]))
+            refs = [submit(w, p, *rest) for w, p in zip(self.workers, parts)]
+            return PendingCall(self, refs, list(range(self.world_size)))
         # BY_DP: one shard per dp group, shipped once and shared by the group's ulysses/ring/tp ranks
         # (consecutive ranks: dp is the outermost dimension of every role's layout).
         dp = self.world_size // per_dp
         part_refs = [ray.put(p) for p in batch.chunk(dp)]
-        results = self._gather([submit(w, part_refs[rank // per_dp], *rest) for rank, w in enumerate(self.workers)])
-        firsts = [results[g * per_dp] for g in range(dp)]
-        return Batch.concat(firsts) if isinstance(firsts[0], Batch) else firsts
+        refs = [submit(w, part_refs[rank // per_dp], *rest) for rank, w in enumerate(self.workers)]
+        return PendingCall(self, refs, [g * per_dp for g in range(dp)])
 
     def _gather(self, refs: list[Any]) -> list[Any]:
         """Results of one call per rank (refs in rank order). Fails as soon as any rank fails: the

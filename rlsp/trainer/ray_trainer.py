@@ -121,6 +121,15 @@ class RayTrainer:
         self.startup.update({"startup/worker_processes_s": t1 - t0, "startup/worker_init_s": time.perf_counter() - t1})
         return infos
 
+    @property
+    def rollout_wg(self) -> RayWorkerGroup:
+        """The workers whose engines generate (colocated: the policy workers)."""
+        return self.wg
+
+    def sync_rollout(self, step: int) -> None:
+        """The actor's weights after `step` steps into the rollout engines (colocated: each worker's own)."""
+        self.wg.call_worker("sync_weights")
+
     def _groups(self) -> list[RayWorkerGroup]:
         return list({id(g): g for g in (self.wg, self.critic_wg) if g is not None}.values())
 
@@ -149,7 +158,7 @@ class RayTrainer:
         if self.critic_wg is not None:
             self.critic_wg.call("critic", "load_checkpoint", path)
         restored = [all(wg.call_worker("load_rng", path)) for wg in self._groups()]
-        self.wg.call_worker("sync_weights")
+        self.sync_rollout(state.step)
         self.kl_ctrl.load_state_dict(state.kl_ctrl)
         self.start_step, self.data_pos = state.step + 1, (state.epoch, state.batch_in_epoch)
         self.metrics.restore(read_metrics_lines(path))
@@ -198,10 +207,14 @@ class RayTrainer:
 
     def train_step(self, step: int, items: list[dict[str, Any]]) -> dict[str, float]:
         timing: dict[str, float] = {}
-        metrics: dict[str, float] = {}
         t0 = time.perf_counter()
         with timed("timing/gen_s", timing):
-            batch = self.wg.call("rollout", "generate", _prompt_batch(items), self._sampling(step))
+            batch = self.rollout_wg.call("rollout", "generate", _prompt_batch(items), self._sampling(step))
+        return self.train_on(step, batch, t0, timing)
+
+    def train_on(self, step: int, batch: Batch, t0: float, timing: dict[str, float]) -> dict[str, float]:
+        """Everything after generation: score, logprobs, advantages, updates, weights to the engines."""
+        metrics: dict[str, float] = {}
         batch.info.update(temperature=self.cfg.actor_rollout_ref.rollout.temperature, global_step=step)
         if self.cfg.trainer.balance_batch and self.layout.dp_size > 1:
             batch = batch.select_rows(balanced_order(batch["attention_mask"].sum(-1).tolist(), self.layout.dp_size))
@@ -233,7 +246,7 @@ class RayTrainer:
             with timed("timing/update_actor_s", timing):
                 metrics.update(self.wg.call("actor", "update_actor", actor_batch)[0])
             with timed("timing/weight_sync_s", timing):
-                self.wg.call_worker("sync_weights")
+                self.sync_rollout(step)
         timing["timing/step_s"] = time.perf_counter() - t0
         return {**compute_batch_metrics(batch, scores, timing["timing/step_s"]), **metrics, **timing}
 
@@ -257,9 +270,9 @@ class RayTrainer:
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:
         items = [self.val_set[i] for i in range(len(self.val_set))]
-        world = self.wg.world_size
+        world = self.rollout_wg.world_size
         padded = items + items[: (-len(items)) % world]
-        batch = self.wg.call("rollout", "generate", _prompt_batch(padded), self._sampling(0, validate=True))
+        batch = self.rollout_wg.call("rollout", "generate", _prompt_batch(padded), self._sampling(0, validate=True))
         batch = batch.select_rows(slice(0, len(items)))
         scores = self.scorer.score_rows(batch)
         return {"val/accuracy": float((scores >= 1.0).mean()), "val/reward_mean": float(scores.mean()),
@@ -278,9 +291,8 @@ class RayTrainer:
         progress, ok = RunProgress(self.run_dir, self.start_step, total), False
         try:
             pending_val = self.validate() if val_on and t.val_before_train and self.start_step == 1 else {}
-            batches = self._batch_stream()
-            for step in range(self.start_step, total + 1):
-                metrics = {**pending_val, **self.train_step(step, next(batches))}
+            for step, step_metrics in self.run_steps(total):
+                metrics = {**pending_val, **step_metrics}
                 if step == self.start_step:
                     metrics.update(self.startup)
                     self.first_step_done_at = time.time()
@@ -308,6 +320,12 @@ class RayTrainer:
             self.metrics.close(ok)
         log.info("%s", progress.summary(self.metrics.history, where))
         return self.metrics.history
+
+    def run_steps(self, total: int):
+        """(step, metrics) of each training step from start_step to `total`: generate, then train."""
+        batches = self._batch_stream()
+        for step in range(self.start_step, total + 1):
+            yield step, self.train_step(step, next(batches))
 
     def _batch_stream(self):
         """Training batches from the current data position on; `data_pos` follows what was consumed."""

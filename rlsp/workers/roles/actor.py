@@ -74,6 +74,12 @@ class ActorRole:
             raise RuntimeError("the actor's base model is the reference only with LoRA (actor_rollout_ref.model.lora_rank > 0)")
         return self.lora.adapters_disabled()
 
+    @register(Dispatch.ALL)
+    def export_rollout_weights(self, dtype: str) -> list[tuple[str, torch.Tensor]] | None:
+        """Full weights for a rollout pool of its own (collective): rank 0 returns them on the CPU, others None."""
+        named = [(name, t.detach().to("cpu", copy=True)) for name, t in self.engine.iter_full_params(resolve_dtype(dtype))]
+        return named if self.ctx.rank == 0 else None
+
     @register(Dispatch.BY_DP)
     def compute_log_prob(self, batch: Batch) -> Batch:
         """Old logprobs [B, R] of the sampled tokens under the current policy."""

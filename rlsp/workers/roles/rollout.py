@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -17,6 +18,7 @@ from rlsp.workers.rollout_rows import build_rollout_rows
 class RolloutRole:
     def __init__(self, ctx: RoleContext) -> None:
         self.ctx, self.cfg = ctx, ctx.cfg
+        self.version = 0  # actor updates behind the weights this engine holds (set by `set_weights`)
         r, d = ctx.cfg.actor_rollout_ref.rollout, ctx.cfg.data
         self.engine = build_rollout_engine(
             r.name, ctx.cfg.actor_rollout_ref.model.path, dtype=r.dtype, seed=ctx.cfg.trainer.seed + ctx.rank,
@@ -45,6 +47,7 @@ class RolloutRole:
             sampling = {**sampling, "seed": int(sampling["seed"]) + first * int(sampling.get("n", 1))}
         cfg = SamplingConfig(**sampling)
         prompt_ids: list[list[int]] = prompts.meta["prompt_ids"]
+        t0 = time.perf_counter()
         self.engine.wake_up()
         out = self.engine.generate(prompt_ids, cfg)
         # Free the engine's accelerator memory for training (no-op on CPU); weight sync wakes it.
@@ -54,11 +57,22 @@ class RolloutRole:
             self.ctx.prompt_len, cfg.max_tokens, self.ctx.pad_token_id,
         )
         meta = {k: [v[i] for i in out.prompt_index] for k, v in prompts.meta.items() if k != "prompt_ids"}
-        return Batch.from_dict(rows, meta=meta)
+        # The policy version of every sample (async training: actor updates behind the weights it came from).
+        rows["policy_version"] = torch.full((len(out.response_ids),), self.version, dtype=torch.long)
+        return Batch.from_dict(rows, meta=meta, info={"gen_s": time.perf_counter() - t0})
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.engine.wake_up()
         self.engine.update_weights(named_tensors)
+
+    @register(Dispatch.ALL)
+    def set_weights(self, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
+        """A rollout pool of its own: the trainer's full weights after `version` actor updates."""
+        t0 = time.perf_counter()
+        self.load_weights(named_tensors)
+        self.version = int(version)
+        return {"weight_load_s": time.perf_counter() - t0}
+
 
     @register(Dispatch.ALL)
     def prompt_logprobs(self, token_ids: list[int]) -> list[float | None]:

@@ -1,0 +1,118 @@
+"""Asynchronous training on a rollout pool of its own (1 trainer + 1 rollout worker, tiny model, CLI):
+
+* async_training.staleness_threshold=0 reproduces the synchronous colocated run (same seeds): every
+  metric but timings equal, bit for bit;
+* one-step off-policy (staleness_threshold=1) with decoupled PPO (rollout logprobs as the behaviour
+  policy, recomputed proximal policy, token importance weights): batch j+1 is generated while the
+  trainer works on batch j (staleness 1, one batch queued); Ctrl-C with a batch in flight exits 130, and
+  the resumed run's first batch comes from the weights it resumed with (staleness 0), never from a
+  version it never had;
+* a killed rollout worker ends the run naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+from test_faults import _assert_nothing_left, _marked, _wait_for
+
+pytestmark = pytest.mark.e2e
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BASE = {"trainer.device": "cpu", "data.train_batch_size": 4, "actor_rollout_ref.rollout.n": 4,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": 4, "trainer.n_gpus_per_node": 1, "trainer.test_freq": 0,
+        "actor_rollout_ref.actor.optim.lr": 1e-3, "trainer.save_final_model": "false", "trainer.plot": "false"}
+POOL = {"rollout.n_gpus_per_node": 1}
+ONE_STEP_OFF = {**POOL, "async_training.staleness_threshold": 1.0, "async_training.use_rollout_log_probs": "true",
+                "async_training.compute_prox_log_prob": "true", "algorithm.rollout_correction.rollout_is": "token",
+                "algorithm.rollout_correction.rollout_rs": "token_k1",
+                "algorithm.rollout_correction.rollout_rs_threshold": 2.0}
+VOLATILE = ("timing/", "startup/", "throughput/", "async/")
+
+
+def _start(run_dir, settings: dict, marker: str) -> subprocess.Popen:
+    args = {**BASE, **settings, "trainer.default_local_dir": run_dir,
+            "trainer.cache_dir": os.path.join(os.path.dirname(run_dir), "cache")}
+    cmd = [sys.executable, "-m", "rlsp.main", *(f"{k}={v}" for k, v in args.items())]
+    return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "RLSP_FAULT_TEST": marker}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _metrics(run_dir) -> list[dict]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    return [json.loads(x) for x in open(path)] if os.path.exists(path) else []
+
+
+def _environ(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 600) -> str:
+    _, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, err[-4000:]
+    return err
+
+
+def test_staleness_zero_reproduces_the_synchronous_run(tmp_path):
+    marker = uuid.uuid4().hex
+    steps = {"trainer.total_training_steps": 2}
+    _finish(_start(str(tmp_path / "sync"), steps, marker))
+    _finish(_start(str(tmp_path / "async"), {**steps, **POOL}, marker))
+    sync, pool = _metrics(tmp_path / "sync"), _metrics(tmp_path / "async")
+    assert [r["step"] for r in pool] == [1, 2]
+    for a, b in zip(sync, pool):
+        same = {k: v for k, v in a.items() if not k.startswith(VOLATILE)}
+        assert same == {k: b[k] for k in same}, [(k, a[k], b[k]) for k in same if a[k] != b[k]]
+        assert b["async/staleness_max"] == 0.0 and b["async/queue_depth"] == 0.0
+
+
+def test_one_step_off_policy_stops_with_a_batch_in_flight_and_resumes_on_fresh_samples(tmp_path):
+    marker, run_dir = uuid.uuid4().hex, str(tmp_path / "run")
+    settings = {**ONE_STEP_OFF, "trainer.total_training_steps": 4, "trainer.save_freq": 1}
+    proc = _start(run_dir, settings, marker)
+    try:
+        _wait_for(lambda: len(_metrics(run_dir)) >= 2, 300, "two training steps")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    _assert_nothing_left(marker)
+    first = _metrics(run_dir)
+    assert first[0]["async/staleness_max"] == 0.0 and first[1]["async/staleness_max"] == 1.0
+    assert first[1]["async/queue_depth"] == 1.0  # batch 3 was generated or in flight while step 2 trained
+    assert 0.0 < first[1]["rollout_corr/rollout_is_mean"] and "rollout_corr/rollout_rs_masked_fraction" in first[1]
+    saved = int(open(os.path.join(run_dir, "latest_checkpointed_iteration.txt")).read())
+    _finish(_start(run_dir, settings, marker))
+    rows = {r["step"]: r for r in _metrics(run_dir)}
+    assert sorted(rows) == [1, 2, 3, 4]
+    assert rows[saved + 1]["async/staleness_max"] == 0.0  # generated with the weights the run resumed with
+    assert all(rows[s]["async/staleness_max"] <= 1.0 for s in rows)
+
+
+def test_killed_rollout_worker_ends_the_run_naming_it(tmp_path):
+    marker, run_dir = uuid.uuid4().hex, str(tmp_path / "run")
+    proc = _start(run_dir, {**ONE_STEP_OFF, "trainer.total_training_steps": 200}, marker)
+    try:
+        _wait_for(lambda: len(_metrics(run_dir)) >= 2, 300, "two training steps")
+        rollout = [p for p in _marked(marker) if b"RLSP_WORKER_GROUP=rollout" in _environ(p)]
+        assert rollout, "no rollout worker process found"
+        os.kill(rollout[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=90)
+        assert time.monotonic() - t0 <= 90
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    assert "rollout worker rank 0 of 1 died" in err, err[-3000:]
+    _assert_nothing_left(marker)
