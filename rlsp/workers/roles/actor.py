@@ -77,7 +77,7 @@ class ActorRole:
     @register(Dispatch.ALL)
     def export_rollout_weights(self, dtype: str) -> list[tuple[str, torch.Tensor]] | None:
         """Full weights for a rollout pool of its own (collective): rank 0 returns them on the CPU, others None."""
-        named = [(name, t.detach().to("cpu", copy=True)) for name, t in self.engine.iter_full_params(resolve_dtype(dtype))]
+        named = [(name, t.detach().to("cpu", copy=True)) for name, t in self.rollout_weights(resolve_dtype(dtype))]
         return named if self.ctx.rank == 0 else None
 
     @register(Dispatch.BY_DP)
