@@ -1,0 +1,244 @@
+"""Memory per rank of a training layout: model state sharded per the layout, activations, buffers.
+
+Every number is bytes on ONE rank, for one micro-batch stream of `budget x token_shards` tokens
+(the budget is `*_max_token_len_per_gpu`). Terms (e = compute dtype bytes):
+  state      trainable role: fp32 master 4 + fp32 gradient 4 + AdamW 8 bytes per parameter; frozen
+             reference: e per parameter. Layer weights are split over tp and then over the FSDP shard
+             group; the embedding, lm_head and final norm are replicated over tp (rlsp's TP plan) and
+             sharded over the FSDP group.
+  saved      what autograd keeps for backward (per decoder layer, measured op by op on rlsp's
+             forward): two RMSNorms (fp32 upcast of the input, the normalised output and the
+             projection input: h*(4+e)+4 per token each, plus h*e per token of the [S] tensor the
+             column-parallel projections read), attention (q, k, v and output for the rank's heads
+             over its ring share of the stream, fp32 log-sum-exp, the o_proj input) and the gated MLP
+             (four [tokens, I/tp] tensors). Activation checkpointing keeps one [tokens, h] input per
+             layer instead, and recomputes one layer at a time in backward.
+  buffers    FSDP2 all-gathers one layer (and prefetches the next) in the compute dtype; a layer's
+             unsharded gradients (plus their fp32 copy for the reduce); the root unit (embedding,
+             lm_head, final norm) stays unsharded from forward to the end of backward, with the
+             lm_head gradient next to it.
+  head       the vocab-chunked logprob head's backward: fp32 logprobs and probabilities of a
+             [chunk, vocab] block, two chunks alive at once (rlsp/models/logprobs.py keeps the
+             previous chunk's buffers referenced while it computes the next).
+  working    one layer's backward: the MLP's intermediate gradients, the Ulysses exchange buffers,
+             tp's re-gathered inputs, ring attention's block math (fp32 scores, probabilities and
+             their gradients of one box: a sequence's tokens on this rank x the visiting block's,
+             rlsp/parallel/ring.py materialises them; charged while that code is in use).
+The peak is the largest of: the start of backward (saved activations and the head), a layer's
+backward (saved activations or the gradients reduced so far, one recomputed layer with
+checkpointing, the working set), the end of backward (the root's gradients reduced) and the
+optimizer step (AdamW's temporaries). Other roles on the rank (reference, colocated critic) add
+their resident state. Checked against measured peaks of real engine steps by
+benchmarks/plan_memory.py (docs/benchmarks.md, "Planner memory model").
+
+Legend: T stream tokens, S = T / (ulysses x ring) tokens of a sequence shard, s tokens a rank keeps
+outside the projections (S / tp with sequence-parallel activations, else S), Tr = T / ring tokens
+inside attention, hq / hkv the rank's heads inside attention, D head dim, I intermediate size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rlsp.config.layout import RoleLayout
+from rlsp.config.plan.shape import ModelShape
+
+GIB = 2**30
+ROLES = ("actor", "ref", "critic")
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    """Settings that change memory but not the parallel layout."""
+
+    dtype_bytes: int = 2  # compute dtype: 2 for bfloat16, 4 for float32
+    checkpointing: bool = False
+    tiled_mlp_shards: int = 0  # 0: off; n: the MLP runs over n token tiles (recomputed in backward)
+    activation_offload: bool = False  # checkpointed layer inputs kept in host memory (needs checkpointing)
+    logprob_chunk: int = 1024  # actor_rollout_ref.actor.logprob_chunk_size
+
+
+@dataclass(frozen=True)
+class HeadShare:
+    """Heads the busiest rank holds inside attention (after the tp and Ulysses splits)."""
+
+    q: int
+    kv: int
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One role's layout and the micro-batch it runs: `budget` tokens per rank, sequences of up to
+    `seq_len` tokens, `heads` the busiest rank's share inside attention."""
+
+    layout: RoleLayout
+    budget: int
+    seq_len: int
+    heads: HeadShare
+
+    @property
+    def stream(self) -> int:
+        """T: tokens of one packed stream (the budget times the pieces the layout cuts it into)."""
+        return self.budget * self.layout.token_shards
+
+    @property
+    def shard(self) -> int:
+        """S: tokens of a sequence shard (outside attention, before tp's sequence split)."""
+        return self.stream // self.layout.sp_size
+
+    @property
+    def kept(self) -> int:
+        """s: tokens a rank keeps in the residual stream (S / tp with sequence-parallel activations)."""
+        return self.shard // self.layout.tp if self.layout.tp_shards_tokens else self.shard
+
+    @property
+    def heads_len(self) -> int:
+        """Tr: tokens a rank sees inside attention (its ring share of the stream)."""
+        return self.stream // self.layout.ring
+
+
+@dataclass
+class MemoryEstimate:
+    """Peak bytes per rank and the named terms it is made of (bytes)."""
+
+    peak: float
+    phase: str  # which moment sets the peak: "backward start", "backward end" or "optimizer step"
+    terms: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak / GIB
+
+
+def state_bytes(shape: ModelShape, layout: RoleLayout, role: str, e: int) -> tuple[float, float]:
+    """(state without gradients, gradients) of one role on one rank."""
+    root = shape.critic_root_params if role == "critic" else shape.root_params
+    params = (shape.layers * shape.layer_params / layout.tp + root) / layout.fsdp_shard
+    if role == "ref":
+        return params * e, 0.0
+    return params * 12.0, params * 4.0  # fp32 master + AdamW moments; fp32 gradients
+
+
+def layer_saved_bytes(shape: ModelShape, w: Workload, opts: MemoryOptions) -> float:
+    """Bytes one decoder layer saves for backward without checkpointing."""
+    e, h, d, lay = opts.dtype_bytes, shape.hidden, shape.head_dim, w.layout
+    norms = 2 * (w.kept * (h * (4 + e) + 4) + w.shard * h * e)
+    attn = w.heads_len * ((2 * w.heads.q + 2 * w.heads.kv) * d * e + w.heads.q * 4)
+    if not (lay.ulysses == 1 and lay.ring > 1):  # ring alone: o_proj reads attention's own output
+        attn += w.shard * (shape.q_heads // lay.tp) * d * e
+    mlp = 0 if opts.tiled_mlp_shards else 4 * w.shard * (shape.intermediate // lay.tp) * e
+    return norms + attn + mlp
+
+
+def ring_bytes(w: Workload) -> float:
+    """Ring attention's block math in backward: fp32 scores, probabilities and their gradients of one
+    box (a sequence's tokens on this rank x the visiting block's), about six such tensors at once
+    (measured), plus the cached per-step masks."""
+    if w.layout.ring == 1:
+        return 0.0
+    box = min(w.seq_len, w.stream) // w.layout.ring
+    return 6 * w.heads.q * box * box * 4 + (w.layout.ring + 1) / 2 * box * box
+
+
+def _backward_working_set(shape: ModelShape, w: Workload, opts: MemoryOptions) -> float:
+    """Tensors alive at once in one layer's backward besides its saved ones: the MLP's (or attention's)
+    intermediate gradients, the exchanges' buffers, the residual gradients, ring attention's blocks."""
+    e, d, h, lay = opts.dtype_bytes, shape.head_dim, shape.hidden, w.layout
+    tiles = opts.tiled_mlp_shards or 1
+    # the MLP's backward: the gradients of its product, of the activation and of the up projection
+    # (the product itself, the down projection's input, is freed by then)
+    mlp = 2 * w.shard / tiles * (shape.intermediate // lay.tp) * e
+    if opts.tiled_mlp_shards:  # the tile recomputed in backward
+        mlp += 4 * w.shard / tiles * shape.intermediate * e
+    attn = 2 * w.heads_len * (w.heads.q + 2 * w.heads.kv) * d * e
+    exchange = 2 * w.shard * (shape.q_heads + 2 * shape.kv_heads) // lay.tp * d * e if lay.ulysses > 1 else 0
+    gathers = 2 * w.shard * h * e if lay.tp_shards_tokens else 0  # tp: inputs all-gathered again for dW
+    return max(mlp, attn + ring_bytes(w)) + exchange + gathers + 2 * w.kept * h * e
+
+
+def _head_bytes(shape: ModelShape, w: Workload, role: str, opts: MemoryOptions) -> float:
+    """Backward of the output head: [chunk, vocab] fp32 logprobs and probabilities per chunk."""
+    e, tokens = opts.dtype_bytes, w.kept  # the head runs on the tokens a rank keeps
+    if role == "critic":
+        return tokens * shape.hidden * e
+    # per chunk: fp32 logprobs and probabilities (the logit gradient is formed in place), plus a
+    # compute-dtype copy below fp32; the previous chunk's buffers are still referenced while the next
+    # chunk's are computed, so two chunks are alive once there are two
+    chunk = min(opts.logprob_chunk, tokens)
+    alive = 2 if tokens > chunk else 1
+    return chunk * shape.vocab * (8 * alive + (e if e < 4 else 0)) + tokens * shape.hidden * e
+
+
+def activation_terms(shape: ModelShape, w: Workload, role: str, opts: MemoryOptions) -> dict[str, float]:
+    """Saved activations, one layer recomputed (checkpointing), a layer's backward working set and the
+    output head's backward of one training role."""
+    e, h = opts.dtype_bytes, shape.hidden
+    final_norm = w.kept * (h * (4 + 2 * e) + 4)  # its backward runs before the layers'
+    shared = final_norm + w.shard * (20 + 2 * shape.head_dim * e)  # + token ids, labels, rotary tables
+    layer = layer_saved_bytes(shape, w, opts)
+    if opts.checkpointing:
+        kept = 1 if opts.activation_offload else shape.layers  # offload: inputs return one layer at a time
+        saved, recompute = kept * w.kept * h * e + shared, layer
+    else:
+        saved, recompute = shape.layers * layer + shared, 0.0
+    return {"saved": saved, "final_norm": final_norm, "recompute": recompute, "layer_backward": _backward_working_set(shape, w, opts),
+            "head": _head_bytes(shape, w, role, opts)}
+
+
+def buffer_terms(shape: ModelShape, layout: RoleLayout, role: str, e: int) -> dict[str, float]:
+    """FSDP2's unsharded buffers: layers in flight, the root unit during forward/backward, and the root's
+    gradient reduce at the end of backward."""
+    layer = shape.layer_params / layout.tp
+    cast = 4 if e < 4 else 0  # gradients are reduced in fp32
+    root = shape.critic_root_params if role == "critic" else shape.root_params
+    head_grad = 0 if role == "critic" else shape.vocab * shape.hidden * e  # lm_head gradient, unsharded
+    return {"layers_unsharded": 2 * layer * e + layer * (e + cast), "root_unsharded": root * e + head_grad,
+            "root_reduce": root * (2 * e + cast)}
+
+
+def role_peak(shape: ModelShape, w: Workload, role: str, opts: MemoryOptions) -> tuple[str, dict[str, float]]:
+    """(phase, the parts of this role's peak above the rank's other resident state) at the role's worst
+    moment: the start of backward (saved activations and the head's backward), a layer's backward
+    (saved activations, the recomputed layer and its working set, or the gradients reduced so far),
+    the end of backward (the root's gradients reduced) or the optimizer step."""
+    act = activation_terms(shape, w, role, opts)
+    buf = buffer_terms(shape, w.layout, role, opts.dtype_bytes)
+    _, grads = state_bytes(shape, w.layout, role, opts.dtype_bytes)
+    fsdp = {"FSDP unsharded layers": buf["layers_unsharded"], "FSDP root unit": buf["root_unsharded"]}
+    layer = {"recomputed layer": act["recompute"], "layer backward": act["layer_backward"]}
+    phases = {
+        "start of backward": {**fsdp, "saved activations": act["saved"], "output head": act["head"]},
+        "layer backward": {**fsdp, "saved activations": act["saved"] - act["final_norm"], **layer},
+        "layer backward, gradients reduced": {**fsdp, "gradients": grads, **layer},
+        "end of backward": {"gradients": grads, "root gradient reduce": buf["root_reduce"]},
+        "optimizer step": {"gradients": grads, "AdamW temporaries": grads},  # foreach: one fp32 tensor per parameter
+    }
+    phase = max(phases, key=lambda k: sum(phases[k].values()))
+    return phase, phases[phase]
+
+
+def plan_memory(shape: ModelShape, w: Workload, opts: MemoryOptions, critic: bool = False,
+                ref: bool = True) -> MemoryEstimate:
+    """Peak bytes per rank of a colocated run: actor and reference (and the critic, on the actor's layout),
+    the larger of the actor's and the critic's update (`ref=False`: no separate reference). A role's
+    gradients stay allocated from its update to the start of its next one, so they are resident while
+    the other role trains. `terms` are the parts that add up to the peak."""
+    e, lay = opts.dtype_bytes, w.layout
+    actor_state, actor_grads = state_bytes(shape, lay, "actor", e)
+    resident = {"actor state": actor_state}
+    if ref:
+        resident["ref state"] = state_bytes(shape, lay, "ref", e)[0]
+    critic_state, critic_grads = state_bytes(shape, lay, "critic", e) if critic else (0.0, 0.0)
+    if critic:
+        resident["critic state"] = critic_state
+    best = MemoryEstimate(0.0, "")
+    for role, other in (("actor", ("critic gradients", critic_grads)), ("critic", ("actor gradients", actor_grads))):
+        if role == "critic" and not critic:
+            continue
+        phase, parts = role_peak(shape, w, role, opts)
+        terms = {**resident, **({other[0]: other[1]} if critic else {}),
+                 **{(f"{role} {k}" if k == "gradients" else k): v for k, v in parts.items()}}
+        peak = sum(terms.values())
+        if peak > best.peak:
+            best = MemoryEstimate(peak, f"{role} {phase}", terms)
+    return best

@@ -1,0 +1,202 @@
+"""Enumerate the training layouts of a cluster, estimate each one's memory and speed, rank them.
+
+A candidate is a RoleLayout (dp x ring x Ulysses x tp, sequence-parallel activations or not, FSDP
+shard group) plus settings that change memory but not the layout (activation checkpointing, tiled
+MLP, activation offload, the token budget per GPU). Only layouts validation accepts are generated:
+tp divides the model's heads and MLP width, Ulysses x tp divides the GPUs of a node, ulysses x ring
+x tp divides the world. For each layout the settings that fit and run fastest are kept.
+
+Speed is a rough per-micro-batch time on one rank: matmul and attention FLOPs at a sustained rate,
+plus the bytes of `plan_comm` over the node's and the network's bandwidth (not overlapped), plus the
+host copies of activation offload. It ranks layouts; it does not predict step times.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from rlsp.config.layout import RoleLayout, World
+from rlsp.config.plan.comm import Comm, HeadSplit, plan_comm
+from rlsp.config.plan.memory import GIB, HeadShare, MemoryEstimate, MemoryOptions, Workload, plan_memory
+from rlsp.config.plan.shape import ModelShape
+
+# (q heads, kv heads, ulysses) -> heads of every Ulysses rank; rlsp.parallel.heads.plan_head_layout
+# computes it (the CLI passes an adapter: that module sits above this layer).
+SplitFn = Callable[[int, int, int], HeadSplit]
+BUDGET_GRANULE = 64  # token budgets are multiples of this (streams stay multiples of stream_multiple)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    nodes: int
+    gpus_per_node: int
+    gpu_memory_gib: float
+    headroom: float = 0.10  # kept free for the CUDA context, NCCL buffers, allocator fragmentation
+
+    @property
+    def world(self) -> World:
+        return World(self.nodes, self.gpus_per_node)
+
+    @property
+    def usable(self) -> float:
+        return self.gpu_memory_gib * GIB * (1.0 - self.headroom)
+
+
+@dataclass(frozen=True)
+class Speeds:
+    tflops: float = 300.0  # sustained dense FLOP/s per GPU, in TFLOP/s
+    intra_gbps: float = 300.0  # GB/s a GPU sends inside its node
+    inter_gbps: float = 40.0  # GB/s a GPU sends to other nodes
+    host_gbps: float = 25.0  # GB/s between GPU and host (activation offload)
+
+
+@dataclass(frozen=True)
+class Request:
+    shape: ModelShape
+    cluster: Cluster
+    seq_len: int  # longest sequence: prompt + response tokens
+    critic: bool = False  # PPO: a value model on the actor's layout, colocated
+    dtype_bytes: int = 2
+    max_budget: int = 32768  # grow a budget up to this many tokens per GPU when sequences are shorter
+    logprob_chunk: int = 1024
+    speeds: Speeds = field(default_factory=Speeds)
+    tiled_mlp: bool = False  # whether the schema has the tiled-MLP keys (the option is enumerated)
+    activation_offload: bool = False
+
+
+@dataclass(frozen=True)
+class Settings:
+    checkpointing: bool
+    budget: int
+    tiled_mlp_shards: int = 0
+    activation_offload: bool = False
+
+
+@dataclass
+class Plan:
+    layout: RoleLayout
+    settings: Settings
+    memory: MemoryEstimate
+    comm: Comm
+    split: HeadSplit
+    fits: bool
+    compute_s: float
+    intra_s: float
+    inter_s: float
+    host_s: float
+    tokens: float  # distinct tokens per GPU per micro-batch
+    reason: str = ""
+
+    @property
+    def seconds(self) -> float:
+        return self.compute_s + self.intra_s + self.inter_s + self.host_s
+
+    @property
+    def throughput(self) -> float:
+        """Estimated tokens per second per GPU (ranking only)."""
+        return self.tokens / self.seconds
+
+    @property
+    def imbalance(self) -> float:
+        """Attention work of the busiest Ulysses rank over the mean (uneven head splits)."""
+        q = self.split.q_counts
+        return max(q) * len(q) / sum(q)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def fsdp_sizes(world: World, tp: int) -> list[int]:
+    """FSDP shard groups worth trying: all non-tp ranks (-1), one node's (HSDP across nodes), 1 (replicated)."""
+    ranks, per_node = world.world_size // tp, world.procs_per_node // tp
+    sizes = [-1]
+    if 1 < per_node < ranks:
+        sizes.append(per_node)
+    if ranks > 1:
+        sizes.append(1)
+    return sizes
+
+
+def candidate_layouts(shape: ModelShape, world: World) -> Iterator[RoleLayout]:
+    """Every layout validation accepts for this model on `world` (see the module docstring)."""
+    per_node = world.procs_per_node
+    for tp in (t for t in shape.legal_tp() if per_node % t == 0):
+        for uly in divisors(per_node // tp):
+            for ring in divisors(world.world_size // (uly * tp)):
+                for sp in (True, False) if tp > 1 else (True,):
+                    for size in fsdp_sizes(world, tp):
+                        yield RoleLayout(world, ulysses=uly, ring=ring, tp=tp, sequence_parallel=sp, fsdp_size=size)
+
+
+def budgets(req: Request, layout: RoleLayout) -> list[int]:
+    """Token budgets per GPU: the smallest whose stream holds one whole sequence, doubled up to max_budget."""
+    shards = layout.token_shards
+    low = math.ceil(math.ceil(req.seq_len / shards) / BUDGET_GRANULE) * BUDGET_GRANULE
+    out = [low]
+    while out[-1] * 2 <= req.max_budget:
+        out.append(out[-1] * 2)
+    return out
+
+
+def settings_for(req: Request, layout: RoleLayout) -> Iterator[Settings]:
+    tiled = (0, 4) if req.tiled_mlp and layout.tp == 1 else (0,)
+    for budget in budgets(req, layout):
+        for shards in tiled:
+            yield Settings(False, budget, shards)
+            yield Settings(True, budget, shards)
+            if req.activation_offload:
+                yield Settings(True, budget, shards, activation_offload=True)
+
+
+def _flops(req: Request, w: Workload, s: Settings) -> float:
+    """Matmul and attention FLOPs of one rank for one micro-batch (forward, backward, recomputation)."""
+    shape, lay = req.shape, w.layout
+    matmul = 2 * w.shard * (shape.layer_params - 2 * shape.hidden) / lay.tp
+    span = min(req.seq_len, w.stream)  # causal pairs of the stream: T * span / 2, 4 D flops per pair and head
+    attention = 2 * w.heads.q * shape.head_dim * w.stream * span / lay.ring
+    layer_fwd = matmul + attention
+    head_fwd = 2 * w.kept * shape.vocab * shape.hidden
+    total = shape.layers * layer_fwd * (4 if s.checkpointing else 3) + head_fwd * 4
+    if s.tiled_mlp_shards:
+        total += shape.layers * 2 * w.shard * 3 * shape.hidden * shape.intermediate
+    return total
+
+
+def evaluate(req: Request, layout: RoleLayout, s: Settings, split: HeadSplit) -> Plan:
+    share = HeadShare(max(split.q_counts), max(split.kv_counts))
+    w = Workload(layout, s.budget, req.seq_len, share)
+    opts = MemoryOptions(req.dtype_bytes, s.checkpointing, s.tiled_mlp_shards, s.activation_offload, req.logprob_chunk)
+    memory = plan_memory(req.shape, w, opts, critic=req.critic)
+    comm = plan_comm(req.shape, w, split, req.dtype_bytes, s.checkpointing)
+    sp = req.speeds
+    offloaded = req.shape.layers * w.kept * req.shape.hidden * req.dtype_bytes if s.activation_offload else 0.0
+    roles = 2 if req.critic else 1
+    return Plan(layout, s, memory, comm, split, memory.peak <= req.cluster.usable,
+                compute_s=roles * _flops(req, w, s) / (sp.tflops * 1e12), intra_s=roles * comm.intra / (sp.intra_gbps * 1e9),
+                inter_s=roles * comm.inter / (sp.inter_gbps * 1e9), host_s=roles * 2 * offloaded / (sp.host_gbps * 1e9), tokens=w.stream / layout.ranks_per_dp)
+
+
+def _best(plans: list[Plan]) -> Plan:
+    """The fastest plan that fits, else the one needing the least memory."""
+    fitting = [p for p in plans if p.fits]
+    if fitting:
+        return max(fitting, key=lambda p: (p.throughput, -p.memory.peak))
+    return min(plans, key=lambda p: p.memory.peak)
+
+
+def search(req: Request, split_fn: SplitFn) -> list[Plan]:
+    """One plan per set of degrees (dp, ring, Ulysses, tp, sequence-parallel activations) with its best FSDP
+    shard group and settings; the fastest fitting first, then the others by memory."""
+    splits: dict[tuple[int, int], HeadSplit] = {}
+    groups: dict[tuple[int, int, int, bool], list[Plan]] = {}
+    for layout in candidate_layouts(req.shape, req.cluster.world):
+        key = (layout.tp, layout.ulysses)
+        if key not in splits:
+            splits[key] = split_fn(req.shape.q_heads // layout.tp, req.shape.kv_heads // layout.tp, layout.ulysses)
+        degrees = (layout.ring, layout.ulysses, layout.tp, layout.sequence_parallel)
+        groups.setdefault(degrees, []).extend(evaluate(req, layout, s, splits[key]) for s in settings_for(req, layout))
+    best = [_best(plans) for plans in groups.values()]  # one per set of degrees: its best FSDP group and settings
+    return sorted(best, key=lambda p: (not p.fits, -p.throughput if p.fits else p.memory.peak))
