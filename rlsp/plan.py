@@ -17,7 +17,7 @@ import argparse
 import sys
 
 from rlsp.config.plan.comm import HeadSplit
-from rlsp.config.plan.explain import fsdp_name, infeasible, layout_name, loss_reason, refusals
+from rlsp.config.plan.explain import fsdp_name, infeasible, layout_name, loss_reason, refusals, settings_name
 from rlsp.config.plan.memory import GIB
 from rlsp.config.plan.overrides import (
     OFFLOAD_KEY,
@@ -123,11 +123,8 @@ def print_header(req: Request, run: RunShape) -> None:
 def print_recommended(req: Request, plans: list[Plan], best: Plan) -> None:
     fitting = sum(p.fits for p in plans)
     parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in best.memory.terms.items() if v >= 0.05 * GIB)
-    s = best.settings
-    extra = (", activation offload" if s.activation_offload else "") + \
-        (f", tiled MLP ({s.tiled_mlp_shards} tiles)" if s.tiled_mlp_shards else "")
-    print(f"\nrecommended: {layout_name(best.layout)}, FSDP {fsdp_name(best.layout)}, checkpointing "
-          f"{'on' if s.checkpointing else 'off'}{extra}, {s.budget} tokens per GPU: the highest "
+    print(f"\nrecommended: {layout_name(best.layout)}, FSDP {fsdp_name(best.layout)}, {settings_name(best)}, "
+          f"{best.settings.budget} tokens per GPU: the highest "
           f"estimated throughput of the {fitting} fitting layouts ({best.throughput:,.0f} tokens/s per GPU)")
     print(f"memory per GPU: {best.memory.peak / GIB:.1f} GiB at the {best.memory.phase} "
           f"(GiB: {parts})")

@@ -8,6 +8,8 @@ costs most of the difference (recomputation, uneven heads, bytes inside or betwe
 
 from __future__ import annotations
 
+import math
+
 from rlsp.config.layout import RoleLayout
 from rlsp.config.plan.memory import GIB, HeadShare, Workload, ring_bytes
 from rlsp.config.plan.search import Plan, Request, divisors
@@ -131,14 +133,24 @@ def _ring_text(req: Request, plan: Plan) -> str:
             "(rlsp/parallel/ring.py has no fused kernel yet)")
 
 
+def settings_name(plan: Plan) -> str:
+    s = plan.settings
+    parts = [f"checkpointing {'on' if s.checkpointing else 'off'}"]
+    parts += ["activation offload"] * s.activation_offload + [f"tiled MLP ({s.tiled_mlp_shards} tiles)"] * bool(s.tiled_mlp_shards)
+    return ", ".join(parts)
+
+
 def infeasible(req: Request, plans: list[Plan]) -> str:
-    """Why no layout fits: the closest one and what its memory is made of."""
+    """Why no layout fits: the closest one, what its memory is made of, and what would change that."""
     low = min(plans, key=lambda p: p.memory.peak)
-    t = low.memory.terms
-    state = sum(v for k, v in t.items() if k.endswith(("state", "gradients")))
-    usable = req.cluster.usable / GIB
-    return (f"no layout fits {req.cluster.gpu_memory_gib:g} GiB GPUs ({usable:.1f} GiB usable): the smallest estimate is "
-            f"{low.memory.peak / GIB:.1f} GiB per GPU ({layout_name(low.layout)}, FSDP {fsdp_name(low.layout)}, "
-            f"checkpointing {'on' if low.settings.checkpointing else 'off'}, {low.settings.budget} tokens per GPU), "
-            f"of which model state (weights, gradients, optimizer) is {state / GIB:.1f} GiB and activations and "
-            f"buffers at {low.memory.phase} the rest; more GPUs, shorter sequences or larger GPUs are needed")
+    state = sum(v for k, v in low.memory.terms.items() if k.endswith(("state", "gradients")))
+    usable, world = req.cluster.usable, req.cluster.world.world_size
+    text = (f"no layout fits {req.cluster.gpu_memory_gib:g} GiB GPUs ({usable / GIB:.1f} GiB usable): the smallest "
+            f"estimate is {low.memory.peak / GIB:.1f} GiB per GPU ({layout_name(low.layout)}, FSDP "
+            f"{fsdp_name(low.layout)}, {settings_name(low)}, {low.settings.budget} tokens per GPU): model state "
+            f"(weights, gradients, optimizer) {state / GIB:.1f} GiB, activations and buffers "
+            f"{(low.memory.peak - state) / GIB:.1f} GiB (peak at the {low.memory.phase})")
+    if state > usable:
+        return text + (f"; the model state alone exceeds a GPU: it shards over the GPUs, so at least "
+                       f"{math.ceil(state * world / usable)} GPUs of this size are needed")
+    return text + "; more GPUs (longer Ulysses or ring degrees), shorter sequences or larger GPUs are needed"

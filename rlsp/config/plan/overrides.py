@@ -90,9 +90,9 @@ def _degrees(prefix: str, plan: Plan) -> list[str]:
 def _model_options(prefix: str, plan: Plan) -> list[str]:
     s = plan.settings
     out = [f"{prefix}.enable_gradient_checkpointing={str(s.checkpointing).lower()}"]
-    if schema_has(OFFLOAD_KEY):
+    if schema_has(f"{prefix}.enable_activation_offload"):
         out.append(f"{prefix}.enable_activation_offload={str(s.activation_offload).lower()}")
-    if schema_has(TILED_KEY):
+    if schema_has(f"{prefix}.tiled_mlp.num_shards"):
         out.append(f"{prefix}.tiled_mlp.enabled={str(bool(s.tiled_mlp_shards)).lower()}")
         if s.tiled_mlp_shards:
             out.append(f"{prefix}.tiled_mlp.num_shards={s.tiled_mlp_shards}")

@@ -1,0 +1,25 @@
+"""The planner's memory model against the measured peak of real engine steps (benchmarks/plan_memory.py):
+two of the benchmark's layouts, one per process count, each within 15 % of the measured peak."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from _launch import run_distributed
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import plan_memory  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.mark.parametrize("name", ["one rank, bf16, checkpointing", "tp 2, sequence-parallel"])
+def test_estimate_within_15_percent_of_the_measured_peak(name):
+    case = next(c for c in plan_memory.CASES if c.name == name)
+    results = run_distributed(plan_memory.measure, case.world, case)
+    measured = max(r["peak"] for r in results)
+    estimate = plan_memory.estimate(case)
+    assert all(r["at_step_start"] > 0 for r in results)  # the state built before the step is counted
+    assert abs(estimate - measured) <= 0.15 * measured, (name, estimate / 2**20, measured / 2**20)
