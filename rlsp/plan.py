@@ -97,8 +97,7 @@ def print_plans(req: Request, plans: list[Plan], limit: int) -> None:
           f"{'MB intra':>9} {'MB inter':>9} {'tok/s/GPU':>9}  verdict")
     best = plans[0] if plans[0].fits else None
     for i, plan in enumerate(plans[:limit], 1):
-        verdict = "RECOMMENDED" if plan is best else loss_reason(plan, best or plan, req) if best else \
-            loss_reason(plan, plan, req)
+        verdict = "RECOMMENDED" if plan is best else loss_reason(plan, best or plan, req)
         print(_row(i, plan, verdict, req.shape.layers))
     rest = plans[limit:]
     if rest:
