@@ -129,7 +129,7 @@ def _measure(rank: int, world: int, ulysses: int, ring: int, tp: int, seq_par: b
     regions = {r: sum(n for region, n in saved.values() if region == r) for r in REGIONS}
     return {"saved_bytes": sum(regions.values()), "regions": regions, "tokens": packed.total_len,
             "local_tokens": lp_S.shape[0], "stack_balanced": stack == ["other"],
-            "ring_mask_bytes": sum(b.mask_QK.numel() * b.mask_QK.element_size() for b in masks)}
+            "ring_mask_bytes": sum(b.nbytes for b in masks)}
 
 
 def _run(ulysses: int, ring: int, tp: int, seq_par: bool, base: dict[str, Any] | None) -> dict[str, Any]:

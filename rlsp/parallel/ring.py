@@ -24,9 +24,9 @@ e_acc = 4 (8 for fp64 inputs):
 The dK/dV accumulator of block j starts at rank j+1 and ends at j (r-1 hops); j adds its own part.
 
 The block math (`block_attention`, `block_attention_backward`) is kept apart so a fused kernel can
-replace it. Here it materialises the scores [hq, Q, K] of one bounding box per step in fp32 (peak
-about 3 * hq * Q * K * 4 bytes: scores, probabilities, their gradient); the plan's cached masks
-take at most r * Tr^2 = T * Tr bytes per device.
+replace it. Here it materialises the scores of ROW_CHUNK query rows of one box at a time in fp32
+(peak about 3 * hq * ROW_CHUNK * K * 4 bytes: scores, probabilities, their gradient); the plan keeps
+only 1-D positions and segment ids per box (O(Tr) per step) and derives each row chunk's mask.
 
 Legend: T stream length, r ring size, Tr = T / r tokens of this rank, Q / K query / key rows of
 one block (its bounding box), H heads (hq for q and o, hkv for k and v), D head dim.
@@ -61,15 +61,38 @@ def zigzag_indices(total_len: int, ring_size: int, ring_rank: int) -> torch.Tens
     return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
 
 
+ROW_CHUNK = 1024  # query rows per score tile: a block's scores never exceed [hq, ROW_CHUNK, K]
+
+
 @dataclass
 class StepBlock:
-    """Visible part of one step's (local queries x visiting keys) block: rows [q0, q1), keys [k0, k1)."""
+    """Visible part of one step's (local queries x visiting keys) block for one segment: rows [q0, q1),
+    keys [k0, k1). Only 1-D metadata is kept; the mask of any row range is derived from it, so a long
+    sequence never holds a [Q, K] mask."""
 
     q0: int
     q1: int
     k0: int
     k1: int
-    mask_QK: torch.Tensor  # bool, True where the key is visible to the query
+    segment: int
+    pos_Q: torch.Tensor  # stream positions and segment ids of the rows and keys of the box
+    pos_K: torch.Tensor
+    seg_Q: torch.Tensor
+    seg_K: torch.Tensor
+
+    def mask(self, r0: int = 0, r1: int | None = None) -> torch.Tensor:
+        """bool [rows, K]: key visible to query (same segment, not in its future), rows r0:r1 of the box."""
+        pos_R, seg_R = self.pos_Q[r0:r1], self.seg_Q[r0:r1]
+        return ((seg_R[:, None] == self.segment) & (self.seg_K[None, :] == self.segment)
+                & (self.pos_K[None, :] <= pos_R[:, None]))
+
+    @property
+    def mask_QK(self) -> torch.Tensor:
+        return self.mask()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.pos_Q, self.pos_K, self.seg_Q, self.seg_K))
 
 
 @dataclass
@@ -110,15 +133,15 @@ class RingPlan:
         seg_q, seg_k = self.segment_T[pos_q], self.segment_T[pos_k]
         blocks = []
         for seg in sorted(set(seg_q.tolist()) & set(seg_k.tolist())):
-            rows, cols = (seg_q == seg).nonzero().flatten(), (seg_k == seg).nonzero().flatten()
+            in_q, in_k = seg_q == seg, seg_k == seg
+            # rows that see some key (at or after the segment's first key here) and keys some row sees
+            rows = (in_q & (pos_q >= pos_k[in_k].min())).nonzero().flatten()
+            cols = (in_k & (pos_k <= pos_q[in_q].max())).nonzero().flatten()
+            if rows.numel() == 0:
+                continue
             q0, q1, k0, k1 = int(rows[0]), int(rows[-1]) + 1, int(cols[0]), int(cols[-1]) + 1
-            mask_QK = ((seg_q[q0:q1, None] == seg) & (seg_k[None, k0:k1] == seg)
-                       & (pos_k[None, k0:k1] <= pos_q[q0:q1, None]))
-            rows, cols = mask_QK.any(dim=1).nonzero().flatten(), mask_QK.any(dim=0).nonzero().flatten()
-            if rows.numel():  # tighten to the rows and keys that see anything (causal: half a zigzag block)
-                r0, r1, c0, c1 = int(rows[0]), int(rows[-1]) + 1, int(cols[0]), int(cols[-1]) + 1
-                block_mask = mask_QK[r0:r1, c0:c1].contiguous().to(device)
-                blocks.append(StepBlock(q0 + r0, q0 + r1, k0 + c0, k0 + c1, block_mask))
+            blocks.append(StepBlock(q0, q1, k0, k1, seg, *(t.to(device) for t in (
+                pos_q[q0:q1], pos_k[k0:k1], seg_q[q0:q1], seg_k[k0:k1]))))
         return blocks
 
 
@@ -184,6 +207,28 @@ def block_attention_backward(do_QHD: torch.Tensor, q_QHD: torch.Tensor, k_KHD: t
     return torch.einsum("hqk,khd->qhd", dscores_HQK, k), torch.einsum("hqk,qhd->khd", dscores_HQK, q), dv_KHD
 
 
+def _attend_box(q_QHD: torch.Tensor, k_KHD: torch.Tensor, v_KHD: torch.Tensor, block: StepBlock,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`block_attention` over one box, ROW_CHUNK query rows at a time (rows are independent)."""
+    parts = [block_attention(q_QHD[r0:r0 + ROW_CHUNK], k_KHD, v_KHD, block.mask(r0, r0 + ROW_CHUNK), scale)
+             for r0 in range(0, q_QHD.shape[0], ROW_CHUNK)]
+    return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts], dim=1)
+
+
+def _attend_box_backward(do_QHD: torch.Tensor, q_QHD: torch.Tensor, k_KHD: torch.Tensor, v_KHD: torch.Tensor,
+                         block: StepBlock, scale: float, lse_HQ: torch.Tensor,
+                         delta_HQ: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`block_attention_backward` over one box in row chunks: dq per chunk, dk/dv summed over chunks."""
+    dqs, dk_KHD, dv_KHD = [], None, None
+    for r0 in range(0, q_QHD.shape[0], ROW_CHUNK):
+        rows = slice(r0, r0 + ROW_CHUNK)
+        dq, dk, dv = block_attention_backward(do_QHD[rows], q_QHD[rows], k_KHD, v_KHD, block.mask(r0, r0 + ROW_CHUNK),
+                                              scale, lse_HQ[:, rows], delta_HQ[:, rows])
+        dqs.append(dq)
+        dk_KHD, dv_KHD = (dk, dv) if dk_KHD is None else (dk_KHD + dk, dv_KHD + dv)
+    return torch.cat(dqs), dk_KHD, dv_KHD
+
+
 def _finite(lse: torch.Tensor) -> torch.Tensor:
     """lse with -inf (rows without keys) replaced by 0, so exp(-inf - lse) is 0, never NaN."""
     return lse.masked_fill(torch.isneginf(lse), 0.0)
@@ -240,7 +285,7 @@ def _ring_forward(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor,
         sent += nbytes
         for block in blocks:
             k_KHD, v_KHD = (_expand(x[block.k0:block.k1], kv_index) for x in kv_2THD)
-            o_QHD, lse_HQ = block_attention(q_THD[block.q0:block.q1], k_KHD, v_KHD, block.mask_QK, scale)
+            o_QHD, lse_HQ = _attend_box(q_THD[block.q0:block.q1], k_KHD, v_KHD, block, scale)
             _merge(out_THD[block.q0:block.q1], lse_HT[:, block.q0:block.q1], o_QHD, lse_HQ)
         _wait(works)
         kv_2THD = next_2THD
@@ -263,8 +308,8 @@ def _add_block_grads(do_THD: torch.Tensor, q_THD: torch.Tensor, kv_2THD: torch.T
     lse_HT, delta_HT, scale, kv_index = saved
     rows, keys = slice(block.q0, block.q1), slice(block.k0, block.k1)
     k_KHD, v_KHD = (_expand(x[keys], kv_index) for x in kv_2THD)
-    dq_QHD, dk_KHD, dv_KHD = block_attention_backward(do_THD[rows], q_THD[rows], k_KHD, v_KHD, block.mask_QK,
-                                                      scale, lse_HT[:, rows], delta_HT[:, rows])
+    dq_QHD, dk_KHD, dv_KHD = _attend_box_backward(do_THD[rows], q_THD[rows], k_KHD, v_KHD, block, scale,
+                                                  lse_HT[:, rows], delta_HT[:, rows])
     dq_THD[rows] += dq_QHD
     for dst_KHD, grad_KHD in ((dkv_2THD[0, keys], dk_KHD), (dkv_2THD[1, keys], dv_KHD)):
         if kv_index is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import rlsp.parallel.ring as ring_module
 from rlsp.data.packing import pack_sequences
 from rlsp.models.attention import ulysses_attention
 from rlsp.parallel.ring import (
@@ -138,9 +139,12 @@ def _inputs(total: int, hq: int, hkv: int, dtype: torch.dtype, seed: int = 0) ->
     return [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
 
 
+@pytest.mark.parametrize("row_chunk", [1024, 3])  # 3: every box split into tiles of query rows
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("hq, hkv, kv_index", [(4, 2, None), (3, 3, None), (3, 2, [0, 0, 1])])
-def test_ring_size_one_matches_dense_reference(dtype: torch.dtype, hq: int, hkv: int, kv_index: list | None) -> None:
+def test_ring_size_one_matches_dense_reference(dtype: torch.dtype, hq: int, hkv: int, kv_index: list | None,
+                                               row_chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ring_module, "ROW_CHUNK", row_chunk)
     total, cu, scale = sum(LENS), _cu(LENS), 8**-0.5
     q, k, v, do = _inputs(total, hq, hkv, dtype)
     index = torch.tensor(kv_index) if kv_index is not None else torch.arange(hq) // (hq // hkv)
