@@ -30,7 +30,6 @@ from dataclasses import dataclass
 
 # Advantage estimators that need a value model (critic workers).
 CRITIC_ESTIMATORS = ("gae",)
-TRAIN_ROLES = ("actor", "ref", "critic")
 
 
 @dataclass(frozen=True)
@@ -149,7 +148,8 @@ class ParallelLayout:
     `policy` is the pool of the actor/reference/rollout workers; `actor`, `ref` and `critic` split
     their pool each with their own degrees (`critic` is None without a critic). With
     `critic_colocated` the critic shares the policy pool (same ranks and devices); otherwise its
-    layout's `world` is a pool of its own.
+    layout's `world` is a pool of its own. `reward_model` (None without one) splits the policy pool
+    too; a rollout engine spans `rollout_tp` consecutive ranks.
     """
 
     policy: World
@@ -158,6 +158,8 @@ class ParallelLayout:
     critic: RoleLayout | None = None
     critic_colocated: bool = True
     rollout: World | None = None  # a rollout pool of its own (async training); None: engines on the policy workers
+    rollout_tp: int = 1  # vLLM tensor parallelism: consecutive ranks of the rollout pool that run one engine together
+    reward_model: RoleLayout | None = None  # the frozen reward model's split of the policy pool (reward_model.enable)
 
     # Shorthands for the policy pool and the actor's split (the ones every run has).
     @property
@@ -187,9 +189,12 @@ class ParallelLayout:
             return self.critic
         if name in ("actor", "ref"):
             return getattr(self, name)
-        if name == "rollout":
-            return RoleLayout(self.rollout or self.policy)
-        raise ValueError(f"unknown role {name!r}; legal roles: actor, ref, rollout, critic")
+        if name == "rollout":  # one engine per group of rollout_tp ranks (dp = engines)
+            return RoleLayout(self.rollout or self.policy, tp=self.rollout_tp)
+        if name == "reward_model" and self.reward_model is not None:
+            return self.reward_model
+        raise ValueError(f"unknown role {name!r}; legal roles: actor, ref, rollout, critic, reward_model (with "
+                         "reward_model.enable=true)")
 
     def world_of(self, group: str) -> World:
         """The pool of a worker group: 'policy', 'critic' or 'rollout' (separate pools only)."""
@@ -202,7 +207,8 @@ class ParallelLayout:
         if group == "policy":
             colocated = ("critic",) if self.has_critic and self.critic_colocated else ()
             engines = ("rollout",) if self.rollout is None else ()
-            return ("actor", "ref", *engines, *colocated)
+            scorer = ("reward_model",) if self.reward_model is not None else ()
+            return ("actor", "ref", *engines, *colocated, *scorer)
         if group == "rollout" and self.rollout is not None:
             return ("rollout",)
         if group == "critic" and self.has_critic and not self.critic_colocated:
@@ -210,8 +216,9 @@ class ParallelLayout:
         raise ValueError(f"no worker group {group!r} in this layout")
 
     def node_local_sizes(self, group: str) -> tuple[int, ...]:
-        """Sizes of the rank runs that must share a node in this group (ulysses x tp of each role)."""
-        roles = [r for r in self.roles_of(group) if r in TRAIN_ROLES]
+        """Sizes of the rank runs that must share a node in this group (ulysses x tp of each role; a
+        rollout engine's tp group)."""
+        roles = [r for r in self.roles_of(group) if r != "rollout" or self.rollout_tp > 1]
         return tuple(sorted({self.role(r).ulysses * self.role(r).tp for r in roles}))
 
     def describe(self) -> str:
@@ -225,4 +232,8 @@ class ParallelLayout:
             text += f" | critic {where} {self.critic.describe()}"
         if self.rollout is not None:
             text += f" | rollout own pool {self.rollout.nnodes}x{self.rollout.procs_per_node}"
+        if self.rollout_tp > 1:
+            text += f" | rollout tp={self.rollout_tp}"
+        if self.reward_model is not None:
+            text += f" | reward_model {self.reward_model.describe()}"
         return text

@@ -58,6 +58,11 @@ class FSDPConfig:
     # ranks and replicates across groups (HSDP); 1 = every rank holds everything (its tp share) and only
     # gradients are reduced (DDP-like: least communication, fastest for models that fit one device).
     fsdp_size: int = -1
+    # Offload (verl's keys): FSDP2 keeps parameters, gradients and optimizer state in host memory together
+    # (CPUOffloadPolicy; the optimizer step runs on the CPU). Accepted on cpu, where it saves nothing.
+    param_offload: bool = False  # true: that policy (the optimizer state follows its parameters, whatever optimizer_offload says)
+    optimizer_offload: bool = False  # true needs param_offload=true (FSDP2 cannot offload the state alone); frozen roles: false
+    offload_policy: bool = False  # true: the same policy whatever the two above say (verl's FSDP2 switch)
 
 
 @dataclass
@@ -135,6 +140,7 @@ class RolloutConfig:
     ignore_eos: bool = False  # sample max_response_length tokens even past EOS (fixed-length benchmarks; vllm only)
     load_format: str = "auto"  # vLLM's first weights: auto | safetensors (read model.path) | dummy (random; synced from the actor before generating)
     layered_summon: bool = True  # weight sync gathers one parameter at a time (finer than per layer); false (whole-model gather) is refused
+    tensor_model_parallel_size: int = 1  # vLLM TP: k consecutive workers (one node) run one engine, each holding 1/k of the weights; vllm only
 
 
 @dataclass
@@ -247,6 +253,31 @@ class RewardConfig:
 
 
 @dataclass
+class RewardModelModelConfig:
+    path: str | None = None  # a local HF *ForSequenceClassification checkpoint with one label (required with enable)
+    input_tokenizer: str | None = "${actor_rollout_ref.model.path}"  # the rows' tokenizer: if the RM's tokenizer/template differs, samples are re-rendered in its format; null: rows fed as they are (tokenizers must match)
+    use_remove_padding: bool = True  # true only: rlsp always scores packed sequences without padding
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass
+class RewardModelConfig:
+    """A frozen sequence-classification reward model on the policy workers (verl's legacy RM worker). Its score at
+    the last response token is the token-level score; rule rewards then score validation only (verl's rule)."""
+
+    enable: bool = False  # false: this section is not read (verl's rule)
+    strategy: str = "fsdp2"  # fsdp or fsdp2: both run rlsp's FSDP2 engine
+    model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
+    micro_batch_size_per_gpu: int = 64  # sequences per forward on one worker
+    use_dynamic_bsz: bool = False  # micro-batches filled to a token budget instead of a fixed row count
+    forward_max_token_len_per_gpu: int = 32768  # that budget, tokens per rank
+    ulysses_sequence_parallel_size: int = 1  # Ulysses degree of the reward model's forward
+    reward_manager: str = "naive"  # naive only: per-row rule rewards for validation
+    num_workers: int = 1  # 1 only: rule rewards are scored in the driver, the reward model runs on every policy worker
+    use_reward_loop: bool = False  # false only: verl's reward loop (the RM behind an inference server) is not implemented
+
+
+@dataclass
 class TrainerConfig:
     project_name: str = "rlsp"
     experiment_name: str = "grpo_tiny"
@@ -283,6 +314,7 @@ class RLSPConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     rollout: RolloutPoolConfig = field(default_factory=RolloutPoolConfig)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)

@@ -15,6 +15,9 @@ from rlsp.config.layout import CRITIC_ESTIMATORS, ParallelLayout, RoleLayout, Wo
 from rlsp.config.validate_async import check_async, check_off_policy
 from rlsp.config.validate_lora import check_lora, check_rollout_loading
 from rlsp.config.validate_memory import check_memory_options
+from rlsp.config.validate_offload import check_offload
+from rlsp.config.validate_reward import check_reward_model
+from rlsp.config.validate_rollout_tp import check_rollout_tp
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # KL estimators for the in-reward penalty (names as verl's algorithm.kl_penalty).
@@ -301,6 +304,9 @@ def validate_config(cfg: Any) -> ParallelLayout:
     _check_ranges(cfg, errors)
     check_off_policy(cfg, errors)
     layout = check_async(cfg, layout, errors)
+    layout = check_rollout_tp(cfg, layout, errors)
+    layout = check_reward_model(cfg, layout, errors)
+    check_offload(cfg, layout, errors)
     check_lora(cfg, layout, errors)
     check_rollout_loading(cfg, errors)
     if errors:

@@ -109,10 +109,6 @@ class RayWorkerGroup:
         if mode is Dispatch.ALL:
             return PendingCall(self, [submit(w, *args) for w in self.workers], None)
         batch, rest = args[0], args[1:]
-        if mode is Dispatch.BY_RANK:
-            parts = batch.chunk(self.world_size)
-            refs = [submit(w, p, *rest) for w, p in zip(self.workers, parts)]
-            return PendingCall(self, refs, list(range(self.world_size)))
         # BY_DP: one shard per dp group, shipped once and shared by the group's ulysses/ring/tp ranks
         # (consecutive ranks: dp is the outermost dimension of every role's layout).
         dp = self.world_size // per_dp

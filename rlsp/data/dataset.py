@@ -48,15 +48,21 @@ def _read_frames(files: Sequence[str], prompt_key: str) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True)
 
 
-def _render(prompt: Any, tokenizer: Any, chat_template: bool = True) -> str:
+def _messages(prompt: Any, chat_template: bool = True) -> list[dict[str, Any]] | None:
+    """The prompt's chat messages, or None for a completion prompt (a string without chat template)."""
     if isinstance(prompt, str) and not chat_template:
-        return prompt  # a completion prompt, tokenized as written
+        return None
     if isinstance(prompt, str):
-        messages = [{"role": "user", "content": prompt}]
-    elif isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
-        messages = prompt
-    else:
-        raise ValueError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}: {prompt!r}")
+        return [{"role": "user", "content": prompt}]
+    if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
+        return prompt
+    raise ValueError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}: {prompt!r}")
+
+
+def _render(prompt: Any, tokenizer: Any, chat_template: bool = True) -> str:
+    messages = _messages(prompt, chat_template)
+    if messages is None:
+        return prompt  # a completion prompt, tokenized as written
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
@@ -106,6 +112,7 @@ class PromptDataset:
         return {
             "prompt_ids": list(tokenizer.encode(text, add_special_tokens=False)),
             "prompt_text": text,
+            "messages": _messages(row[prompt_key], chat_template),  # a reward model re-renders them in its template
             "data_source": str(row.get("data_source", "unknown")),
             "ground_truth": str(reward_model.get("ground_truth", "")),
             "extra_info": extra_info,

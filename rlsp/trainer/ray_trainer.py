@@ -1,6 +1,6 @@
 """RayTrainer: the RL loop on the driver. One step reads like the algorithm:
 
-    prompts -> generate (vLLM on every worker) -> score (rule rewards) -> old logprobs (actor)
+    prompts -> generate (vLLM on every worker) -> score (rule rewards, or the reward model) -> old logprobs (actor)
     -> ref logprobs (reference) -> values (critic) -> rewards (- KL penalty) -> advantages
     -> update critic -> update actor (after the critic warm-up) -> sync weights to the rollout engine
 """
@@ -12,6 +12,7 @@ import time
 import uuid
 from typing import Any
 
+import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoTokenizer
@@ -31,7 +32,7 @@ from rlsp.trainer.checkpoint import CheckpointWriter, TrainerState, latest_check
 from rlsp.trainer.metrics import MetricsLogger
 from rlsp.trainer.off_policy import apply_rollout_correction, rollout_correction_settings, uses_rollout_logprobs
 from rlsp.trainer.progress import RunProgress
-from rlsp.trainer.scoring import Scorer
+from rlsp.trainer.scoring import Scorer, apply_rm_scores
 from rlsp.trainer.stopping import Terminated
 from rlsp.utils.device import resolve_device_type
 from rlsp.utils.logging import get_logger
@@ -51,6 +52,7 @@ def _prompt_batch(items: list[dict[str, Any]], uids: list[str] | None = None) ->
             "ground_truth": [it["ground_truth"] for it in items],
             "extra_info": [it.get("extra_info") for it in items],
             "index": [it.get("index") for it in items],
+            "messages": [it.get("messages") for it in items],  # chat turns, for a reward model's own template
         },
     )
 
@@ -221,7 +223,7 @@ class RayTrainer:
         if step == 1 and self.cfg.trainer.sp_self_check:
             self.check_sp(batch)
         with timed("timing/reward_s", timing):
-            scores = self.scorer.score_rows(batch)
+            scores = self._score(batch)
         metrics["reward/errors"] = float(self.scorer.last_errors)
         if uses_rollout_logprobs(self.cfg):  # the engine's logprobs are the behaviour policy of the loss
             batch.set("old_logprobs", batch["rollout_logprobs"])
@@ -250,16 +252,27 @@ class RayTrainer:
         timing["timing/step_s"] = time.perf_counter() - t0
         return {**compute_batch_metrics(batch, scores, timing["timing/step_s"]), **metrics, **timing}
 
+    def _score(self, batch: Batch) -> np.ndarray:
+        """token_level_scores of the rows: the reward model's scores with reward_model.enable (verl's rule: they
+        replace the rule rewards in training), else each row's rule/custom reward; returns the per-row scores."""
+        if self.layout.reward_model is None:
+            return self.scorer.score_rows(batch)
+        batch.update(self.wg.call("reward_model", "compute_rm_score", batch))
+        self.scorer.last_errors = 0
+        return apply_rm_scores(batch)
+
     def check_sp(self, batch: Batch) -> float:
         """Stop the run if a sharded forward (Ulysses, ring, tensor parallel) disagrees with an unsharded
-        one on real rows: the actor, the reference where its layout differs, and the critic."""
+        one on real rows: the actor, the reference where its layout differs, the critic, the reward model."""
         tol = self.cfg.trainer.sp_self_check_tol
         ref_differs = needs_reference(self.cfg) and self.layout.ref != self.layout.actor
         worst = 0.0
-        for role, wg in (("actor", self.wg), ("ref", self.wg if ref_differs else None), ("critic", self.critic_wg)):
+        scorer = self.wg if self.layout.reward_model is not None else None
+        for role, wg in (("actor", self.wg), ("ref", self.wg if ref_differs else None), ("critic", self.critic_wg),
+                         ("reward_model", scorer)):
             degrees = self.layout.role(role) if wg is not None else None
             if degrees is not None and (degrees.sp_size > 1 or degrees.tp > 1):
-                what = "value" if role == "critic" else "logprob"
+                what = {"critic": "value", "reward_model": "score"}.get(role, "logprob")
                 diff = max(wg.call(role, "sp_self_check", batch))
                 assert_sp_matches(diff, tol, degrees.describe(), what=what)
                 log.info("sp self-check passed (%s): max |d%s| = %.2e (sp=%d) [%s]", role, what, diff,

@@ -1,6 +1,7 @@
 """Score rollout rows: decode each response and call the rule reward of its data_source (or a custom fn).
 
 The scalar score is placed on the last response token (`token_level_scores`), as outcome rewards are.
+With a reward model (reward_model.enable) its scores take that place in training (`apply_rm_scores`).
 A reward function that raises, or returns something that is not a finite number, is reported with the
 offending row (data_source, dataset index) and stops the run (`reward.on_error=raise`), or scores 0
 and is counted in `reward/errors` (`reward.on_error=zero`) — never a silent NaN.
@@ -78,3 +79,11 @@ class Scorer:
         token_scores[torch.arange(len(batch)), last] = torch.tensor(scores, dtype=mask.dtype)
         batch.set("token_level_scores", token_scores * mask)
         return np.asarray(scores, dtype=np.float64)
+
+
+def apply_rm_scores(batch: Batch) -> np.ndarray:
+    """verl's rule with a reward model: its score (`rm_scores`, on the last response token) is the token-level
+    score, and training rows get no rule reward (verl's reward manager returns rm_scores when present; rule and
+    custom rewards then score validation only). Returns the per-row scores."""
+    batch.set("token_level_scores", batch["rm_scores"])
+    return batch["rm_scores"].sum(-1).double().numpy()

@@ -1,10 +1,10 @@
 """Dispatch contracts, declared once on the role method that needs them and read by the controller.
 
-    BY_RANK  the batch is split into `world` equal parts, one per rank (generation: every rank runs
-             its own rollout engine); the parts' results are concatenated in rank order.
     BY_DP    the batch is split into `dp` equal parts of the role's mesh; every sp rank of dp group g
              gets part g (sp ranks must see the same rows) and the call is collective over the role's
              world; the result of each group's sp-rank 0 is collected (Batches are concatenated).
+             Generation too: the rollout's dp groups are its engines (one rank each, or the ranks of
+             a tensor-parallel engine).
     ALL      every rank gets the same arguments (collective calls such as weight sync); the results
              of all ranks are returned as a list.
 
@@ -23,7 +23,6 @@ _ATTR = "__rlsp_dispatch__"
 
 
 class Dispatch(enum.Enum):
-    BY_RANK = "by_rank"
     BY_DP = "by_dp"
     ALL = "all"
 

@@ -3,9 +3,10 @@
 A plain class (no ray import): the controller wraps it as a Ray actor, tests drive it directly. The
 policy group's workers host actor + rollout (+ reference when a KL term needs it — with LoRA the
 actor's base, adapters off, on the actor's engine —, + critic when it is colocated: verl's hybrid
-layout, every role sharing the device); a separate critic pool's workers
-host the critic only. Role methods are reached through `execute(role, method, ...)`; each declares
-its dispatch contract where it is defined (see rlsp/workers/dispatch.py).
+layout, every role sharing the device, + the reward model with reward_model.enable); a separate
+critic pool's workers host the critic only. Role methods are reached through
+`execute(role, method, ...)`; each declares its dispatch contract where it is defined (see
+rlsp/workers/dispatch.py).
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ class Worker:
         if "rollout" in self.placed:
             self.roles["rollout"] = ROLE_CLASSES["rollout"](ctx)
         seed_everything(self.cfg.trainer.seed)
-        for role in ("actor", "ref", "critic"):
+        for role in ("actor", "ref", "critic", "reward_model"):
             if role in self.placed:
                 # The reference gets the actor: with LoRA it is the actor's base (adapters off), no engine of its own.
                 extra = (self.roles.get("actor"),) if role == "ref" else ()

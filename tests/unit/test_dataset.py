@@ -74,9 +74,10 @@ def test_dataset_reads_generated_parquet(tmp_path, tokenizer) -> None:
     ds = PromptDataset([train_path, test_path], tokenizer, max_prompt_length=64)
     assert len(ds) == 64 + 9
     item = ds[0]
-    assert set(item) == {"prompt_ids", "prompt_text", "data_source", "ground_truth", "extra_info", "index"}
+    assert set(item) == {"prompt_ids", "prompt_text", "messages", "data_source", "ground_truth", "extra_info", "index"}
     frame = pd.read_parquet(train_path)
     content = frame.iloc[0]["prompt"][0]["content"]
+    assert item["messages"] == [{"role": "user", "content": content}]  # for a reward model's own chat template
     assert item["prompt_text"] == f"<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n"
     assert item["prompt_ids"] == tokenizer.encode(item["prompt_text"], add_special_tokens=False)
     assert item["ground_truth"] == frame.iloc[0]["reward_model"]["ground_truth"]

@@ -112,9 +112,9 @@ def test_bad_ppo_settings_are_named(overrides, needle):
 
 
 def test_every_dispatched_method_declares_its_contract():
-    assert dispatch_mode(ROLE_CLASSES["rollout"], "generate") is Dispatch.BY_RANK
-    for role, method in (("actor", "compute_log_prob"), ("actor", "update_actor"), ("ref", "compute_ref_log_prob"),
-                         ("critic", "compute_values"), ("critic", "update_critic"), ("critic", "sp_self_check")):
+    for role, method in (("rollout", "generate"), ("actor", "compute_log_prob"), ("actor", "update_actor"),
+                         ("ref", "compute_ref_log_prob"), ("critic", "compute_values"), ("critic", "update_critic"),
+                         ("critic", "sp_self_check"), ("reward_model", "compute_rm_score")):
         assert dispatch_mode(ROLE_CLASSES[role], method) is Dispatch.BY_DP
     assert dispatch_mode(Worker, "sync_weights") is Dispatch.ALL
     with pytest.raises(ValueError, match=r"CriticRole.engine has no dispatch declaration; dispatchable methods: "

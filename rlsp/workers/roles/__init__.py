@@ -1,10 +1,12 @@
-"""Roles a worker is assembled from: actor, reference, rollout, critic (one class each, no ray)."""
+"""Roles a worker is assembled from: actor, reference, rollout, critic, reward model (one class each, no ray)."""
 
 from rlsp.workers.roles.actor import ActorRole
 from rlsp.workers.roles.critic import CriticRole
 from rlsp.workers.roles.reference import ReferenceRole
+from rlsp.workers.roles.reward_model import RewardModelRole
 from rlsp.workers.roles.rollout import RolloutRole
 
-ROLE_CLASSES: dict[str, type] = {"actor": ActorRole, "ref": ReferenceRole, "rollout": RolloutRole, "critic": CriticRole}
+ROLE_CLASSES: dict[str, type] = {"actor": ActorRole, "ref": ReferenceRole, "rollout": RolloutRole, "critic": CriticRole,
+                                 "reward_model": RewardModelRole}
 
-__all__ = ["ROLE_CLASSES", "ActorRole", "CriticRole", "ReferenceRole", "RolloutRole"]
+__all__ = ["ROLE_CLASSES", "ActorRole", "CriticRole", "ReferenceRole", "RewardModelRole", "RolloutRole"]

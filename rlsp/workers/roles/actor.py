@@ -23,7 +23,7 @@ from rlsp.workers.actor_loss import ActorLossConfig, make_actor_loss
 from rlsp.workers.context import RoleContext
 from rlsp.workers.dispatch import Dispatch, register
 from rlsp.workers.ppo_loop import global_token_count, run_ppo_epochs
-from rlsp.workers.roles.common import batch_temperature, optim_settings, role_metrics, token_budget
+from rlsp.workers.roles.common import batch_temperature, fsdp_offload, optim_settings, role_metrics, token_budget
 
 
 def lora_settings(model: Any) -> LoraSettings | None:
@@ -50,9 +50,11 @@ def build_policy_engine(ctx: RoleContext, trainable: bool,
     adapters = apply_lora(lm, lora) if trainable and lora is not None else None  # after tiling: peft wraps the linears in place
     module = TokenLogprobModel(lm.to(ctx.device), chunk_size=arr.actor.logprob_chunk_size)
     optim = optim_settings(arr.actor.optim) if trainable else None
-    engine = FSDPEngine(module, ctx.dims("actor" if trainable else "ref"), ctx.device,
+    role = "actor" if trainable else "ref"
+    engine = FSDPEngine(module, ctx.dims(role), ctx.device,
                         compute_dtype=compute, optim=optim,
-                        activation_offload=trainable and arr.model.enable_activation_offload)
+                        activation_offload=trainable and arr.model.enable_activation_offload,
+                        param_offload=fsdp_offload(arr[role].fsdp_config, role, ctx.device))
     return engine, adapters
 
 

@@ -1,12 +1,15 @@
-"""Helpers the roles share: optimizer settings from the config, metric names, the sampling temperature of a batch."""
+"""Helpers the roles share: optimizer settings from the config, metric names, the sampling temperature of a
+batch, whether an engine offloads its parameters."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from omegaconf import DictConfig
 
 from rlsp.data.batch import Batch
+from rlsp.engine.fsdp_offload import log_offload
 from rlsp.engine.optim import OptimSettings
 
 
@@ -37,3 +40,11 @@ def role_metrics(role: str, metrics: dict[str, float], drop_prefixes: tuple[str,
 def batch_temperature(batch: Batch, cfg: DictConfig) -> float:
     """Logprobs are computed at the temperature the rows were sampled with."""
     return float(batch.info.get("temperature", cfg.actor_rollout_ref.rollout.temperature))
+
+
+def fsdp_offload(fsdp_config: Any, role: str, device: torch.device) -> bool:
+    """Whether `role`'s engine offloads its parameters (param_offload or offload_policy: one FSDP2 policy,
+    see rlsp.engine.fsdp_offload; the key combinations are checked in rlsp.config.validate_offload)."""
+    enabled = bool(fsdp_config.param_offload or fsdp_config.offload_policy)
+    log_offload(role, enabled, device)
+    return enabled

@@ -21,7 +21,7 @@ from rlsp.workers.context import RoleContext
 from rlsp.workers.critic_loss import make_critic_loss
 from rlsp.workers.dispatch import Dispatch, register
 from rlsp.workers.ppo_loop import global_token_count, run_ppo_epochs
-from rlsp.workers.roles.common import optim_settings, role_metrics, token_budget
+from rlsp.workers.roles.common import fsdp_offload, optim_settings, role_metrics, token_budget
 
 
 def build_critic_engine(ctx: RoleContext) -> FSDPEngine:
@@ -36,7 +36,8 @@ def build_critic_engine(ctx: RoleContext) -> FSDPEngine:
         torch.manual_seed(ctx.cfg.trainer.seed)  # the same value head on every rank, whatever ran before
         module = ValueModel(backbone)
     return FSDPEngine(module.to(ctx.device), ctx.dims("critic"), ctx.device, compute_dtype=compute,
-                      optim=optim_settings(c.optim), activation_offload=c.model.enable_activation_offload)
+                      optim=optim_settings(c.optim), activation_offload=c.model.enable_activation_offload,
+                      param_offload=fsdp_offload(c.model.fsdp_config, "critic", ctx.device))
 
 
 class CriticRole:

@@ -1,4 +1,10 @@
-"""RolloutRole: this rank's in-process generation engine (vLLM, or HF generate as a fallback)."""
+"""RolloutRole: this rank's in-process generation engine (vLLM, or HF generate as a fallback).
+
+With rollout tensor parallelism (`actor_rollout_ref.rollout.tensor_model_parallel_size` = k) k
+consecutive ranks run one vLLM engine together, each holding 1/k of the weights: they get the same
+prompts (`generate` is dispatched by dp group of the rollout layout, one group per engine), the same
+engine seed, and each keeps its own shard of every full tensor a weight sync hands it.
+"""
 
 from __future__ import annotations
 
@@ -20,24 +26,25 @@ class RolloutRole:
         self.ctx, self.cfg = ctx, ctx.cfg
         self.version = 0  # actor updates behind the weights this engine holds (set by `set_weights`)
         r, d = ctx.cfg.actor_rollout_ref.rollout, ctx.cfg.data
+        engine_rank = ctx.layout.role("rollout").dp_rank(ctx.rank)  # the ranks of one tp engine share it
         self.engine = build_rollout_engine(
-            r.name, ctx.cfg.actor_rollout_ref.model.path, dtype=r.dtype, seed=ctx.cfg.trainer.seed + ctx.rank,
+            r.name, ctx.cfg.actor_rollout_ref.model.path, dtype=r.dtype, seed=ctx.cfg.trainer.seed + engine_rank,
             max_model_len=d.max_prompt_length + d.max_response_length, **self._engine_kwargs(),
         )
 
     def _engine_kwargs(self) -> dict[str, Any]:
         r = self.cfg.actor_rollout_ref.rollout
         if r.name == "vllm":
-            # vLLM joins the existing world ("external_launcher": every rank runs its own engine)
-            # instead of creating a default process group of its own.
+            # vLLM joins the existing world ("external_launcher": every rank runs its engine, or its tp
+            # share of one) instead of creating a default process group of its own.
             # load_format (verl's key, vLLM's meaning): "dummy" starts from random weights, which the
             # worker replaces with the actor's by a sync before anything is generated.
             return {"enforce_eager": r.enforce_eager, "gpu_memory_utilization": r.gpu_memory_utilization,
                     "cpu_kvcache_space_gib": r.cpu_kvcache_space_gib, "distributed_executor_backend": "external_launcher",
-                    "load_format": r.load_format}
+                    "load_format": r.load_format, "tensor_parallel_size": r.tensor_model_parallel_size}
         return {"device": self.ctx.device_type}
 
-    @register(Dispatch.BY_RANK)
+    @register(Dispatch.BY_DP)
     def generate(self, prompts: Batch, sampling: dict[str, Any]) -> Batch:
         """Sample `n` responses per prompt; rows of one prompt are contiguous and share its meta."""
         if sampling.get("seed") is not None and len(prompts):
@@ -72,7 +79,6 @@ class RolloutRole:
         self.load_weights(named_tensors)
         self.version = int(version)
         return {"weight_load_s": time.perf_counter() - t0}
-
 
     @register(Dispatch.ALL)
     def prompt_logprobs(self, token_ids: list[int]) -> list[float | None]:

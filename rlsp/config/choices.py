@@ -1,0 +1,75 @@
+"""The legal values of the config's choice keys, each list defined once (no torch here).
+
+Validation (`rlsp.config.validate`, `rlsp.config.validate_verl`) checks against these lists; the code
+that acts on a value imports the same list (or asserts that its own table matches it), so a name can
+never be legal for one key and unknown to the code behind another.
+
+`REFUSED_VALUES` holds the values a verl command may carry that rlsp does not implement, with the
+reason, so the error says why instead of only listing the legal values.
+"""
+
+from __future__ import annotations
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# KL estimators of the actor's KL loss (actor.kl_loss_type) and of the in-reward penalty
+# (algorithm.kl_penalty): verl's names and their k1/k2/k3 aliases. rlsp.algos.kl implements them.
+KL_ESTIMATOR_NAMES = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
+KL_CTRL_TYPES = ("fixed", "adaptive")
+# trainer.logger entries; rlsp/trainer/trackers.py holds one adapter per name (and asserts the match).
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+# Rollout engines (actor_rollout_ref.rollout.name); rlsp.rollout.base builds them.
+ROLLOUT_ENGINES = ("vllm", "hf")
+# Training engines (*.strategy): verl's "fsdp" (FSDP1) and "fsdp2" both run rlsp's one engine, FSDP2.
+STRATEGIES = ("fsdp2", "fsdp")
+# actor.loss_agg_mode: rlsp's loss is the exact global token-mean (see rlsp.algos.aggregation).
+LOSS_AGG_MODES = ("token-mean",)
+RESUME_MODES = ("auto", "disable", "resume_path")
+REWARD_ON_ERROR = ("raise", "zero")
+# data.truncation of a prompt longer than data.max_prompt_length (verl's values).
+TRUNCATIONS = ("error", "left", "right", "middle")
+# actor_rollout_ref.rollout.mode: verl's serving mode of the rollout engine.
+ROLLOUT_MODES = ("sync", "async")
+# trainer.use_legacy_worker_impl: verl's choice between its two worker implementations.
+LEGACY_WORKER_IMPL = ("auto", "enable", "disable")
+# reward_model.reward_manager: rlsp's Scorer calls a reward function per row (verl's "naive").
+REWARD_MANAGERS = ("naive",)
+# actor_rollout_ref.model.fused_kernel_options.impl_backend (verl's values).
+FUSED_KERNEL_BACKENDS = ("torch", "triton")
+
+# (key suffix, value) -> why rlsp refuses it. The suffix matches the key's last components.
+_MANAGER = ("reward managers other than naive are not implemented (rlsp calls the reward function once per row); "
+            "custom scoring: reward.custom_function_path")
+REFUSED_VALUES: dict[tuple[str, str], str] = {
+    ("reward_model.reward_manager", "prime"): _MANAGER,
+    ("reward_model.reward_manager", "dapo"): _MANAGER,
+    ("reward_model.reward_manager", "batch"): _MANAGER,
+    ("trainer.device", "npu"): "Ascend NPUs are not supported (rlsp runs on CUDA GPUs or CPUs)",
+    ("rollout.name", "sglang"): "SGLang rollouts are not implemented (rlsp's engines: vllm, hf)",
+    ("rollout.name", "trtllm"): "TensorRT-LLM rollouts are not implemented (rlsp's engines: vllm, hf)",
+    ("strategy", "megatron"): "Megatron-LM training is not implemented (rlsp trains with FSDP2, plus its own "
+                              "Ulysses/ring/tensor parallelism)",
+    ("loss_agg_mode", "seq-mean-token-sum"): "sequence-level loss aggregation is not wired into rlsp's exact "
+                                             "token-mean loss",
+    ("loss_agg_mode", "seq-mean-token-mean"): "sequence-level loss aggregation is not wired into rlsp's exact "
+                                              "token-mean loss",
+    ("loss_agg_mode", "seq-mean-token-sum-norm"): "sequence-level loss aggregation is not wired into rlsp's exact "
+                                                  "token-mean loss",
+}
+
+
+def refusal_reason(key: str, value: object) -> str | None:
+    """Why `key=value` is refused (a verl value rlsp does not implement), else None."""
+    for (suffix, refused), reason in REFUSED_VALUES.items():
+        if value == refused and (key == suffix or key.endswith("." + suffix)):
+            return reason
+    return None
+
+
+def choice_error(key: str, value: object, legal: tuple[object, ...]) -> str | None:
+    """The error for `key=value` outside `legal` (with the reason for a known verl value), else None."""
+    if value in legal:
+        return None
+    reason = refusal_reason(key, value)
+    why = f" ({reason})" if reason else ""
+    return f"{key}={value!r} is not supported{why}; legal values: {list(legal)}"

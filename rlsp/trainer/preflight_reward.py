@@ -1,0 +1,51 @@
+"""Preflight of the reward model (`reward_model.enable=true`): what needs its files, checked before workers start.
+
+The checkpoint must be a one-label *ForSequenceClassification model whose attention rlsp can shard at
+the configured Ulysses degree; its tokenizer must match the policy's when `model.input_tokenizer` is
+null (the rollout ids are then fed as they are); and rows fed as they are must fit its position range.
+"""
+
+from __future__ import annotations
+
+import os
+
+from omegaconf import DictConfig
+from transformers import AutoConfig, AutoTokenizer
+
+from rlsp.data.rm_inputs import same_tokenizer
+from rlsp.models.loading import check_sp_support
+from rlsp.models.reward import check_reward_config
+
+P = "reward_model."
+
+
+def reward_model_errors(cfg: DictConfig) -> list[str]:
+    """Every problem with the reward model's files (none when it is off)."""
+    rm = cfg.reward_model
+    if not rm.enable or not rm.model.path:
+        return []
+    path = rm.model.path
+    if not os.path.isdir(path):
+        return [f"{P}model.path={path!r} is not a local directory with a Hugging Face model"]
+    config = AutoConfig.from_pretrained(path)
+    errors = []
+    for check, key in ((check_reward_config, "model.path"), (lambda c: check_sp_support(c, rm.ulysses_sequence_parallel_size),
+                                                              "ulysses_sequence_parallel_size")):
+        try:
+            check(config)
+        except ValueError as exc:
+            errors.append(f"{P}{key}: {exc}")
+    source = rm.model.input_tokenizer
+    if source and not os.path.isdir(source):
+        return errors + [f"{P}model.input_tokenizer={source!r} is not a local directory with a tokenizer"]
+    same = same_tokenizer(AutoTokenizer.from_pretrained(source or cfg.actor_rollout_ref.model.path),
+                          AutoTokenizer.from_pretrained(path))
+    if not source and not same:
+        errors.append(f"{P}model.input_tokenizer=null feeds the policy's token ids to the reward model, but its tokenizer "
+                      f"or chat template differs from the policy's; set it to the policy's tokenizer "
+                      f"({cfg.actor_rollout_ref.model.path}) to re-render each sample in the reward model's format")
+    need, limit = cfg.data.max_prompt_length + cfg.data.max_response_length, getattr(config, "max_position_embeddings", None)
+    if same and limit is not None and need > limit:
+        errors.append(f"data.max_prompt_length + data.max_response_length = {need} exceeds the reward model's "
+                      f"max_position_embeddings={limit}")
+    return errors
