@@ -129,8 +129,8 @@ def _ring_text(req: Request, plan: Plan) -> str:
     ring = ring_bytes(Workload(plan.layout, plan.settings.budget, req.seq_len, share))
     if ring < 0.25 * plan.memory.peak:
         return ""
-    return (f": ring attention's block math holds fp32 scores of a sequence's share per step, {ring / GIB:,.0f} GiB "
-            "(rlsp/parallel/ring.py has no fused kernel yet)")
+    return (f": ring attention's block math holds fp32 score tiles of 1024 rows x a sequence's share, "
+            f"{ring / GIB:,.0f} GiB (rlsp/parallel/ring.py has no fused kernel yet)")
 
 
 def settings_name(plan: Plan) -> str:

@@ -22,8 +22,8 @@ Every number is bytes on ONE rank, for one micro-batch stream of `budget x token
              previous chunk's buffers referenced while it computes the next).
   working    one layer's backward: the MLP's intermediate gradients, the Ulysses exchange buffers,
              tp's re-gathered inputs, ring attention's block math (fp32 scores, probabilities and
-             their gradients of one box: a sequence's tokens on this rank x the visiting block's,
-             rlsp/parallel/ring.py materialises them; charged while that code is in use).
+             their gradients of one tile: up to 1024 of a sequence's rows on this rank x the
+             visiting block's keys, as rlsp/parallel/ring.py computes them).
 The peak is the largest of: the start of backward (saved activations and the head), a layer's
 backward (saved activations or the gradients reduced so far, one recomputed layer with
 checkpointing, the working set), the end of backward (the root's gradients reduced) and the
@@ -130,14 +130,17 @@ def layer_saved_bytes(shape: ModelShape, w: Workload, opts: MemoryOptions) -> fl
     return norms + attn + mlp
 
 
+RING_ROW_CHUNK = 1024  # query rows per score tile in rlsp/parallel/ring.py (ROW_CHUNK)
+
+
 def ring_bytes(w: Workload) -> float:
     """Ring attention's block math in backward: fp32 scores, probabilities and their gradients of one
-    box (a sequence's tokens on this rank x the visiting block's), about six such tensors at once
-    (measured), plus the cached per-step masks."""
+    tile (at most RING_ROW_CHUNK of a sequence's rows on this rank x the visiting block's keys), about
+    six such tensors at once (measured), plus the per-box metadata (1-D positions, O(tokens))."""
     if w.layout.ring == 1:
         return 0.0
     box = min(w.seq_len, w.stream) // w.layout.ring
-    return 6 * w.heads.q * box * box * 4 + (w.layout.ring + 1) / 2 * box * box
+    return 6 * w.heads.q * min(box, RING_ROW_CHUNK) * box * 4 + 4 * 8 * box * w.layout.ring
 
 
 def _backward_working_set(shape: ModelShape, w: Workload, opts: MemoryOptions) -> float:

@@ -6,7 +6,8 @@ MLP, activation offload, the token budget per GPU). Only layouts validation acce
 tp divides the model's heads and MLP width, Ulysses x tp divides the GPUs of a node, ulysses x ring
 x tp divides the world. For each layout the settings that fit and run fastest are kept.
 
-Speed is a rough per-micro-batch time on one rank: matmul and attention FLOPs at a sustained rate,
+Speed is a rough per-micro-batch time on one rank: matmul and attention FLOPs at a sustained rate
+(ring attention, which has no fused kernel yet, at RING_ATTENTION_SLOWDOWN times the cost),
 plus the bytes of `plan_comm` over the node's and the network's bandwidth (not overlapped), plus the
 host copies of activation offload. It ranks layouts; it does not predict step times.
 """
@@ -26,6 +27,9 @@ from rlsp.config.plan.shape import ModelShape
 # computes it (the CLI passes an adapter: that module sits above this layer).
 SplitFn = Callable[[int, int, int], HeadSplit]
 BUDGET_GRANULE = 64  # token budgets are multiples of this (streams stay multiples of stream_multiple)
+# Ring attention runs rlsp's reference block math (fp32 score tiles through einsum, rlsp/parallel/ring.py),
+# not a fused kernel: charged at this multiple of fused attention's time (an estimate, not measured on GPU).
+RING_ATTENTION_SLOWDOWN = 4.0
 
 
 @dataclass(frozen=True)
@@ -157,6 +161,8 @@ def _flops(req: Request, w: Workload, s: Settings) -> float:
     matmul = 2 * w.shard * (shape.layer_params - 2 * shape.hidden) / lay.tp
     span = min(req.seq_len, w.stream)  # causal pairs of the stream: T * span / 2, 4 D flops per pair and head
     attention = 2 * w.heads.q * shape.head_dim * w.stream * span / lay.ring
+    if lay.ring > 1:
+        attention *= RING_ATTENTION_SLOWDOWN
     layer_fwd = matmul + attention
     head_fwd = 2 * w.kept * shape.vocab * shape.hidden
     total = shape.layers * layer_fwd * (4 if s.checkpointing else 3) + head_fwd * 4
