@@ -34,12 +34,14 @@ import time
 # driver then attaches to the Ray node it runs on. (The name is Ray's; off means "single-node only".)
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
+import sys
 import traceback
 from typing import TYPE_CHECKING, Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from rlsp.config.compose import CONFIG_DIR, DEFAULT_CONFIG, refused_overrides
 from rlsp.config.layout import ParallelLayout
 from rlsp.config.store import register_schema
 from rlsp.config.validate import validate_config
@@ -117,17 +119,18 @@ def run(cfg: DictConfig) -> list[dict[str, Any]]:
 
 def prepare(cfg: DictConfig, layout: ParallelLayout, plan: ResumePlan | None = None
             ) -> tuple[RayTrainer, str | None]:
-    """Everything that can fail on the user's input, before Ray starts: the resume checks, the datasets."""
+    """Everything that can fail on the user's input, before Ray starts: the datasets (they fix the run
+    length when trainer.total_training_steps is unset), then the resume checks."""
     from rlsp.trainer.ray_trainer import RayTrainer
     from rlsp.trainer.resume_check import check_resume
 
-    plan = plan or check_resume(cfg)
     if layout.rollout is not None:  # a rollout pool of its own: generation overlapped with training
         from rlsp.trainer.async_trainer import AsyncTrainer
 
         trainer = AsyncTrainer(cfg, layout)
     else:
         trainer = RayTrainer(cfg, layout)
+    plan = plan or check_resume(cfg)
     os.makedirs(cfg.trainer.default_local_dir, exist_ok=True)
     OmegaConf.save(cfg, os.path.join(cfg.trainer.default_local_dir, "config.yaml"), resolve=True)
     return trainer, plan.path
@@ -167,7 +170,12 @@ def _run_logged(cfg: DictConfig, layout: ParallelLayout) -> None:
             log.info("the run is already complete at step %d (trainer.total_training_steps=%d)", done,
                      cfg.trainer.total_training_steps)
             return
-        train(cfg, layout, _prepare_checked(cfg, layout))
+        prepared = _prepare_checked(cfg, layout)
+        if (done := finished_step(cfg)) is not None:  # a run length from the dataset is known only now
+            log.info("the run is already complete at step %d (trainer.total_training_steps=%d)", done,
+                     cfg.trainer.total_training_steps)
+            return
+        train(cfg, layout, prepared)
     except KeyboardInterrupt as exc:
         latest = latest_checkpoint(cfg.trainer.default_local_dir)
         where = f"last complete checkpoint: {latest} (continue with the same command)" if latest else "no checkpoint was written"
@@ -186,18 +194,17 @@ def _run_logged(cfg: DictConfig, layout: ParallelLayout) -> None:
 def _prepare_checked(cfg: DictConfig, layout: ParallelLayout) -> tuple[RayTrainer, str | None]:
     """Preflight, the resume checks and the datasets; a user error exits 2 before Ray starts."""
     from rlsp.trainer.preflight import preflight
-    from rlsp.trainer.resume_check import check_resume
 
     try:
         preflight(cfg)  # resolves built-in assets in place
-        return prepare(cfg, layout, check_resume(cfg))
+        return prepare(cfg, layout)
     except ValueError as exc:
         # Config, data and resume errors are for the user, not a traceback; nothing has started yet.
         log.error("%s", exc)
         raise SystemExit(2) from None
 
 
-@hydra.main(config_path="../configs", config_name="rlsp", version_base=None)
+@hydra.main(config_path=CONFIG_DIR, config_name=DEFAULT_CONFIG, version_base=None)
 def main(cfg: DictConfig) -> None:
     try:
         layout = validate_config(cfg)
@@ -209,5 +216,15 @@ def main(cfg: DictConfig) -> None:
         _run_logged(cfg, layout)
 
 
+def refuse_unsupported_overrides(argv: list[str]) -> None:
+    """Exit 2 naming every verl key of the command that rlsp refuses, with the reason, before Hydra (whose
+    own error would only say that the key is not in the schema)."""
+    refused = refused_overrides([a for a in argv if "=" in a and not a.startswith("-")])
+    if refused:
+        log.error("invalid rlsp config:\n  - %s", "\n  - ".join(refused))
+        raise SystemExit(2)
+
+
 if __name__ == "__main__":
+    refuse_unsupported_overrides(sys.argv[1:])
     main()

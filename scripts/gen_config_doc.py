@@ -4,13 +4,41 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import re
 import sys
 from pathlib import Path
 
-from rlsp.config.schema import RLSPConfig
+from omegaconf import OmegaConf
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "config.md"
+from rlsp.config.choices import REFUSED_VALUES
+from rlsp.config.schema import RLSPConfig
+from rlsp.config.validate import _schema_keys
+from rlsp.config.verl_compat import ALIASES, verl_status
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "config.md"
+VERL_COMMANDS = ROOT / "tests" / "data" / "verl_commands.json"
+VERL_HEADER = """
+## Coming from verl
+
+verl's command lines run unchanged: `python -m rlsp.main --config-name verl <the arguments of
+verl.trainer.main_ppo>`. `configs/verl.yaml` holds verl's defaults where rlsp's differ (one sample per
+prompt, no KL loss, weight decay 0.01, GAE, gradient checkpointing, no prompt filtering, checkpoints
+under `checkpoints/<project>/<experiment>`); the default config (`rlsp`) is the tiny CPU demo's. Check
+a command first, without Ray or a GPU, for the cluster it names:
+
+    python -m rlsp.check --config-name verl <the same arguments>
+
+It lists every problem at once (exit 2; 0 when there is none) and prints where each role runs with
+which degrees, how a step's batch is split, the token budgets, the run length and what rlsp does with
+each verl key that it handles its own way.
+
+Rules taken from verl: the run is `trainer.total_epochs` x batches per epoch unless
+`trainer.total_training_steps` is set; unset log-prob token budgets of the reference and the rollout
+follow the actor's (`use_dynamic_bsz`, `ppo_max_token_len_per_gpu`), and so do the critic's
+mini-batch, epochs, shuffle and dynamic batching; `trainer.logger` is one name or a list.
+"""
 HEADER = """# Configuration
 
 Every key below can be overridden on the command line (`python -m rlsp.main key=value ...`). Names
@@ -60,8 +88,35 @@ def _rows(cls: type, prefix: str) -> list[str]:
     return rows
 
 
+def _verl_keys() -> tuple[dict[str, int], dict[str, object]]:
+    """(key -> number of verl example scripts using it, the data file's source note)."""
+    data = json.loads(VERL_COMMANDS.read_text())
+    counts: dict[str, int] = {}
+    for command in data["commands"]:
+        for key in {a.lstrip("+").partition("=")[0] for a in command["args"]}:
+            counts[key] = counts.get(key, 0) + 1
+    return counts, data["source"]
+
+
+def render_verl() -> str:
+    """The "Coming from verl" section: rules, refused values, spellings and every key of verl's examples."""
+    counts, source = _verl_keys()
+    declared = set(_schema_keys(OmegaConf.structured(RLSPConfig)))
+    values = "\n".join(f"- `{key}={value}`: {why}" for (key, value), why in REFUSED_VALUES.items())
+    aliases = "\n".join(f"- `{verl}` is `{ours}`" for verl, ours in ALIASES.items())
+    status = {key: verl_status(key, declared).replace("|", "\\|") for key in counts}
+    rows = "\n".join(f"| `{key}` | {n} | {status[key]} |" for key, n in sorted(counts.items()))
+    n_scripts = len(json.loads(VERL_COMMANDS.read_text())["commands"])
+    return (VERL_HEADER + f"\nValues refused, with the reason (`key` is the end of the full key):\n\n{values}\n"
+            f"\nverl's spellings of rlsp keys, mapped onto them when the config is composed (setting both to "
+            f"different values is an error):\n\n{aliases}\n"
+            f"\nEvery key of verl's example commands: the {n_scripts} scripts of {source['selection']} at verl commit "
+            f"`{source['commit'][:12]}`, listed in `tests/data/verl_commands.json` and checked by "
+            "`tests/unit/test_verl_commands.py`.\n\n| key | scripts | in rlsp |\n|---|---|---|\n" + rows + "\n")
+
+
 def render() -> str:
-    return HEADER + "\n".join(_rows(RLSPConfig, "")) + "\n"
+    return HEADER + "\n".join(_rows(RLSPConfig, "")) + "\n" + render_verl()
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from rlsp.algos.aggregation import masked_whiten
-from rlsp.algos.registry import check_unused_defaults, register_adv_estimator
+from rlsp.algos.registry import register_adv_estimator
 
 
 @register_adv_estimator("gae", uses=("gamma", "lam", "values_BR"))
@@ -35,7 +35,6 @@ def compute_gae_advantages(
     tokens are skipped by the recursion and get 0. ``index`` is ignored; ``norm_adv_by_std`` must
     stay True (whitening is intrinsic).
     """
-    check_unused_defaults("gae", norm_adv_by_std=norm_adv_by_std)
     if values_BR is None:
         raise ValueError("advantage estimator 'gae' needs values_BR (critic values), got None")
     if values_BR.shape != token_level_rewards_BR.shape:

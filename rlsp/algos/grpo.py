@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from rlsp.algos.aggregation import group_mean_std, masked_sum
-from rlsp.algos.registry import check_unused_defaults, register_adv_estimator
+from rlsp.algos.registry import register_adv_estimator
 
 
 @register_adv_estimator("grpo", uses=("norm_adv_by_std",))
@@ -35,7 +35,6 @@ def compute_grpo_advantages(
     The row advantage is broadcast to every response token; masked-out tokens get 0.
     ``gamma``, ``lam`` and ``values_BR`` are unused and must stay at their defaults.
     """
-    check_unused_defaults("grpo", gamma=gamma, lam=lam, values_BR=values_BR)
     scores_B = masked_sum(token_level_rewards_BR, response_mask_BR, dim=-1)
     mean_B, std_B, _ = group_mean_std(scores_B, index)
     adv_B = scores_B - mean_B

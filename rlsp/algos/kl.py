@@ -12,6 +12,8 @@ from collections.abc import Callable
 
 import torch
 
+from rlsp.config.choices import KL_ESTIMATOR_NAMES
+
 # The k3 estimate is clamped: one token with a huge ratio would otherwise dominate the loss.
 K3_CLAMP = 10.0
 # Keeps exp() finite (and its gradient free of inf * 0) without changing the clamped k3 value.
@@ -45,6 +47,8 @@ KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] =
     "k3": _k3,
     "low_var_kl": _k3,
 }
+# The config validates both KL keys against these names: the table must implement exactly them.
+assert tuple(KL_ESTIMATORS) == KL_ESTIMATOR_NAMES, f"{tuple(KL_ESTIMATORS)} != {KL_ESTIMATOR_NAMES}"
 
 
 def compute_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:

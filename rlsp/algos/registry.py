@@ -7,9 +7,9 @@ Every advantage estimator shares one signature so the trainer calls them all ali
         -> (advantages_BR, returns_BR)
 
 ``index`` holds one group id per row (samples of one prompt share it). An estimator that does not
-use one of the keyword arguments accepts it only at its default value (``None`` for ``values_BR``)
-and raises ValueError otherwise, so a setting never gets silently dropped (see
-:func:`check_unused_defaults`).
+use one of the keyword arguments accepts it only at its default value (``None`` for ``values_BR``):
+the registration wraps every estimator in that guard (:func:`unused_settings`, which preflight also
+runs on the config), so a setting never gets silently dropped.
 
 Every policy loss shares::
 
@@ -24,6 +24,7 @@ all of them, so the registries are full whenever this module is reachable.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -65,7 +66,38 @@ def register_adv_estimator(name: str, uses: tuple[str, ...] = ()) -> Callable[[F
     if unknown:
         raise ValueError(f"estimator {name!r} declares unknown keywords {unknown}; legal: {sorted(ESTIMATOR_DEFAULTS)}")
     _ADV_USES[name] = tuple(uses)
-    return _register(_ADV_ESTIMATORS, "advantage estimator", name)
+
+    def decorator(fn: F) -> F:
+        @functools.wraps(fn)
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            for key, value in unused_settings(name, **kwargs).items():
+                shown = "a tensor" if ESTIMATOR_DEFAULTS[key] is None else repr(value)
+                raise ValueError(f"advantage estimator {name!r} does not use {key}; got {shown}, leave it at its "
+                                 f"default {ESTIMATOR_DEFAULTS[key]!r} (estimators using it: {users_of(key)})")
+            return fn(*args, **kwargs)
+
+        return _register(_ADV_ESTIMATORS, "advantage estimator", name)(guarded)  # type: ignore[arg-type]
+
+    return decorator
+
+
+def unused_settings(name: str, **settings: Any) -> dict[str, Any]:
+    """The shared keywords in ``settings`` that estimator ``name`` does not read and that differ from
+    their default (:data:`ESTIMATOR_DEFAULTS`): the one check that no setting is silently dropped."""
+    uses = _ADV_USES[name]
+    out = {}
+    for key, value in settings.items():
+        if key in uses or key not in ESTIMATOR_DEFAULTS:
+            continue
+        default = ESTIMATOR_DEFAULTS[key]
+        if not (value is None if default is None else value == default):
+            out[key] = value
+    return out
+
+
+def users_of(key: str) -> list[str]:
+    """Sorted names of the estimators that read shared keyword ``key``."""
+    return sorted(name for name, uses in _ADV_USES.items() if key in uses)
 
 
 def estimator_uses(name: str) -> tuple[str, ...]:
@@ -76,14 +108,9 @@ def estimator_uses(name: str) -> tuple[str, ...]:
 
 def compute_advantages(name: str, token_level_rewards_BR: Any, response_mask_BR: Any, index: Any,
                        **settings: Any) -> tuple[Any, Any]:
-    """Run estimator ``name`` with the subset of ``settings`` it declared in ``uses``.
-
-    ``settings`` carries every shared keyword the caller knows (from the config); the ones the
-    estimator does not read are left out, so it sees only what it declared.
-    """
-    fn = get_adv_estimator(name)
-    kwargs = {key: settings[key] for key in _ADV_USES[name] if key in settings}
-    return fn(token_level_rewards_BR, response_mask_BR, index, **kwargs)
+    """Run estimator ``name`` with every shared keyword the caller knows (from the config); one it
+    does not read must be at its default (the registration's guard raises otherwise)."""
+    return get_adv_estimator(name)(token_level_rewards_BR, response_mask_BR, index, **settings)
 
 
 def get_adv_estimator(name: str) -> Callable[..., Any]:
@@ -145,19 +172,3 @@ def get_rollout_rs(name: str) -> Callable[..., Any]:
 
 def list_rollout_rs() -> list[str]:
     return sorted(_ROLLOUT_RS)
-
-
-def check_unused_defaults(estimator: str, **given: Any) -> None:
-    """Raise if a shared keyword that ``estimator`` ignores was set to a non-default value.
-
-    ``given`` maps keyword names (keys of :data:`ESTIMATOR_DEFAULTS`) to the values received.
-    """
-    for key, value in given.items():
-        default = ESTIMATOR_DEFAULTS[key]
-        same = value is None if default is None else value == default
-        if not same:
-            shown = "a tensor" if default is None else repr(value)
-            raise ValueError(
-                f"advantage estimator {estimator!r} does not use {key}; got {shown}, "
-                f"leave it at its default {default!r} (estimators using it: see rlsp.algos)"
-            )

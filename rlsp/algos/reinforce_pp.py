@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from rlsp.algos.aggregation import group_mean_std, masked_sum, masked_whiten
-from rlsp.algos.registry import check_unused_defaults, register_adv_estimator
+from rlsp.algos.registry import register_adv_estimator
 
 
 def compute_returns_to_go(
@@ -52,7 +52,6 @@ def compute_reinforce_pp_advantages(
     variance). Groups are not used (``index`` is ignored). Whitening is intrinsic, so
     ``norm_adv_by_std``, ``lam`` and ``values_BR`` must stay at their defaults.
     """
-    check_unused_defaults("reinforce_plus_plus", norm_adv_by_std=norm_adv_by_std, lam=lam, values_BR=values_BR)
     returns_BR = compute_returns_to_go(token_level_rewards_BR, response_mask_BR, gamma)
     advantages_BR = masked_whiten(returns_BR, response_mask_BR, eps=eps)
     return advantages_BR, returns_BR
@@ -77,13 +76,6 @@ def compute_reinforce_pp_baseline_advantages(
     of the batch (advantages). Outcome-level, so no discounting: ``gamma``, ``lam``,
     ``norm_adv_by_std`` and ``values_BR`` must stay at their defaults.
     """
-    check_unused_defaults(
-        "reinforce_plus_plus_baseline",
-        norm_adv_by_std=norm_adv_by_std,
-        gamma=gamma,
-        lam=lam,
-        values_BR=values_BR,
-    )
     scores_B = masked_sum(token_level_rewards_BR, response_mask_BR, dim=-1)
     mean_B, _, _ = group_mean_std(scores_B, index)
     returns_BR = (scores_B - mean_B).unsqueeze(-1) * response_mask_BR.to(scores_B.dtype)

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from rlsp.algos.aggregation import group_mean_std, masked_sum
-from rlsp.algos.registry import check_unused_defaults, register_adv_estimator
+from rlsp.algos.registry import register_adv_estimator
 
 
 @register_adv_estimator("rloo", uses=())
@@ -34,7 +34,6 @@ def compute_rloo_advantages(
     ``norm_adv_by_std``, ``gamma``, ``lam`` and ``values_BR`` must stay at their defaults; ``eps`` is
     unused. The row advantage is broadcast over response tokens; masked-out tokens get 0.
     """
-    check_unused_defaults("rloo", norm_adv_by_std=norm_adv_by_std, gamma=gamma, lam=lam, values_BR=values_BR)
     scores_B = masked_sum(token_level_rewards_BR, response_mask_BR, dim=-1)
     mean_B, _, count_B = group_mean_std(scores_B, index)
     # n/(n-1) rescales the centred score into the leave-one-out form; size-1 groups keep factor 1.

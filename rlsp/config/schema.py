@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from omegaconf import II
+
 TINY_MODEL = "builtin://tiny-qwen2"
 ARITH_TRAIN = "builtin://arithmetic/train"
 ARITH_TEST = "builtin://arithmetic/test"
@@ -27,6 +29,9 @@ class DataConfig:
     max_response_length: int = 8
     filter_overlong_prompts: bool = True
     apply_chat_template: bool = True  # False: a plain-string prompt is tokenized as written (completion style)
+    truncation: str = "error"  # a prompt longer than max_prompt_length that is not filtered: error | left | right | middle (keep its end / start / both ends; verl's)
+    shuffle: bool = True  # training prompts in a new order every epoch (seeded by data.seed); false: file order
+    return_raw_chat: bool = True  # verl's flag for its async rollout and reward-model template; rlsp keeps each prompt's messages either way (true and false train alike)
     seed: int = 1
 
 
@@ -37,10 +42,19 @@ class TiledMLPConfig:
 
 
 @dataclass
+class FusedKernelOptions:
+    impl_backend: str = "torch"  # torch | triton (verl's); rlsp's logprob/entropy head is its own vocab-chunked torch code for both
+
+
+@dataclass
 class ModelConfig:
     path: str = TINY_MODEL
     dtype: str = "float32"  # parameter/compute dtype of the trainer: float32 | bfloat16
     enable_gradient_checkpointing: bool = False
+    use_remove_padding: bool = True  # rlsp always packs sequences without padding (its sequence parallelism needs it): true only
+    use_shm: bool = False  # copy the model into /dev/shm once and load it from there (one node)
+    use_fused_kernels: bool = False  # verl's fused logprob/entropy head; rlsp always computes them vocab-chunked (never the full logits), true or false
+    fused_kernel_options: FusedKernelOptions = field(default_factory=FusedKernelOptions)
     enable_activation_offload: bool = False  # saved activations (checkpointed layer inputs) wait in pinned host memory for backward; needs enable_gradient_checkpointing; no effect on cpu
     tiled_mlp: TiledMLPConfig = field(default_factory=TiledMLPConfig)
     # LoRA on the actor (peft): the base stays frozen, the reference is the base itself (adapters off).
@@ -70,8 +84,10 @@ class OptimConfig:
     lr: float = 1e-6
     weight_decay: float = 0.0
     betas: list = field(default_factory=lambda: [0.9, 0.999])
-    warmup_steps: int = 0  # linear learning-rate warm-up over this many optimizer steps
-    grad_clip: float = 1.0
+    lr_warmup_steps: int = -1  # linear learning-rate warm-up over this many training steps; < 0: lr_warmup_steps_ratio decides
+    lr_warmup_steps_ratio: float = 0.0  # warm-up over this fraction of trainer.total_training_steps (when lr_warmup_steps < 0)
+    grad_clip: float = 1.0  # max global gradient norm; <= 0 disables clipping
+    clip_grad: float | None = None  # verl's spelling of grad_clip: mapped onto it when the config is composed
 
 
 @dataclass
@@ -117,9 +133,28 @@ class RefConfig:
     sequence_parallel: bool | None = None
     sequence_parallel_adaptive: bool | None = None
     log_prob_micro_batch_size_per_gpu: int = 64
-    log_prob_use_dynamic_bsz: bool = False
-    log_prob_max_token_len_per_gpu: int = 16384
+    # As in verl, the token budget follows the actor's unless set.
+    log_prob_use_dynamic_bsz: bool = II("actor_rollout_ref.actor.use_dynamic_bsz")
+    log_prob_max_token_len_per_gpu: int = II("actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
+    strategy: str = "fsdp2"  # fsdp | fsdp2: both run rlsp's FSDP2 engine
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass
+class ValKwargsConfig:
+    """Sampling of validation rollouts (verl's rollout.val_kwargs)."""
+
+    n: int = 1  # samples per validation prompt (val metrics average over all of them)
+    do_sample: bool = False  # false: greedy (temperature, top_p and top_k must stay at their defaults)
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+
+
+@dataclass
+class MultiTurnConfig:
+    enable: bool = False  # multi-turn tool rollouts: not implemented (true is refused)
+    format: str = "hermes"  # tool-call format of multi-turn rollouts (read only with enable=true)
 
 
 @dataclass
@@ -134,9 +169,12 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     cpu_kvcache_space_gib: int = 1
     log_prob_micro_batch_size_per_gpu: int = 64
-    log_prob_use_dynamic_bsz: bool = False  # old-logprob pass: token-budget micro-batches
-    log_prob_max_token_len_per_gpu: int = 16384
-    val_temperature: float = 0.0  # greedy validation
+    log_prob_use_dynamic_bsz: bool = II("actor_rollout_ref.actor.use_dynamic_bsz")  # old-logprob pass: token-budget micro-batches (the actor's setting unless set)
+    log_prob_max_token_len_per_gpu: int = II("actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
+    val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
+    mode: str = "sync"  # sync | async (verl's serving mode); rlsp's engine runs in-process in each worker and generates the same single-turn samples in both
+    free_cache_engine: bool = True  # free the engine's KV cache and weights while training (GPU); rlsp always does: true only
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     ignore_eos: bool = False  # sample max_response_length tokens even past EOS (fixed-length benchmarks; vllm only)
     load_format: str = "auto"  # vLLM's first weights: auto | safetensors (read model.path) | dummy (random; synced from the actor before generating)
     layered_summon: bool = True  # weight sync gathers one parameter at a time (finer than per layer); false (whole-model gather) is refused
@@ -156,6 +194,7 @@ class CriticModelConfig:
     path: str | None = None  # None = initialise from the actor's checkpoint (actor_rollout_ref.model.path)
     dtype: str | None = None  # compute dtype; None = actor_rollout_ref.model.dtype (master weights stay fp32)
     enable_gradient_checkpointing: bool = False
+    use_remove_padding: bool = True  # as actor_rollout_ref.model.use_remove_padding: true only
     enable_activation_offload: bool = False  # as actor_rollout_ref.model.enable_activation_offload, for the critic
     tiled_mlp: TiledMLPConfig = field(default_factory=TiledMLPConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
@@ -173,14 +212,15 @@ class CriticConfig:
     strategy: str = "fsdp2"
     model: CriticModelConfig = field(default_factory=CriticModelConfig)
     optim: CriticOptimConfig = field(default_factory=CriticOptimConfig)
-    ppo_mini_batch_size: int = 16  # prompts per optimizer step (x rollout.n samples), verl semantics
+    # Unset batch keys follow the actor's (or the critic's update's) as in verl.
+    ppo_mini_batch_size: int = II("actor_rollout_ref.actor.ppo_mini_batch_size")  # prompts per optimizer step (x rollout.n samples), verl semantics
     ppo_micro_batch_size_per_gpu: int = 32  # samples per forward/backward on one worker
-    forward_micro_batch_size_per_gpu: int = 64  # samples per value forward (no grad)
-    use_dynamic_bsz: bool = False  # token-budget micro-batches for the value forward and the update
+    forward_micro_batch_size_per_gpu: int = II(".ppo_micro_batch_size_per_gpu")  # samples per value forward (no grad)
+    use_dynamic_bsz: bool = II("actor_rollout_ref.actor.use_dynamic_bsz")  # token-budget micro-batches for the value forward and the update
     ppo_max_token_len_per_gpu: int = 32768
-    forward_max_token_len_per_gpu: int = 32768
-    ppo_epochs: int = 1
-    shuffle: bool = True
+    forward_max_token_len_per_gpu: int = II(".ppo_max_token_len_per_gpu")
+    ppo_epochs: int = II("actor_rollout_ref.actor.ppo_epochs")
+    shuffle: bool = II("actor_rollout_ref.actor.shuffle")
     cliprange_value: float = 0.5  # clip of the new value around the rollout-time value
     ulysses_sequence_parallel_size: int = 1
     ring_sequence_parallel_size: int = 1
@@ -247,9 +287,17 @@ class RolloutPoolConfig:
 class RewardConfig:
     """Rule rewards are looked up by each row's data_source; a custom function overrides them."""
 
-    custom_function_path: str | None = None
+    custom_function_path: str | None = None  # a Python file with the reward function
     custom_function_name: str = "compute_score"
     on_error: str = "raise"  # a reward fn that raises or returns a non-finite/non-number: raise | zero (counted)
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    """verl's spelling of reward.custom_function_path / _name: mapped onto them when the config is composed."""
+
+    path: str | None = None
+    name: str | None = None
 
 
 @dataclass
@@ -284,14 +332,14 @@ class TrainerConfig:
     device: str = "auto"  # auto | cpu | cuda
     nnodes: int = 1
     n_gpus_per_node: int = 2  # worker processes per node (CPU workers when device=cpu)
-    total_epochs: int = 1000
-    total_training_steps: int = 100
+    total_epochs: int = 30  # passes over the training prompts (verl's default)
+    total_training_steps: int | None = None  # None: total_epochs x batches per epoch (verl's rule); set: exactly this many steps
     balance_batch: bool = True  # reorder rows so every dp rank gets a similar number of tokens
     critic_warmup: int = 0  # the first N steps update only the critic (the actor and rollout stay put)
     test_freq: int = 10  # validate every N steps (and at the start and end); <=0 disables
     val_before_train: bool = True
     default_local_dir: str = "outputs/${trainer.project_name}/${trainer.experiment_name}"
-    logger: list = field(default_factory=lambda: ["console", "jsonl"])  # any of console | jsonl | tensorboard | wandb | mlflow
+    logger: Any = field(default_factory=lambda: ["console", "jsonl"])  # a name or a list of: console | jsonl | tensorboard | wandb | mlflow
     seed: int = 0
     cache_dir: str = "~/.cache/rlsp"
     ray_address: str | None = None  # unset: a private local Ray on 127.0.0.1; auto: join the running cluster; host:port: join that one
@@ -305,6 +353,7 @@ class TrainerConfig:
     max_actor_ckpt_to_keep: int | None = None  # keep the actor state of the newest N checkpoints (None: all)
     max_critic_ckpt_to_keep: int | None = None
     save_on_preempt: bool = False  # SIGTERM: finish the step in flight and checkpoint it before stopping
+    use_legacy_worker_impl: str = "auto"  # auto | enable | disable: verl's choice between its two worker implementations; rlsp has one (any value)
 
 
 @dataclass
@@ -314,6 +363,7 @@ class RLSPConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     rollout: RolloutPoolConfig = field(default_factory=RolloutPoolConfig)

@@ -11,6 +11,18 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from rlsp.config.choices import (
+    DEVICES,
+    DTYPE_NAMES,
+    KL_CTRL_TYPES,
+    KL_ESTIMATOR_NAMES,
+    LOGGERS,
+    LOSS_AGG_MODES,
+    RESUME_MODES,
+    REWARD_ON_ERROR,
+    ROLLOUT_ENGINES,
+    choice_error,
+)
 from rlsp.config.layout import CRITIC_ESTIMATORS, ParallelLayout, RoleLayout, World
 from rlsp.config.validate_async import check_async, check_off_policy
 from rlsp.config.validate_lora import check_lora, check_rollout_loading
@@ -18,12 +30,10 @@ from rlsp.config.validate_memory import check_memory_options
 from rlsp.config.validate_offload import check_offload
 from rlsp.config.validate_reward import check_reward_model
 from rlsp.config.validate_rollout_tp import check_rollout_tp
+from rlsp.config.validate_verl import check_verl_keys
+from rlsp.config.verl_compat import apply_verl_spellings, refusal
 
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
-# KL estimators for the in-reward penalty (names as verl's algorithm.kl_penalty).
-KL_PENALTIES = ("kl", "abs", "mse", "low_var_kl")
-# trainer.logger entries; rlsp/trainer/trackers.py holds one adapter per name (and asserts the match).
-LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+__all__ = ["DTYPE_NAMES", "LOGGERS", "validate_config"]  # the legal-value lists live in rlsp.config.choices
 
 
 def _divisors(n: int) -> list[int]:
@@ -178,8 +188,6 @@ def _check_critic(cfg: Any, layout: ParallelLayout, errors: list[str]) -> None:
         _require(val >= 1, f"{key}={val} must be >= 1", errors)
     _require(c.cliprange_value > 0.0, f"critic.cliprange_value={c.cliprange_value} must be > 0", errors)
     _require(c.optim.lr > 0.0, f"critic.optim.lr={c.optim.lr} must be > 0", errors)
-    _require(c.strategy in ("fsdp2", "fsdp"), f"critic.strategy={c.strategy!r} is not supported; legal values: "
-             "['fsdp2', 'fsdp']", errors)
     _require(c.model.dtype in (None, *DTYPE_NAMES), f"critic.model.dtype={c.model.dtype!r} is not supported; legal "
              f"values: {[None, *DTYPE_NAMES]}", errors)
 
@@ -188,11 +196,7 @@ def _check_algorithm(cfg: Any, errors: list[str]) -> None:
     alg = cfg.algorithm
     _require(0.0 <= alg.gamma <= 1.0, f"algorithm.gamma={alg.gamma} must be in [0, 1]", errors)
     _require(0.0 <= alg.lam <= 1.0, f"algorithm.lam={alg.lam} must be in [0, 1]", errors)
-    _require(alg.kl_penalty in KL_PENALTIES, f"algorithm.kl_penalty={alg.kl_penalty!r} is not supported; legal "
-             f"values: {list(KL_PENALTIES)}", errors)
     k = alg.kl_ctrl
-    _require(k.type in ("fixed", "adaptive"), f"algorithm.kl_ctrl.type={k.type!r} is not supported; legal values: "
-             "['fixed', 'adaptive']", errors)
     _require(k.kl_coef >= 0.0, f"algorithm.kl_ctrl.kl_coef={k.kl_coef} must be >= 0", errors)
     if k.type == "adaptive":
         _require(k.target_kl > 0.0, f"algorithm.kl_ctrl.target_kl={k.target_kl} must be > 0", errors)
@@ -207,17 +211,22 @@ def _check_algorithm(cfg: Any, errors: list[str]) -> None:
 def _check_choices(cfg: Any, errors: list[str]) -> None:
     arr = cfg.actor_rollout_ref
     choices = (
-        ("trainer.device", cfg.trainer.device, ("auto", "cpu", "cuda")),
-        ("actor_rollout_ref.rollout.name", arr.rollout.name, ("vllm", "hf")),
+        ("trainer.device", cfg.trainer.device, DEVICES),
+        ("actor_rollout_ref.rollout.name", arr.rollout.name, ROLLOUT_ENGINES),
         ("actor_rollout_ref.model.dtype", arr.model.dtype, DTYPE_NAMES),
         ("actor_rollout_ref.rollout.dtype", arr.rollout.dtype, DTYPE_NAMES),
-        ("actor_rollout_ref.actor.strategy", arr.actor.strategy, ("fsdp2", "fsdp")),
-        ("actor_rollout_ref.actor.loss_agg_mode", arr.actor.loss_agg_mode, ("token-mean",)),
-        ("trainer.resume_mode", cfg.trainer.resume_mode, ("auto", "disable", "resume_path")),
-        ("reward.on_error", cfg.reward.on_error, ("raise", "zero")),
+        ("actor_rollout_ref.actor.loss_agg_mode", arr.actor.loss_agg_mode, LOSS_AGG_MODES),
+        # Both KL keys take the same estimator names (rlsp.algos.kl implements exactly these).
+        ("actor_rollout_ref.actor.kl_loss_type", arr.actor.kl_loss_type, KL_ESTIMATOR_NAMES),
+        ("algorithm.kl_penalty", cfg.algorithm.kl_penalty, KL_ESTIMATOR_NAMES),
+        ("algorithm.kl_ctrl.type", cfg.algorithm.kl_ctrl.type, KL_CTRL_TYPES),
+        ("trainer.resume_mode", cfg.trainer.resume_mode, RESUME_MODES),
+        ("reward.on_error", cfg.reward.on_error, REWARD_ON_ERROR),
     )
     for key, val, legal in choices:
-        _require(val in legal, f"{key}={val!r} is not supported; legal values: {list(legal)}", errors)
+        error = choice_error(key, val, legal)
+        if error:
+            errors.append(error)
     for bad in sorted(set(cfg.trainer.logger) - set(LOGGERS)):
         errors.append(f"trainer.logger contains {bad!r}; legal entries: {list(LOGGERS)}")
 
@@ -234,7 +243,6 @@ def _check_ranges(cfg: Any, errors: list[str]) -> None:
     _require(rollout.temperature > 0.0, f"actor_rollout_ref.rollout.temperature={rollout.temperature} must be > 0", errors)
     _require(0.0 < rollout.top_p <= 1.0, f"actor_rollout_ref.rollout.top_p={rollout.top_p} must be in (0, 1]", errors)
     _require(actor.optim.lr > 0.0, f"actor_rollout_ref.actor.optim.lr={actor.optim.lr} must be > 0", errors)
-    _require(cfg.trainer.total_training_steps >= 1, f"trainer.total_training_steps={cfg.trainer.total_training_steps} must be >= 1", errors)
     if rollout.ignore_eos and rollout.name != "vllm":
         errors.append(f"actor_rollout_ref.rollout.ignore_eos=true needs actor_rollout_ref.rollout.name=vllm "
                       f"(got {rollout.name!r}: transformers generate stops at EOS)")
@@ -275,7 +283,7 @@ def _check_known_keys(cfg: Any, errors: list[str]) -> None:
     legal = _schema_keys(schema)
     for key in _unknown_keys(cfg, schema):
         shown = ", ".join(_nearest(key, legal)) or "see docs/config.md for every key"
-        errors.append(f"unknown config key {key!r}; nearest legal keys: {shown}")
+        errors.append(refusal(key) or f"unknown config key {key!r}; nearest legal keys: {shown}")
 
 
 def _nearest(key: str, legal: list[str]) -> list[str]:
@@ -293,6 +301,7 @@ def validate_config(cfg: Any) -> ParallelLayout:
     _check_known_keys(cfg, errors)
     if errors:  # typos first: the other checks would trip over a misspelled section
         raise ValueError("invalid rlsp config:\n  - " + "\n  - ".join(errors))
+    apply_verl_spellings(cfg, errors)  # verl's spellings onto rlsp's keys, as composed configs get them
     layout = _check_parallel(cfg, errors)
     if layout is not None:
         _check_adaptive(cfg, layout, errors)
@@ -309,6 +318,7 @@ def validate_config(cfg: Any) -> ParallelLayout:
     check_offload(cfg, layout, errors)
     check_lora(cfg, layout, errors)
     check_rollout_loading(cfg, errors)
+    check_verl_keys(cfg, errors)
     if errors:
         raise ValueError("invalid rlsp config:\n  - " + "\n  - ".join(errors))
     assert layout is not None

@@ -2,7 +2,10 @@
 
 `PromptDataset` renders each row's chat messages with the tokenizer's chat template (generation
 prompt added), tokenizes the result, and keeps the fields a reward function needs (`data_source`,
-`ground_truth`, `extra_info`). `iterate_batches` yields shuffled, fixed-size batches per epoch.
+`ground_truth`, `extra_info`). A prompt longer than `max_prompt_length` is dropped (filter_overlong),
+else refused or cut as verl's `data.truncation` says: "left" keeps its last tokens, "right" its first,
+"middle" both ends (half each). `iterate_batches` yields fixed-size batches per epoch, shuffled or in
+file order. `prompt_report` counts what a dataset holds without building it (for `rlsp.check`).
 """
 
 from __future__ import annotations
@@ -11,12 +14,17 @@ import logging
 import os
 import random
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
+from rlsp.config.choices import TRUNCATIONS
+
 log = logging.getLogger(__name__)
+# Columns a verl-layout row may carry beyond the prompt (all optional; see PromptDataset._make_item).
+OPTIONAL_COLUMNS = ("data_source", "reward_model", "extra_info")
 
 
 def _plain(value: Any) -> Any:
@@ -77,7 +85,10 @@ class PromptDataset:
         prompt_key: str = "prompt",
         filter_overlong: bool = True,
         chat_template: bool = True,
+        truncation: str = "error",
     ) -> None:
+        if truncation not in TRUNCATIONS:
+            raise ValueError(f"truncation={truncation!r} is not supported; legal values: {list(TRUNCATIONS)}")
         paths = [files] if isinstance(files, str) else list(files)
         self.chat_template = chat_template
         frame = _read_frames(paths, prompt_key)
@@ -86,13 +97,16 @@ class PromptDataset:
         for row_index, row in enumerate(frame.to_dict(orient="records")):
             item = self._make_item(_plain(row), row_index, prompt_key, tokenizer, chat_template)
             if len(item["prompt_ids"]) > max_prompt_length:
-                if not filter_overlong:
+                if filter_overlong:
+                    dropped += 1
+                    continue
+                if truncation == "error":
                     raise ValueError(
                         f"row {row_index} has {len(item['prompt_ids'])} prompt tokens > max_prompt_length="
-                        f"{max_prompt_length}; raise max_prompt_length or set filter_overlong=True"
+                        f"{max_prompt_length}; raise data.max_prompt_length, set data.filter_overlong_prompts=true "
+                        "or data.truncation=left|right|middle"
                     )
-                dropped += 1
-                continue
+                item["prompt_ids"] = truncate(item["prompt_ids"], max_prompt_length, truncation)
             self.items.append(item)
         if dropped:
             log.warning("dropped %d of %d prompts longer than %d tokens (%s)", dropped, len(frame), max_prompt_length, paths)
@@ -126,16 +140,69 @@ class PromptDataset:
         return self.items[i]
 
 
+def truncate(ids: list[int], limit: int, side: str) -> list[int]:
+    """`ids` cut to `limit` tokens: "left" keeps the end, "right" the start, "middle" both ends (verl's rule)."""
+    if len(ids) <= limit:
+        return ids
+    if side == "left":
+        return ids[len(ids) - limit:]
+    if side == "right":
+        return ids[:limit]
+    if side == "middle":
+        head = limit // 2
+        return ids[:head] + ids[len(ids) - (limit - head):]
+    raise ValueError(f"truncation={side!r} cuts nothing; legal values: {list(TRUNCATIONS[1:])}")
+
+
 def iterate_batches(
-    dataset: PromptDataset | Sequence[dict[str, Any]], batch_size: int, seed: int, epoch: int
+    dataset: PromptDataset | Sequence[dict[str, Any]], batch_size: int, seed: int, epoch: int, shuffle: bool = True
 ) -> Iterator[list[dict[str, Any]]]:
-    """Yield full batches of items in an order fixed by (seed, epoch); the remainder is dropped."""
+    """Yield full batches of items in an order fixed by (seed, epoch), or in file order without
+    `shuffle`; the remainder is dropped."""
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size} must be >= 1")
     if batch_size > len(dataset):
         raise ValueError(f"batch_size={batch_size} exceeds the dataset size {len(dataset)}: no full batch")
     order = list(range(len(dataset)))
-    # A private Random: the order depends on (seed, epoch) only, never on the global RNG state.
-    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    if shuffle:  # a private Random: the order depends on (seed, epoch) only, never on the global RNG state
+        random.Random(seed * 1_000_003 + epoch).shuffle(order)
     for start in range(0, len(order) - batch_size + 1, batch_size):
         yield [dataset[i] for i in order[start : start + batch_size]]
+
+
+@dataclass
+class PromptReport:
+    """What `prompt_report` found in a set of parquet files (nothing is kept in memory)."""
+
+    rows: int = 0
+    lengths: list[int] = field(default_factory=list)  # prompt tokens of every row, in file order
+    missing_columns: list[str] = field(default_factory=list)  # optional verl columns no file has
+    sources: set[str] = field(default_factory=set)  # data_source values (they pick the rule reward)
+    problems: list[str] = field(default_factory=list)  # unreadable files, rows that cannot be rendered
+
+    def overlong(self, limit: int) -> int:
+        return sum(n > limit for n in self.lengths)
+
+
+def prompt_report(files: Sequence[str], tokenizer: Any, prompt_key: str = "prompt",
+                  chat_template: bool = True) -> PromptReport:
+    """Rows, prompt token lengths and missing columns of `files`, collecting every problem."""
+    report, seen = PromptReport(), set()
+    for path in files:
+        try:
+            frame = _read_frames([path], prompt_key)
+        except (ValueError, OSError) as exc:
+            report.problems.append(str(exc))
+            continue
+        seen.update(frame.columns)
+        for row_index, row in enumerate(frame.to_dict(orient="records")):
+            try:
+                item = PromptDataset._make_item(_plain(row), row_index, prompt_key, tokenizer, chat_template)
+            except (ValueError, TypeError, AttributeError) as exc:
+                report.problems.append(f"{path} row {row_index}: {exc}")
+                continue
+            report.lengths.append(len(item["prompt_ids"]))
+            report.sources.add(item["data_source"])
+        report.rows += len(frame)
+    report.missing_columns = [c for c in OPTIONAL_COLUMNS if seen and c not in seen]
+    return report

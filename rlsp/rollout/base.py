@@ -18,6 +18,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from rlsp.config.choices import ROLLOUT_ENGINES
+
 FINISH_REASONS = ("stop", "length")
 
 
@@ -96,7 +98,7 @@ class RolloutEngine(Protocol):
     def wake_up(self) -> None: ...
 
 
-ENGINE_NAMES = ("vllm", "hf")
+ENGINE_NAMES = ROLLOUT_ENGINES  # the legal actor_rollout_ref.rollout.name values, defined once in rlsp.config
 
 
 def build_rollout_engine(name: str, model_path: str, **kwargs: Any) -> RolloutEngine:

@@ -7,11 +7,14 @@ file / a directory holding one GGUF file, converted once (see `rlsp.models.gguf`
 Datasets: `builtin://arithmetic/{train,test}` is the synthetic arithmetic task for the tiny model,
 `builtin://word_problems/{train,test}` the gsm8k-format word problems for a pretrained chat model.
 Any other dataset entry is returned as given (a local parquet path).
+Shared memory: `copy_to_shm` puts a model directory into /dev/shm (`actor_rollout_ref.model.use_shm`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
 from collections.abc import Callable
 
 from rlsp.data.tasks.arithmetic import write_arithmetic_parquet
@@ -59,3 +62,28 @@ def resolve_data_files(files: str | list[str] | None, cache_dir: str) -> list[st
         train, test = BUILTIN_DATASETS[task](_cache(cache_dir, "data", task))
         out.append(train if split == "train" else test)
     return out
+
+
+SHM_ROOT = "/dev/shm/rlsp-models"
+
+
+def copy_to_shm(path: str, root: str = SHM_ROOT) -> str:
+    """`actor_rollout_ref.model.use_shm`: the model directory copied once into shared memory (RAM), so
+    every worker of the node loads it from there; later runs reuse a copy of the same files."""
+    src = os.path.abspath(path)
+    stamp = [(name, os.path.getsize(os.path.join(src, name)), os.path.getmtime(os.path.join(src, name)))
+             for name in sorted(os.listdir(src)) if os.path.isfile(os.path.join(src, name))]
+    digest = hashlib.sha256(repr((src, stamp)).encode()).hexdigest()[:12]
+    dest = os.path.join(root, f"{os.path.basename(src)}-{digest}")
+    if os.path.isdir(dest):
+        return dest
+    os.makedirs(root, exist_ok=True)
+    tmp = f"{dest}.tmp-{os.getpid()}"
+    shutil.copytree(src, tmp)
+    try:
+        os.replace(tmp, dest)  # atomic: a concurrent run sees no copy or a whole one
+    except OSError:
+        if not os.path.isdir(dest):
+            raise
+        shutil.rmtree(tmp)  # another run finished the same copy first
+    return dest

@@ -110,13 +110,15 @@ def resolve_resume(cfg: DictConfig) -> str | None:
 def finished_step(cfg: DictConfig) -> int | None:
     """The step of the checkpoint this command would continue, when it is at or past
     trainer.total_training_steps (nothing is left to train); else None. Reads trainer_state.json only;
-    anything unusual (a refused resume, an unreadable file) is left to the full checks."""
+    anything unusual (a refused resume, an unreadable file) is left to the full checks, and so is a run
+    length that only the dataset decides (total_training_steps unset: total_epochs x batches)."""
     try:
         path = resolve_resume(cfg)
         step = TrainerState.read(path).step if path else None
     except (ValueError, OSError, KeyError, TypeError):
         return None
-    return step if step is not None and step >= cfg.trainer.total_training_steps else None
+    total = cfg.trainer.total_training_steps
+    return step if step is not None and total is not None and step >= total else None
 
 
 class CheckpointWriter:

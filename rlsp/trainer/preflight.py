@@ -1,5 +1,9 @@
 """Checks that need more than config arithmetic — registries, the model's config, data files —
-run in the driver before any worker starts, so a bad run fails in seconds with a clear message."""
+run in the driver before any worker starts, so a bad run fails in seconds with a clear message.
+
+`preflight(cfg)` resolves built-in assets and raises one error listing every problem; `rlsp.check`
+calls its parts (`resolve_assets`, `preflight_errors`) to collect them alongside its own checks.
+"""
 
 from __future__ import annotations
 
@@ -9,15 +13,14 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig
 
-from rlsp.algos.kl import KL_ESTIMATORS
-from rlsp.algos.registry import ESTIMATOR_DEFAULTS, estimator_uses, list_adv_estimators, list_policy_losses
+from rlsp.algos.registry import ESTIMATOR_DEFAULTS, list_adv_estimators, list_policy_losses, unused_settings, users_of
 from rlsp.config.layout import CRITIC_ESTIMATORS, ParallelLayout
 from rlsp.config.validate import validate_config
 from rlsp.models.loading import check_sp_support
 from rlsp.parallel.tensor_parallel import check_tp_support
 from rlsp.rewards.loader import load_custom_reward_fn
 from rlsp.rollout.support import check_rollout_support
-from rlsp.trainer.assets import resolve_data_files, resolve_model_path
+from rlsp.trainer.assets import copy_to_shm, resolve_data_files, resolve_model_path
 from rlsp.trainer.off_policy import check_rollout_correction_names
 from rlsp.trainer.preflight_reward import reward_model_errors
 from rlsp.utils.device import resolve_device_type
@@ -34,7 +37,6 @@ def _check_names(cfg: DictConfig, errors: list[str]) -> None:
     for key, val, legal in (
         ("algorithm.adv_estimator", cfg.algorithm.adv_estimator, list_adv_estimators()),
         ("actor_rollout_ref.actor.policy_loss", actor.policy_loss, list_policy_losses()),
-        ("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type, sorted(KL_ESTIMATORS)),
     ):
         if val not in legal:
             errors.append(f"{key}={val!r} is unknown; legal values: {legal}")
@@ -46,13 +48,10 @@ def _check_names(cfg: DictConfig, errors: list[str]) -> None:
 def _check_estimator_settings(cfg: DictConfig, errors: list[str]) -> None:
     """A setting the chosen estimator does not read must stay at its default: never silently ignored."""
     name = cfg.algorithm.adv_estimator
-    uses = estimator_uses(name)
-    for kw, key in ESTIMATOR_KEYS.items():
-        value = OmegaConf.select(cfg, key)
-        if kw not in uses and value != ESTIMATOR_DEFAULTS[kw]:
-            users = [e for e in list_adv_estimators() if kw in estimator_uses(e)]
-            errors.append(f"{key}={value} has no effect with algorithm.adv_estimator={name!r}; leave it at "
-                          f"{ESTIMATOR_DEFAULTS[kw]} or pick an estimator that uses it: {users}")
+    settings = {kw: OmegaConf.select(cfg, key) for kw, key in ESTIMATOR_KEYS.items()}
+    for kw, value in unused_settings(name, **settings).items():
+        errors.append(f"{ESTIMATOR_KEYS[kw]}={value} has no effect with algorithm.adv_estimator={name!r}; leave it at "
+                      f"{ESTIMATOR_DEFAULTS[kw]} or pick an estimator that uses it: {users_of(kw)}")
 
 
 def _check_degrees(config: Any, layout: ParallelLayout, errors: list[str]) -> None:
@@ -70,17 +69,17 @@ def _check_degrees(config: Any, layout: ParallelLayout, errors: list[str]) -> No
                 errors.append(f"{prefix}.{key}: {exc}")
 
 
-def _check_model(cfg: DictConfig, errors: list[str]) -> None:
+def _check_model(cfg: DictConfig, layout: ParallelLayout | None, device_type: str, errors: list[str]) -> None:
     path = cfg.actor_rollout_ref.model.path
     if not os.path.isdir(path):
         errors.append(f"actor_rollout_ref.model.path={path!r} is not a local directory with a Hugging Face model "
                       "(nor a .gguf file or a directory holding one)")
         return
     config = AutoConfig.from_pretrained(path)
-    layout = validate_config(cfg)
-    _check_degrees(config, layout, errors)
-    rollout_error = check_rollout_support(config, cfg.actor_rollout_ref.rollout.name,
-                                          resolve_device_type(cfg.trainer.device), layout.rollout_tp)
+    if layout is not None:  # None: the config's degrees are invalid (validate_config names them)
+        _check_degrees(config, layout, errors)
+    rollout_error = check_rollout_support(config, cfg.actor_rollout_ref.rollout.name, device_type,
+                                          layout.rollout_tp if layout is not None else 1)
     if rollout_error:
         errors.append(rollout_error)
     need = cfg.data.max_prompt_length + cfg.data.max_response_length
@@ -90,12 +89,30 @@ def _check_model(cfg: DictConfig, errors: list[str]) -> None:
                       f"max_position_embeddings={limit}")
 
 
-def preflight(cfg: DictConfig) -> DictConfig:
-    """Resolve built-in assets into local paths (in place) and validate what needs the model/registries."""
+def resolve_assets(cfg: DictConfig) -> None:
+    """Built-in models and datasets (`builtin://`, GGUF files) into local paths, in place."""
     cache = cfg.trainer.cache_dir
     cfg.actor_rollout_ref.model.path = resolve_model_path(cfg.actor_rollout_ref.model.path, cache)
+    if cfg.critic.model.path and cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS:
+        cfg.critic.model.path = resolve_model_path(cfg.critic.model.path, cache)
     cfg.data.train_files = resolve_data_files(cfg.data.train_files, cache)
     cfg.data.val_files = resolve_data_files(cfg.data.val_files, cache) or None
+
+
+def preflight(cfg: DictConfig) -> DictConfig:
+    """Resolve built-in assets into local paths (in place) and validate what needs the model/registries."""
+    resolve_assets(cfg)
+    errors = preflight_errors(cfg, validate_config(cfg), resolve_device_type(cfg.trainer.device))
+    if errors:
+        raise ValueError("invalid rlsp config:\n  - " + "\n  - ".join(errors))
+    if cfg.actor_rollout_ref.model.use_shm:  # after the checks: nothing is copied for a refused run
+        cfg.actor_rollout_ref.model.path = copy_to_shm(cfg.actor_rollout_ref.model.path)
+    return cfg
+
+
+def preflight_errors(cfg: DictConfig, layout: ParallelLayout | None, device_type: str) -> list[str]:
+    """Every problem with the (resolved) files, names and model of `cfg` on `device_type`; `layout` None
+    skips the checks of parallel degrees against the model."""
     errors: list[str] = []
     for f in list(cfg.data.train_files) + list(cfg.data.val_files or []):
         if not os.path.exists(f):
@@ -103,7 +120,7 @@ def preflight(cfg: DictConfig) -> DictConfig:
     if not cfg.data.train_files:
         errors.append("data.train_files is empty; give at least one parquet file")
     _check_names(cfg, errors)
-    _check_model(cfg, errors)
+    _check_model(cfg, layout, device_type, errors)
     critic_path = cfg.critic.model.path
     if cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS and critic_path and not os.path.isdir(critic_path):
         errors.append(f"critic.model.path={critic_path!r} is not a local directory with a Hugging Face model "
@@ -114,6 +131,4 @@ def preflight(cfg: DictConfig) -> DictConfig:
         except (ValueError, RuntimeError, FileNotFoundError, AttributeError, TypeError) as exc:
             errors.append(str(exc))
     errors += reward_model_errors(cfg)
-    if errors:
-        raise ValueError("invalid rlsp config:\n  - " + "\n  - ".join(errors))
-    return cfg
+    return errors

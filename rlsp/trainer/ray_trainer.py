@@ -20,6 +20,7 @@ from transformers import AutoTokenizer
 from rlsp.algos.kl_ctrl import apply_kl_penalty, build_kl_controller
 from rlsp.algos.registry import compute_advantages
 from rlsp.config.layout import ParallelLayout
+from rlsp.config.run_length import resolve_total_steps
 from rlsp.controller.resource_pool import ResourcePool, default_cpus_per_worker
 from rlsp.controller.worker_group import RayWorkerGroup
 from rlsp.data.balance import balanced_order
@@ -75,12 +76,11 @@ class RayTrainer:
         d = cfg.data
         def dataset(files: Any) -> PromptDataset:
             return PromptDataset(files, self.tokenizer, d.max_prompt_length, d.prompt_key, d.filter_overlong_prompts,
-                                 chat_template=d.apply_chat_template)
+                                 chat_template=d.apply_chat_template, truncation=d.truncation)
 
         self.train_set = dataset(d.train_files)
         self.val_set = dataset(d.val_files) if d.val_files else None
-        if len(self.train_set) < d.train_batch_size:
-            raise ValueError(f"data.train_batch_size={d.train_batch_size} exceeds the {len(self.train_set)} training prompts")
+        resolve_total_steps(cfg, len(self.train_set))  # verl's rule; from here on the config holds the run length
         self.scorer = Scorer(self.tokenizer, cfg.reward.custom_function_path, cfg.reward.custom_function_name,
                              on_error=cfg.reward.on_error)
         self.metrics = MetricsLogger(self.run_dir, list(cfg.trainer.logger))
@@ -171,7 +171,10 @@ class RayTrainer:
     def _sampling(self, step: int, *, validate: bool = False) -> dict[str, Any]:
         r, d = self.cfg.actor_rollout_ref.rollout, self.cfg.data
         if validate:
-            return {"n": 1, "temperature": r.val_temperature, "max_tokens": d.max_response_length, "seed": 0}
+            v = r.val_kwargs
+            greedy = {"temperature": 0.0, "top_p": 1.0, "top_k": -1}
+            chosen = {"temperature": v.temperature, "top_p": v.top_p, "top_k": v.top_k} if v.do_sample else greedy
+            return {"n": v.n, **chosen, "max_tokens": d.max_response_length, "seed": 0}
         # Far-apart bases per step: the samples of one step use base .. base + prompts * n - 1.
         seed = (self.cfg.trainer.seed * 100_003 + step) * 1_000_003 % 2**62
         return {"n": r.n, "temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
@@ -285,11 +288,12 @@ class RayTrainer:
         items = [self.val_set[i] for i in range(len(self.val_set))]
         world = self.rollout_wg.world_size
         padded = items + items[: (-len(items)) % world]
-        batch = self.rollout_wg.call("rollout", "generate", _prompt_batch(padded), self._sampling(0, validate=True))
-        batch = batch.select_rows(slice(0, len(items)))
+        sampling = self._sampling(0, validate=True)
+        batch = self.rollout_wg.call("rollout", "generate", _prompt_batch(padded), sampling)
+        batch = batch.select_rows(slice(0, len(items) * sampling["n"]))  # each prompt's samples are contiguous
         scores = self.scorer.score_rows(batch)
         return {"val/accuracy": float((scores >= 1.0).mean()), "val/reward_mean": float(scores.mean()),
-                "val/num_prompts": float(len(items))}
+                "val/num_prompts": float(len(items)), "val/num_samples": float(len(scores))}
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> list[dict[str, Any]]:
@@ -345,7 +349,7 @@ class RayTrainer:
         d = self.cfg.data
         first_epoch, skip = self.data_pos
         for epoch in range(first_epoch, self.cfg.trainer.total_epochs):
-            for i, items in enumerate(iterate_batches(self.train_set, d.train_batch_size, d.seed, epoch)):
+            for i, items in enumerate(iterate_batches(self.train_set, d.train_batch_size, d.seed, epoch, d.shuffle)):
                 if epoch == first_epoch and i < skip:
                     continue
                 self.data_pos = (epoch, i + 1)

@@ -44,13 +44,15 @@ COURSE_NEUTRAL = (
     "trainer.total_epochs", "trainer.total_training_steps", "trainer.test_freq", "trainer.val_before_train",
     "trainer.default_local_dir", "trainer.logger", "trainer.cache_dir", "trainer.ray_address", "trainer.sp_self_check*",
     "trainer.plot", "trainer.save_*", "trainer.resume_*", "trainer.max_*_ckpt_to_keep", "trainer.balance_batch",
-    "data.val_files", "*.val_temperature", "*sequence_parallel_size", "*.tensor_model_parallel_size",
+    "data.val_files", "*.val_kwargs.*", "*sequence_parallel_size", "*.tensor_model_parallel_size",
     "*.sequence_parallel", "*.sequence_parallel_adaptive", "*.fsdp_config.fsdp_size", "*.fsdp_config.*offload*",
     "*.tiled_mlp.*", "*.enable_activation_offload", "*micro_batch_size_per_gpu", "*use_dynamic_bsz",
     "*max_token_len_per_gpu", "*.logprob_chunk_size", "*.enable_gradient_checkpointing",
     "actor_rollout_ref.actor.reuse_update_logprobs", "critic.colocate", "critic.nnodes", "critic.n_gpus_per_node",
     "actor_rollout_ref.rollout.cpu_kvcache_space_gib", "actor_rollout_ref.rollout.gpu_memory_utilization",
-    "actor_rollout_ref.rollout.enforce_eager",
+    "actor_rollout_ref.rollout.enforce_eager", "*.use_remove_padding", "*.use_shm", "*.use_fused_kernels",
+    "*.fused_kernel_options.*", "*.strategy", "actor_rollout_ref.rollout.mode", "data.return_raw_chat",
+    "trainer.use_legacy_worker_impl",
 )
 MODEL_KEYS = ("actor_rollout_ref.model.path", "critic.model.path")  # compared by architecture instead
 
@@ -84,8 +86,9 @@ def check_resume(cfg: DictConfig) -> ResumePlan:
     if changed:
         log.warning("resuming %s with settings that differ from its config.yaml (the run continues with this "
                     "command's values):\n  %s", path, "\n  ".join(changed))
-    step = TrainerState.read(path).step
-    return ResumePlan(path, step, complete=step >= cfg.trainer.total_training_steps)
+    step, total = TrainerState.read(path).step, cfg.trainer.total_training_steps
+    # total None: the run length comes from the dataset (verl's rule), which the driver reads first
+    return ResumePlan(path, step, complete=total is not None and step >= total)
 
 
 def _saved_config(path: str) -> dict[str, Any] | None:

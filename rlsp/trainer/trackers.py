@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from rlsp.config.validate import LOGGERS
+from rlsp.config.choices import LOGGERS
 from rlsp.utils.logging import get_logger
 
 log = get_logger("rlsp.metrics")
@@ -191,7 +191,7 @@ TRACKERS: dict[str, type] = {
     "wandb": WandbTracker,
     "mlflow": MlflowTracker,
 }
-assert tuple(TRACKERS) == LOGGERS, f"rlsp.config.validate.LOGGERS {LOGGERS} != trackers {tuple(TRACKERS)}"
+assert tuple(TRACKERS) == LOGGERS, f"rlsp.config.choices.LOGGERS {LOGGERS} != trackers {tuple(TRACKERS)}"
 
 
 def check_trackers(names: list[str]) -> None:

@@ -99,7 +99,7 @@ def test_ring_may_span_nodes_and_the_reference_inherits_the_actor():
      "critic.ulysses_sequence_parallel_size=3 x tensor_model_parallel_size=1 must divide the 2 workers per node"),
     ({"algorithm.adv_estimator": "gae", "critic.ppo_mini_batch_size": 5}, "critic.ppo_mini_batch_size=5 must divide"),
     ({"algorithm.adv_estimator": "gae", "critic.cliprange_value": 0.0}, "critic.cliprange_value=0.0 must be > 0"),
-    ({"algorithm.kl_penalty": "k9"}, "algorithm.kl_penalty='k9' is not supported; legal values: ['kl', 'abs', 'mse', 'low_var_kl']"),
+    ({"algorithm.kl_penalty": "k9"}, "algorithm.kl_penalty='k9' is not supported; legal values: ['k1', 'kl', 'abs', 'k2', 'mse', 'k3', 'low_var_kl']"),
     ({"algorithm.kl_ctrl.type": "pid"}, "algorithm.kl_ctrl.type='pid' is not supported"),
     ({"algorithm.kl_ctrl.type": "adaptive", "algorithm.kl_ctrl.horizon": 0}, "algorithm.kl_ctrl.horizon=0 must be >= 1"),
     ({"trainer.critic_warmup": 2}, "trainer.critic_warmup=2 needs a critic"),

@@ -30,7 +30,7 @@ def test_gae_hand_computed_on_rows_of_different_lengths():
     torch.testing.assert_close(adv, expected)
 
 
-def test_registry_passes_each_estimator_only_what_it_uses():
+def test_registry_guards_what_each_estimator_uses():
     assert estimator_uses("gae") == ("gamma", "lam", "values_BR")
     assert "values_BR" not in estimator_uses("grpo")
     # The estimators that need values are exactly those that get a critic.
@@ -38,7 +38,10 @@ def test_registry_passes_each_estimator_only_what_it_uses():
     rewards = torch.tensor([[0.0, 1.0], [0.0, 0.0]])
     mask = torch.ones_like(rewards)
     settings = dict(norm_adv_by_std=True, gamma=0.5, lam=0.5, values_BR=torch.zeros_like(rewards))
-    grpo, _ = compute_advantages("grpo", rewards, mask, ["a", "a"], **settings)  # gamma/lam/values not passed
+    with pytest.raises(ValueError, match="'grpo' does not use gamma; got 0.5, leave it at its default 1.0"):
+        compute_advantages("grpo", rewards, mask, ["a", "a"], **settings)  # never silently dropped
+    defaults = dict(norm_adv_by_std=True, gamma=1.0, lam=1.0, values_BR=None)
+    grpo, _ = compute_advantages("grpo", rewards, mask, ["a", "a"], **defaults)
     assert grpo[0, 0] > 0 > grpo[1, 0]
     _, ret = compute_advantages("gae", rewards, mask, ["a", "a"], **settings)
     torch.testing.assert_close(ret, torch.tensor([[0.25, 1.0], [0.0, 0.0]]))  # (gamma * lam) * 1: both passed

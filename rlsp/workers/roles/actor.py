@@ -49,7 +49,7 @@ def build_policy_engine(ctx: RoleContext, trainable: bool,
         apply_tiled_mlp(lm.model, arr.model.tiled_mlp.num_shards)
     adapters = apply_lora(lm, lora) if trainable and lora is not None else None  # after tiling: peft wraps the linears in place
     module = TokenLogprobModel(lm.to(ctx.device), chunk_size=arr.actor.logprob_chunk_size)
-    optim = optim_settings(arr.actor.optim) if trainable else None
+    optim = optim_settings(ctx.cfg, "actor") if trainable else None
     role = "actor" if trainable else "ref"
     engine = FSDPEngine(module, ctx.dims(role), ctx.device,
                         compute_dtype=compute, optim=optim,

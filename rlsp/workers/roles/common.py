@@ -8,14 +8,18 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from rlsp.config.run_length import warmup_optimizer_steps
 from rlsp.data.batch import Batch
 from rlsp.engine.fsdp_offload import log_offload
 from rlsp.engine.optim import OptimSettings
 
 
-def optim_settings(optim: Any) -> OptimSettings:
+def optim_settings(cfg: DictConfig, role: str) -> OptimSettings:
+    """The optimizer of trainable `role` ("actor" or "critic"); the warm-up (verl's keys, in training steps)
+    becomes the optimizer steps the engine's scheduler counts."""
+    optim = cfg.actor_rollout_ref.actor.optim if role == "actor" else cfg.critic.optim
     return OptimSettings(lr=float(optim.lr), betas=tuple(optim.betas), weight_decay=float(optim.weight_decay),
-                         warmup_steps=int(optim.warmup_steps), grad_clip=float(optim.grad_clip))
+                         warmup_steps=warmup_optimizer_steps(cfg, role), grad_clip=float(optim.grad_clip))
 
 
 def token_budget(enabled: bool, max_tokens: int) -> int | None:

@@ -36,7 +36,7 @@ def build_critic_engine(ctx: RoleContext) -> FSDPEngine:
         torch.manual_seed(ctx.cfg.trainer.seed)  # the same value head on every rank, whatever ran before
         module = ValueModel(backbone)
     return FSDPEngine(module.to(ctx.device), ctx.dims("critic"), ctx.device, compute_dtype=compute,
-                      optim=optim_settings(c.optim), activation_offload=c.model.enable_activation_offload,
+                      optim=optim_settings(ctx.cfg, "critic"), activation_offload=c.model.enable_activation_offload,
                       param_offload=fsdp_offload(c.model.fsdp_config, "critic", ctx.device))
 
 

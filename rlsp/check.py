@@ -1,0 +1,256 @@
+"""`python -m rlsp.check [--config-name NAME] key=value ...`: every start-up check of the run that
+`python -m rlsp.main` with the same arguments would start, without starting it.
+
+No Ray, no workers, no accelerator. The config is composed as rlsp.main composes it
+(`rlsp.config.compose`) and validated for the cluster the command asks for (trainer.nnodes x
+trainer.n_gpus_per_node, whatever this machine has); the model's config.json and tokenizer are read
+(never its weights; `builtin://` assets resolve as preflight resolves them); the data files' columns,
+data sources and prompt lengths are counted (prompts over data.max_prompt_length per
+data.filter_overlong_prompts / data.truncation); the trackers' packages are looked up; and when the
+run dir exists, the resume checks run (`check_resume`). It prints the layout, the batch split and
+token budgets, the schedule, and what rlsp does with each verl key of the command, then every
+problem found. Exit 0 when there is none, 2 listing all of them.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from rlsp.config.compose import DEFAULT_CONFIG, CommandLine, compose_collecting, parse_command_line
+from rlsp.config.describe import describe_batches, describe_placement, describe_schedule
+from rlsp.config.layout import ParallelLayout
+from rlsp.config.run_length import run_length_errors
+from rlsp.config.validate import validate_config
+from rlsp.config.verl_compat import verl_note
+
+SHOWN_ROW_PROBLEMS = 5  # per data split: the first few unreadable rows, then a count
+
+
+@dataclass
+class Report:
+    """What the checks found: description lines (per section), notes and problems."""
+
+    sections: dict[str, list[str]] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    def add(self, section: str, *lines: str) -> None:
+        self.sections.setdefault(section, []).extend(lines)
+
+    def render(self) -> str:
+        out = []
+        for name, lines in self.sections.items():
+            out += [f"{name}:", *(f"  {line}" for line in lines)]
+        if self.problems:
+            out += [f"{len(self.problems)} problem(s):", *(f"  - {p}" for p in self.problems)]
+        else:
+            out.append("OK: no problems found")
+        return "\n".join(out)
+
+
+def _validate(cfg: DictConfig, report: Report) -> ParallelLayout | None:
+    try:
+        return validate_config(cfg)
+    except ValueError as exc:
+        report.problems += [line[4:] for line in str(exc).splitlines() if line.startswith("  - ")]
+        return None
+
+
+def _target_device(cfg: DictConfig) -> str:
+    """The device the run would use: trainer.device, or (auto) this machine's (no device is opened)."""
+    if cfg.trainer.device in ("cpu", "cuda"):
+        return cfg.trainer.device
+    import torch  # noqa: PLC0415
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _model(cfg: DictConfig, report: Report) -> Any:
+    """The model's architecture line and its tokenizer (None when there is none to read)."""
+    from transformers import AutoConfig  # noqa: PLC0415
+
+    from rlsp.trainer.resume_check import arch, describe  # noqa: PLC0415
+
+    path = cfg.actor_rollout_ref.model.path
+    if not os.path.isfile(os.path.join(str(path), "config.json")):
+        return None  # preflight names the missing model
+    try:
+        report.add("model", f"{path}: {describe(arch(AutoConfig.from_pretrained(path)))}")
+    except (OSError, ValueError) as exc:
+        report.problems.append(f"actor_rollout_ref.model.path={path!r}: unreadable config.json ({exc})")
+        return None
+    try:
+        return _tokenizer(os.path.abspath(path), os.path.getmtime(path))
+    except (OSError, ValueError) as exc:
+        report.problems.append(f"actor_rollout_ref.model.path={path!r}: no readable tokenizer ({exc})")
+        return None
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(path: str, mtime: float) -> Any:
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+@functools.lru_cache(maxsize=16)
+def _prompt_report(files: tuple[tuple[str, float], ...], tokenizer: Any, prompt_key: str, chat_template: bool) -> Any:
+    """Prompt lengths of `files` (paths with their mtimes), cached: repeated checks in one process (a
+    notebook, the test of verl's commands) tokenize each dataset once."""
+    from rlsp.data.dataset import prompt_report  # noqa: PLC0415
+
+    return prompt_report([f for f, _ in files], tokenizer, prompt_key, chat_template)
+
+
+def _split(cfg: DictConfig, name: str, files: list[str], tokenizer: Any, report: Report) -> int | None:
+    """Report one data split; returns how many prompts training would keep (None: unknown)."""
+    d, key = cfg.data, f"data.{name}_files"
+    stamped = tuple((os.path.abspath(f), os.path.getmtime(f)) for f in files)
+    found = _prompt_report(stamped, tokenizer, d.prompt_key, bool(d.apply_chat_template))
+    report.problems += found.problems[:SHOWN_ROW_PROBLEMS]
+    if len(found.problems) > SHOWN_ROW_PROBLEMS:
+        report.problems.append(f"{key}: {len(found.problems) - SHOWN_ROW_PROBLEMS} more unreadable rows or files")
+    limit, over = d.max_prompt_length, found.overlong(d.max_prompt_length)
+    longest = max(found.lengths, default=0)
+    line = f"{name}: {len(files)} file(s), {found.rows} rows, prompts up to {longest} tokens"
+    kept = len(found.lengths)
+    if over and d.filter_overlong_prompts:
+        kept -= over
+        line += f"; {over} longer than {limit} dropped (data.filter_overlong_prompts=true)"
+    elif over and d.truncation == "error":
+        report.problems.append(f"{key}: {over} prompts are longer than data.max_prompt_length={limit} (up to {longest} "
+                               "tokens) and data.truncation=error; raise max_prompt_length, set "
+                               "data.filter_overlong_prompts=true or data.truncation=left|right|middle")
+    elif over:
+        line += f"; {over} longer than {limit} cut (data.truncation={d.truncation})"
+    report.add("data", line + (f"; no {', '.join(found.missing_columns)} column" if found.missing_columns else ""))
+    _check_sources(cfg, key, found.sources, report)
+    if found.rows and kept == 0:
+        report.problems.append(f"{key}: none of the {found.rows} prompts fits data.max_prompt_length={limit}")
+    return kept if not found.problems else None
+
+
+def _check_sources(cfg: DictConfig, key: str, sources: set[str], report: Report) -> None:
+    """Every data_source needs a rule reward unless a custom function (or a reward model) scores it."""
+    from rlsp.rewards.registry import known_sources  # noqa: PLC0415
+
+    if cfg.reward.custom_function_path or OmegaConf.select(cfg, "reward_model.enable", default=False):
+        return
+    unscored = sorted(sources - set(known_sources()))
+    if unscored:
+        report.problems.append(f"{key}: data_source {unscored} has no rule reward (known: {known_sources()}); set "
+                               "reward.custom_function_path (verl: custom_reward_function.path)")
+
+
+def _data(cfg: DictConfig, tokenizer: Any, report: Report) -> int | None:
+    """Both splits; returns the training prompts and writes the run length into cfg (verl's rule)."""
+    if tokenizer is None:
+        report.add("data", "not read: no tokenizer to count prompt tokens with")
+        return None
+    train = [f for f in cfg.data.train_files if os.path.isfile(f)]
+    kept = _split(cfg, "train", train, tokenizer, report) if train else None
+    val = [f for f in cfg.data.val_files or [] if os.path.isfile(f)]
+    if val:
+        _split(cfg, "val", val, tokenizer, report)
+    if kept is None:
+        return None
+    errors = run_length_errors(cfg, kept)
+    report.problems += errors
+    if not errors:
+        from rlsp.config.run_length import resolve_total_steps  # noqa: PLC0415
+
+        resolve_total_steps(cfg, kept)
+    return kept
+
+
+def _files(cfg: DictConfig, layout: ParallelLayout | None, report: Report) -> Any:
+    """Assets, preflight's checks and the model; returns the tokenizer (or None)."""
+    from rlsp.trainer.preflight import preflight_errors, resolve_assets  # noqa: PLC0415
+    from rlsp.trainer.trackers import check_trackers  # noqa: PLC0415
+
+    try:
+        resolve_assets(cfg)
+    except (ValueError, OSError) as exc:
+        report.problems.append(str(exc))
+        return None
+    device = _target_device(cfg)
+    report.add("cluster", f"device: {device} (trainer.device={cfg.trainer.device}; nothing is opened here)")
+    report.problems += preflight_errors(cfg, layout, device)
+    try:
+        check_trackers(list(cfg.trainer.logger))
+    except ValueError as exc:
+        report.problems.append(str(exc))
+    return _model(cfg, report)
+
+
+def _resume(cfg: DictConfig, report: Report) -> None:
+    from rlsp.trainer.resume_check import check_resume  # noqa: PLC0415
+
+    run_dir = cfg.trainer.default_local_dir
+    if not os.path.isdir(run_dir):
+        report.add("resume", f"run dir {run_dir} does not exist: a fresh run")
+        return
+    if cfg.trainer.total_training_steps is None:
+        report.add("resume", f"run dir {run_dir} exists; not checked: the run length is unknown without the data")
+        return
+    try:
+        plan = check_resume(cfg)
+    except ValueError as exc:
+        report.problems.append(str(exc))
+        return
+    what = ("a fresh run" if plan.path is None else
+            f"complete at step {plan.step}: nothing to train" if plan.complete else f"continues {plan.path}")
+    report.add("resume", f"run dir {run_dir}: {what}")
+
+
+def _verl_keys(line: CommandLine, report: Report) -> None:
+    """What rlsp does with each verl key of the command that it handles its own way."""
+    for text in line.overrides:
+        key = text.lstrip("+~").partition("=")[0]
+        note = verl_note(key)
+        if note:
+            report.add("verl keys", f"{key}: {note}")
+
+
+def run_checks(argv: list[str]) -> Report:
+    """Every check of `argv` (rlsp.main's arguments), collected into one report."""
+    report = Report()
+    try:
+        line = parse_command_line(argv)
+    except ValueError as exc:
+        report.problems.append(str(exc))
+        return report
+    cfg, report.problems = compose_collecting(line)
+    if cfg is None:
+        return report
+    report.add("config", f"configs/{line.config_name}.yaml + {len(line.overrides)} override(s)")
+    if line.config_name == DEFAULT_CONFIG and not str(cfg.actor_rollout_ref.model.path).startswith("builtin://"):
+        report.add("config", f"note: configs/{DEFAULT_CONFIG}.yaml is the tiny CPU demo's (its learning rate, KL and "
+                             "entropy coefficients and run length suit the built-in model); start a real model from "
+                             "--config-name grpo, a verl command line from --config-name verl")
+    explicit_steps = cfg.trainer.total_training_steps is not None
+    layout = _validate(cfg, report)
+    tokenizer = _files(cfg, layout, report)
+    num_prompts = _data(cfg, tokenizer, report)
+    if layout is not None:  # a valid config: its numbers can be described
+        report.add("cluster", *describe_placement(cfg, layout))
+        report.add("batches", *describe_batches(cfg, layout))
+        report.add("schedule", *describe_schedule(cfg, num_prompts, explicit_steps, layout.has_critic))
+    _resume(cfg, report)
+    _verl_keys(line, report)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    report = run_checks(sys.argv[1:] if argv is None else argv)
+    print(report.render())
+    return 2 if report.problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

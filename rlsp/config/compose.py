@@ -1,0 +1,134 @@
+"""Compose a run's config from configs/*.yaml and command-line overrides, as `python -m rlsp.main` does.
+
+`rlsp.main` composes through `@hydra.main(config_path=CONFIG_DIR, config_name=DEFAULT_CONFIG)`;
+`rlsp.check` through `compose_config`: Hydra's compose API over the same directory, config name and
+overrides, without creating a run dir or its .hydra/ output. Both then run `validate_config`, whose
+first step maps verl's spellings onto rlsp's keys (rlsp.config.verl_compat).
+
+`override_problems` screens the overrides first: verl keys rlsp refuses are named with the reason
+(Hydra alone would only say the key is not in the schema), misspelt keys with the nearest legal ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+
+from rlsp.config.schema import RLSPConfig
+from rlsp.config.store import register_schema
+from rlsp.config.validate import _nearest, _schema_keys
+from rlsp.config.verl_compat import refusal
+
+CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
+DEFAULT_CONFIG = "rlsp"
+CONFIG_NAME_FLAGS = ("--config-name", "-cn")
+USAGE = "arguments: [--config-name NAME] key=value ... (the same as python -m rlsp.main)"
+
+
+@dataclass
+class CommandLine:
+    """A `python -m rlsp.main` command line: the config's name and the key=value overrides."""
+
+    config_name: str = DEFAULT_CONFIG
+    overrides: list[str] = field(default_factory=list)
+
+
+def parse_command_line(argv: list[str]) -> CommandLine:
+    """The config name (`--config-name X`, `--config-name=X`, `-cn X`) and overrides of `argv`."""
+    line, rest = CommandLine(), list(argv)
+    while rest:
+        arg = rest.pop(0)
+        flag, _, value = arg.partition("=")
+        if flag in CONFIG_NAME_FLAGS:
+            if not value and not rest:
+                raise ValueError(f"{flag} needs a config name ({USAGE})")
+            line.config_name = value or rest.pop(0)
+        elif arg.startswith("-"):
+            raise ValueError(f"unknown option {arg!r}; {USAGE}")
+        else:
+            line.overrides.append(arg)
+    return line
+
+
+def schema_keys() -> list[str]:
+    """Every key the schema declares (sections included), dotted."""
+    return _schema_keys(OmegaConf.structured(RLSPConfig))
+
+
+def override_problems(overrides: list[str]) -> tuple[list[str], list[str]]:
+    """(the overrides that can be composed, one message per override that cannot: a syntax error, a verl
+    key rlsp refuses (with the reason) or a key the schema does not declare (with the nearest ones))."""
+    legal, keep, problems = schema_keys(), [], []
+    declared = set(legal)
+    parser = OverridesParser.create()
+    for text in overrides:
+        try:
+            (parsed,) = parser.parse_overrides([text])
+        except HydraException as exc:
+            problems.append(f"cannot parse override {text!r}: {str(exc).splitlines()[0]}")
+            continue
+        key = parsed.key_or_group
+        if key.startswith("hydra") or "/" in key or key in declared:
+            keep.append(text)
+        elif refusal(key):
+            problems.append(refusal(key))
+        elif parsed.is_add() or parsed.is_force_add():
+            keep.append(text)  # Hydra adds it; validate_config names it as an unknown key
+        else:
+            near = ", ".join(_nearest(key, legal)) or "see docs/config.md for every key"
+            problems.append(f"unknown config key {key!r} ({text}); nearest legal keys: {near}")
+    return keep, problems
+
+
+def refused_overrides(overrides: list[str]) -> list[str]:
+    """One message per override of an undeclared verl key that rlsp refuses, with the reason."""
+    declared, out = set(schema_keys()), []
+    for text in overrides:
+        try:
+            (parsed,) = OverridesParser.create().parse_overrides([text])
+        except HydraException:
+            continue  # Hydra reports it
+        if parsed.key_or_group not in declared and refusal(parsed.key_or_group):
+            out.append(refusal(parsed.key_or_group))
+    return out
+
+
+def compose_config(config_name: str = DEFAULT_CONFIG, overrides: list[str] | None = None) -> DictConfig:
+    """configs/<config_name>.yaml with `overrides` applied, as rlsp.main composes it (not validated)."""
+    register_schema()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        return compose(config_name=config_name, overrides=list(overrides or []))
+
+
+def compose_collecting(line: CommandLine) -> tuple[DictConfig | None, list[str]]:
+    """Compose `line`, leaving out every override that cannot be applied and naming each one, so all
+    other checks can still run; None when even the config name fails."""
+    keep, problems = override_problems(line.overrides)
+    try:
+        return compose_config(line.config_name, keep), problems
+    except HydraException as exc:
+        if not keep:
+            return None, [*problems, f"--config-name {line.config_name}: {_first_line(exc)}"]
+    good = []
+    for text in keep:  # find the overrides Hydra refuses (a wrong type, a bad value) one by one
+        try:
+            compose_config(line.config_name, [text])
+            good.append(text)
+        except HydraException as exc:
+            problems.append(f"{text}: {_first_line(exc)}")
+    try:
+        return compose_config(line.config_name, good), problems
+    except HydraException as exc:
+        return None, [*problems, f"{' '.join(good)}: {_first_line(exc)}"]
+
+
+def _first_line(exc: Exception) -> str:
+    lines = [x.strip() for x in str(exc).splitlines() if x.strip()]
+    cause = exc.__cause__
+    detail = str(cause).splitlines()[0] if cause is not None and str(cause).strip() else ""
+    return " ".join(lines[:1] + ([detail] if detail and detail not in lines[:1] else []))

@@ -1,0 +1,99 @@
+"""Start-up checks of the keys rlsp takes from verl in verl's meaning (see rlsp.config.verl_compat).
+
+Values only (no torch, no files); `validate_config` calls `check_verl_keys` and collects every
+message into its one error. Values rlsp does not implement are refused naming the key, the reason
+and the legal values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlsp.config.choices import (
+    FUSED_KERNEL_BACKENDS,
+    LEGACY_WORKER_IMPL,
+    ROLLOUT_MODES,
+    STRATEGIES,
+    TRUNCATIONS,
+    choice_error,
+)
+from rlsp.config.run_length import warmup_errors
+
+PACKING = ("rlsp always packs sequences without padding (its Ulysses and ring sharding work on the packed stream); "
+           "padded batches are not implemented and would train the same")
+
+
+def _check_choices(cfg: Any, errors: list[str]) -> None:
+    arr = cfg.actor_rollout_ref
+    for key, value, legal in (
+        ("data.truncation", cfg.data.truncation, TRUNCATIONS),
+        ("actor_rollout_ref.actor.strategy", arr.actor.strategy, STRATEGIES),
+        ("actor_rollout_ref.ref.strategy", arr.ref.strategy, STRATEGIES),
+        ("critic.strategy", cfg.critic.strategy, STRATEGIES),
+        ("actor_rollout_ref.rollout.mode", arr.rollout.mode, ROLLOUT_MODES),
+        ("actor_rollout_ref.model.fused_kernel_options.impl_backend", arr.model.fused_kernel_options.impl_backend,
+         FUSED_KERNEL_BACKENDS),
+        ("trainer.use_legacy_worker_impl", cfg.trainer.use_legacy_worker_impl, LEGACY_WORKER_IMPL),
+    ):
+        error = choice_error(key, value, legal)
+        if error:
+            errors.append(error)
+
+
+def _check_fixed(cfg: Any, errors: list[str]) -> None:
+    """Keys with one legal value in rlsp: the other is refused with the reason."""
+    arr = cfg.actor_rollout_ref
+    for key, value in (("actor_rollout_ref.model.use_remove_padding", arr.model.use_remove_padding),
+                       ("critic.model.use_remove_padding", cfg.critic.model.use_remove_padding)):
+        if not value:
+            errors.append(f"{key}=false is not supported: {PACKING}; legal values: [true]")
+    if not arr.rollout.free_cache_engine:
+        errors.append("actor_rollout_ref.rollout.free_cache_engine=false is not supported: rlsp always frees the rollout "
+                      "engine's KV cache and weights while the colocated trainer runs; legal values: [true]")
+    if arr.rollout.multi_turn.enable:
+        errors.append("actor_rollout_ref.rollout.multi_turn.enable=true is not supported: multi-turn (tool) rollouts are "
+                      "not implemented in rlsp; legal values: [false]")
+    if arr.model.use_shm and cfg.trainer.nnodes > 1:
+        errors.append(f"actor_rollout_ref.model.use_shm=true with trainer.nnodes={cfg.trainer.nnodes}: rlsp copies the "
+                      "model into the driver node's /dev/shm, which other nodes cannot read; legal: use_shm=false, or "
+                      "trainer.nnodes=1")
+
+
+def _check_val_kwargs(cfg: Any, errors: list[str]) -> None:
+    v, key = cfg.actor_rollout_ref.rollout.val_kwargs, "actor_rollout_ref.rollout.val_kwargs"
+    if not isinstance(v.n, int) or v.n < 1:
+        errors.append(f"{key}.n={v.n} must be an integer >= 1")
+    if v.temperature < 0.0:
+        errors.append(f"{key}.temperature={v.temperature} must be >= 0 (0 = greedy)")
+    if not 0.0 < v.top_p <= 1.0:
+        errors.append(f"{key}.top_p={v.top_p} must be in (0, 1]")
+    if v.top_k == 0 or v.top_k < -1:
+        errors.append(f"{key}.top_k={v.top_k} must be -1 (off) or >= 1")
+    if not v.do_sample:
+        unread = [f"{k}={v[k]}" for k, off in (("temperature", 0.0), ("top_p", 1.0), ("top_k", -1)) if v[k] != off]
+        if unread:
+            errors.append(f"{key}.do_sample=false validates greedily, so {key}.{', .'.join(unread)} would have no effect; "
+                          f"set {key}.do_sample=true to sample, or leave them at their defaults")
+
+
+def _check_run(cfg: Any, errors: list[str]) -> None:
+    t = cfg.trainer
+    if not isinstance(t.total_epochs, int) or t.total_epochs < 1:
+        errors.append(f"trainer.total_epochs={t.total_epochs} must be an integer >= 1")
+    steps = t.total_training_steps
+    if steps is not None and (not isinstance(steps, int) or steps < 1):
+        errors.append(f"trainer.total_training_steps={steps} must be an integer >= 1, or null (total_epochs x batches "
+                      "per epoch)")
+    errors += warmup_errors("actor_rollout_ref.actor.optim.", cfg.actor_rollout_ref.actor.optim)
+    errors += warmup_errors("critic.optim.", cfg.critic.optim)
+    logger = t.logger
+    if not isinstance(logger, str) and not all(isinstance(name, str) for name in logger):
+        errors.append(f"trainer.logger={logger!r} must be a logger name or a list of names")
+
+
+def check_verl_keys(cfg: Any, errors: list[str]) -> None:
+    """Every verl-meaning key: legal values, one-value keys, validation sampling, run length, warm-up."""
+    _check_choices(cfg, errors)
+    _check_fixed(cfg, errors)
+    _check_val_kwargs(cfg, errors)
+    _check_run(cfg, errors)

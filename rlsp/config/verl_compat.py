@@ -1,0 +1,169 @@
+"""verl command lines in rlsp: the keys spelled differently, refused by name, or accepted with a note.
+
+A verl key is in one of four states here (no key is silently ignored):
+
+* declared in the schema with verl's meaning (most keys: same name, same behaviour);
+* `ALIASES`: verl's spelling of an rlsp key; `apply_verl_spellings` moves the value onto rlsp's key
+  when the config is composed (validate_config runs it first), and refuses the pair when both are
+  set to different values, so one key is the only source of truth;
+* `UNSUPPORTED_KEYS`: not declared, refused by name with the reason (features rlsp does not have);
+  `NOT_YET_KEYS` likewise for features in progress, until the schema declares them;
+* `VERL_NOTES`: declared and accepted, but rlsp reaches verl's result another way; the note says how
+  (`rlsp.check` prints it for every such key a command sets, docs/config.md lists them all).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+# verl's spelling -> the rlsp key that carries the setting.
+ALIASES = {
+    "custom_reward_function.path": "reward.custom_function_path",
+    "custom_reward_function.name": "reward.custom_function_name",
+    "actor_rollout_ref.actor.optim.clip_grad": "actor_rollout_ref.actor.optim.grad_clip",
+    "critic.optim.clip_grad": "critic.optim.grad_clip",
+}
+
+_PROFILER = ("profiler back-ends (nsys, torch profiler, NPU) are not implemented in rlsp; every step logs where its "
+             "time went (timing/* metrics, per-role update phases)")
+_RM_POOL = ("a reward-model pool of its own is not supported: the reward model runs on the policy workers "
+            "(reward_model.ulysses_sequence_parallel_size and model.fsdp_config shard it there)")
+# Keys (fnmatch patterns) rlsp refuses by name: verl features it does not implement.
+UNSUPPORTED_KEYS = {
+    "algorithm.use_pf_ppo": "pf-PPO (re-weighting or re-sampling rows by their reward) is not implemented in rlsp",
+    "algorithm.pf_ppo.*": "pf-PPO (re-weighting or re-sampling rows by their reward) is not implemented in rlsp",
+    "global_profiler.*": _PROFILER,
+    "*.profiler.*": _PROFILER,
+    "npu_profile.*": "Ascend NPUs are not supported (rlsp runs on CUDA GPUs or CPUs)",
+    "reward_model.sandbox_fusion.*": "rewards from a remote code sandbox (Sandbox Fusion) are not implemented in rlsp; "
+                                     "score code locally with reward.custom_function_path",
+    "reward_model.rollout.*": "serving the reward model with an inference engine (verl's reward loop) is not "
+                              "implemented; rlsp runs a sequence-classification reward model with FSDP on the policy "
+                              "workers (reward_model.use_reward_loop=false, verl's legacy worker)",
+    "reward_model.enable_resource_pool": _RM_POOL,
+    "reward_model.nnodes": _RM_POOL,
+    "reward_model.n_gpus_per_node": _RM_POOL,
+    "reward_model.micro_batch_size": "verl's deprecated global micro-batch size is not supported; set "
+                                     "reward_model.micro_batch_size_per_gpu",
+    "reward_model.max_length": "truncating the reward model's input is not supported: rlsp scores whole sequences and "
+                               "refuses one longer than the reward model's max_position_embeddings",
+    "actor_rollout_ref.rollout.engine_kwargs.sglang.*": "SGLang rollouts are not implemented (rlsp's engines: vllm, hf)",
+    "actor_rollout_ref.rollout.engine_kwargs.trtllm.*": "TensorRT-LLM rollouts are not implemented (rlsp's engines: "
+                                                        "vllm, hf)",
+}
+# Keys of features being implemented now: refused by name until the schema declares them.
+NOT_YET_KEYS: dict[str, str] = {}
+
+# Accepted keys whose verl result rlsp reaches its own way (fnmatch patterns -> what rlsp does).
+VERL_NOTES = {
+    "*.model.use_remove_padding": "true only: rlsp always packs sequences without padding (its Ulysses and ring "
+                                  "sharding work on the packed stream); false (padded batches) is refused",
+    "actor_rollout_ref.model.use_fused_kernels": "true or false: rlsp always computes logprobs and entropy "
+                                                 "vocab-chunked, never materialising the full logits (what verl's "
+                                                 "fused kernels are for)",
+    "actor_rollout_ref.model.fused_kernel_options.impl_backend": "torch or triton: both run rlsp's vocab-chunked "
+                                                                 "torch head",
+    "actor_rollout_ref.model.use_shm": "true copies the model into /dev/shm once and every worker loads it from "
+                                       "there (one node; refused with trainer.nnodes > 1)",
+    "*.strategy": "fsdp or fsdp2: both run rlsp's FSDP2 engine (megatron is refused)",
+    "actor_rollout_ref.rollout.mode": "sync or async: rlsp's engine runs in-process in every worker and generates "
+                                      "the same single-turn samples either way",
+    "*.fsdp_config.param_offload": "FSDP2's CPUOffloadPolicy: parameters, gradients and the optimizer state in host "
+                                   "memory together (the state follows its parameters, whatever optimizer_offload "
+                                   "says); no effect on cpu",
+    "*.fsdp_config.optimizer_offload": "true needs param_offload=true (FSDP2 keeps the optimizer state next to its "
+                                       "parameters); frozen roles: false",
+    "*.fsdp_config.offload_policy": "FSDP2's CPUOffloadPolicy (verl's meaning), whatever param_offload and "
+                                    "optimizer_offload say",
+    "actor_rollout_ref.rollout.free_cache_engine": "true only: rlsp always frees the engine's KV cache and weights "
+                                                   "while training (GPU)",
+    "actor_rollout_ref.rollout.multi_turn.*": "multi_turn.enable=false only (multi-turn tool rollouts are not "
+                                              "implemented); format is read only when enabled",
+    "actor_rollout_ref.rollout.val_kwargs.*": "validation sampling, verl's meaning (n samples per prompt, greedy "
+                                              "unless do_sample)",
+    "*.optim.lr_warmup_steps*": "verl's rule: lr_warmup_steps training steps, else ratio x total_training_steps; "
+                                "rlsp ramps the rate per optimizer step over that span",
+    "*.optim.clip_grad": "verl's spelling of optim.grad_clip (mapped onto it)",
+    "custom_reward_function.*": "verl's spelling of reward.custom_function_path / reward.custom_function_name "
+                                "(mapped onto them)",
+    "data.truncation": "error, left, right or middle, verl's meaning, for prompts longer than data.max_prompt_length "
+                       "that data.filter_overlong_prompts did not drop",
+    "data.return_raw_chat": "true or false: rlsp keeps every prompt's chat messages with its rows either way (a reward "
+                            "model re-renders them in its own template) and generates from the templated ids",
+    "data.shuffle": "verl's meaning: a new order every epoch (seeded by data.seed), or file order",
+    "trainer.logger": "a name or a list of names (verl's forms)",
+    "trainer.total_epochs": "verl's rule: the run is total_epochs x batches per epoch unless "
+                            "trainer.total_training_steps is set",
+    "trainer.use_legacy_worker_impl": "auto, enable or disable: rlsp has one worker implementation",
+}
+
+
+def _match(key: str, table: dict[str, str]) -> str | None:
+    """The text of the first pattern matching `key`, or matching everything under section `key`."""
+    for pattern, text in table.items():
+        if fnmatch.fnmatchcase(key, pattern) or fnmatch.fnmatchcase(f"{key}.*", pattern):
+            return text
+    return None
+
+
+def unsupported_reason(key: str) -> str | None:
+    """Why rlsp refuses the undeclared key `key`, or None when it is not a known verl key."""
+    reason = _match(key, UNSUPPORTED_KEYS)
+    if reason is not None:
+        return reason
+    feature = _match(key, NOT_YET_KEYS)
+    return None if feature is None else f"{feature}: not implemented in rlsp yet"
+
+
+def in_progress(key: str) -> bool:
+    """Whether undeclared `key` belongs to a feature being implemented (NOT_YET_KEYS)."""
+    return _match(key, UNSUPPORTED_KEYS) is None and _match(key, NOT_YET_KEYS) is not None
+
+
+def refusal(key: str) -> str | None:
+    """The error for setting the undeclared verl key `key`, or None when it is no known verl key."""
+    reason = unsupported_reason(key)
+    return None if reason is None else f"{key} is not supported: {reason}"
+
+
+def verl_note(key: str) -> str | None:
+    """What rlsp does with the declared verl key `key`, when that differs from a plain same-name setting."""
+    return _match(key, VERL_NOTES)
+
+
+def verl_status(key: str, declared: set[str]) -> str:
+    """What rlsp does with verl key `key` (`declared`: the schema's keys), for docs/config.md."""
+    if key in ALIASES:
+        return f"verl's spelling of `{ALIASES[key]}` (mapped onto it)"
+    if key not in declared:
+        reason = unsupported_reason(key)
+        return f"refused: {reason}" if reason else "unknown to rlsp (refused as an unknown key)"
+    note = verl_note(key)
+    return f"accepted: {note}" if note else "same key, same meaning"
+
+
+def apply_verl_spellings(cfg: Any, errors: list[str]) -> None:
+    """Map verl's spellings onto rlsp's keys in place (see the module docstring); a string logger
+    becomes a one-name list. Idempotent: mapped aliases are left unset."""
+    if not isinstance(cfg, DictConfig):
+        return
+    from rlsp.config.schema import RLSPConfig  # noqa: PLC0415  (the schema imports nothing from here)
+
+    defaults = OmegaConf.structured(RLSPConfig)
+    for alias, key in ALIASES.items():
+        value = OmegaConf.select(cfg, alias, default=None)
+        if value is None:
+            continue
+        current = OmegaConf.select(cfg, key)
+        if current not in (OmegaConf.select(defaults, key), value):
+            errors.append(f"{alias}={value!r} (verl's spelling) and {key}={current!r} are the same setting with "
+                          "different values; set only one of them")
+            continue
+        OmegaConf.update(cfg, key, value)
+        OmegaConf.update(cfg, alias, None)
+    logger = cfg.trainer.logger
+    if isinstance(logger, str):
+        cfg.trainer.logger = [logger]
