@@ -98,6 +98,12 @@ VERL_NOTES = {
     "trainer.total_epochs": "verl's rule: the run is total_epochs x batches per epoch unless "
                             "trainer.total_training_steps is set",
     "trainer.use_legacy_worker_impl": "auto, enable or disable: rlsp has one worker implementation",
+    "reward_model.use_reward_loop": "false only: verl's reward loop (the reward model behind an inference server) is "
+                                    "not implemented; rlsp runs the reward model as verl's legacy worker does (FSDP "
+                                    "on the policy workers)",
+    "reward_model.num_workers": "1 only: verl's reward-loop worker processes are not implemented; the reward model "
+                                "runs on every policy worker",
+    "reward_model.reward_manager": "naive only: rlsp calls the reward function once per row",
 }
 
 
