@@ -247,7 +247,11 @@ def run_checks(argv: list[str]) -> Report:
 
 
 def main(argv: list[str] | None = None) -> int:
-    report = run_checks(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if {"-h", "--help"} & set(argv):
+        print(__doc__)
+        return 0
+    report = run_checks(argv)
     print(report.render())
     return 2 if report.problems else 0
 
