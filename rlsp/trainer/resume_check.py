@@ -27,6 +27,7 @@ from transformers import AutoConfig, PretrainedConfig
 from rlsp.config.layout import CRITIC_ESTIMATORS
 from rlsp.config.schema import RLSPConfig
 from rlsp.trainer.checkpoint import STEP_DIR, TrainerState, complete_steps, damaged_file, resolve_resume, step_dir
+from rlsp.utils.dicts import flatten
 from rlsp.utils.logging import get_logger
 
 log = get_logger("rlsp.resume")
@@ -202,8 +203,8 @@ def _read_config(path: str | None) -> PretrainedConfig | None:
 def changed_settings(cfg: DictConfig, saved: dict[str, Any]) -> list[str]:
     """`key: old -> new` for every setting that differs from the checkpoint's config and changes what is
     trained. A key the checkpoint's config lacks (added to rlsp since) compares with its default."""
-    current = _flatten(OmegaConf.to_container(cfg, resolve=True))
-    before = _flatten(saved)
+    current = flatten(OmegaConf.to_container(cfg, resolve=True))
+    before = flatten(saved)
     defaults = OmegaConf.structured(RLSPConfig)
     out = []
     for key, value in current.items():
@@ -212,16 +213,6 @@ def changed_settings(cfg: DictConfig, saved: dict[str, Any]) -> list[str]:
         old = before[key] if key in before else OmegaConf.select(defaults, key, default=None)
         if old != value:
             out.append(f"{key}: {old!r} -> {value!r}")
-    return out
-
-
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
     return out
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rlsp.config.choices import LOGGERS
+from rlsp.utils.dicts import flatten
 from rlsp.utils.logging import get_logger
 
 log = get_logger("rlsp.metrics")
@@ -66,16 +67,6 @@ def to_record(step: int, metrics: dict[str, Any]) -> dict[str, Any]:
 
 def scalars(metrics: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
-
-
-def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 class ConsoleTracker:
