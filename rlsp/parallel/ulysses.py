@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from rlsp.data.packing import PackedBatch
 from rlsp.parallel.heads import HeadLayout, plan_head_layout
-from rlsp.parallel.ring import RingPlan, build_ring_plan, zigzag_indices
+from rlsp.parallel.ring_plan import RingPlan, build_ring_plan, zigzag_indices
 
 
 @dataclass

@@ -24,7 +24,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import run_distributed  # noqa: E402
 
-from rlsp.parallel.ring import build_ring_plan, ring_attention, zigzag_indices  # noqa: E402
+from rlsp.parallel.ring import ring_attention  # noqa: E402
+from rlsp.parallel.ring_plan import build_ring_plan, zigzag_indices  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 

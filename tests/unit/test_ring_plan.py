@@ -9,14 +9,8 @@ import torch
 import rlsp.parallel.ring as ring_module
 from rlsp.data.packing import pack_sequences
 from rlsp.models.attention import ulysses_attention
-from rlsp.parallel.ring import (
-    RingPlan,
-    block_attention,
-    block_attention_backward,
-    build_ring_plan,
-    ring_attention,
-    zigzag_indices,
-)
+from rlsp.parallel.ring import block_attention, block_attention_backward, ring_attention
+from rlsp.parallel.ring_plan import RingPlan, build_ring_plan, zigzag_indices
 from rlsp.parallel.ulysses import build_sp_context
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}

@@ -130,7 +130,7 @@ def layer_saved_bytes(shape: ModelShape, w: Workload, opts: MemoryOptions) -> fl
     return norms + attn + mlp
 
 
-RING_ROW_CHUNK = 1024  # query rows per score tile in rlsp/parallel/ring.py (ROW_CHUNK)
+RING_ROW_CHUNK = 1024  # query rows per score tile in rlsp/parallel/ring_plan.py (ROW_CHUNK)
 
 
 def ring_bytes(w: Workload) -> float:
