@@ -58,12 +58,13 @@ class _ChunkedLogprobs(torch.autograd.Function):
             end = min(start + chunk_size, hidden_TH.shape[0])
             h_CH, g_lp_C = hidden_TH[start:end], g_lp_T[start:end]
             logp_CV = _chunk_logits(h_CH, weight_VH, temperature).sub_(lse_T[start:end, None])
-            p_CV = logp_CV.exp()
             if with_entropy:  # dH/dz = -p * (log p + H)
+                p_CV = logp_CV.exp()
                 coef_CV = logp_CV.add_(entropy_T[start:end, None]).mul_(g_ent_T[start:end, None]).add_(g_lp_C[:, None])
-            else:
-                coef_CV = g_lp_C[:, None]
-            grad_z_CV = p_CV.mul_(coef_CV).neg_()  # d lp/dz = onehot - p
+                grad_z_CV = p_CV.mul_(coef_CV).neg_()  # d lp/dz = onehot - p
+                del p_CV, coef_CV, logp_CV  # one [C, V] buffer left for the matmuls below
+            else:  # logprobs alone: p is computed in place, one [C, V] buffer throughout
+                grad_z_CV = logp_CV.exp_().mul_(g_lp_C[:, None]).neg_()
             grad_z_CV.scatter_add_(-1, labels_T[start:end, None], g_lp_C[:, None].to(grad_z_CV.dtype))
             if temperature != 1.0:
                 grad_z_CV.div_(temperature)
