@@ -19,13 +19,20 @@ def rollout_pool_enabled(cfg: Any) -> bool:
     return int(cfg.rollout.n_gpus_per_node) > 0
 
 
-def max_staleness(cfg: Any) -> int:
-    """Most trainer updates a batch's generating policy may lag the trainer when it is trained on:
-    the sync window (trigger_parameter_sync_step - 1) plus floor(staleness_threshold x window) batches
-    generated ahead of it."""
+def max_units_ahead(cfg: Any) -> int:
+    """verl's bound on generation between two weight syncs, in mini-batch units of ppo_mini_batch_size
+    prompts: floor((1 + staleness_threshold) x trigger_parameter_sync_step x require_batches). With weights
+    of version v (v updates = v x require_batches units consumed) the pool may have been asked for units
+    with global index < v x require_batches + this bound."""
     a = cfg.async_training
-    window = int(a.trigger_parameter_sync_step)
-    return window - 1 + math.floor(float(a.staleness_threshold) * window + 1e-9)
+    return math.floor((1.0 + float(a.staleness_threshold)) * int(a.trigger_parameter_sync_step)
+                      * int(a.require_batches) + 1e-9)
+
+
+def max_staleness(cfg: Any) -> int:
+    """Most trainer updates a unit's generating policy may lag the trainer when it is trained on (the
+    oldest version among its tokens, with partial rollouts): floor((max_units_ahead - 1) / require_batches)."""
+    return (max_units_ahead(cfg) - 1) // int(cfg.async_training.require_batches)
 
 
 def check_off_policy(cfg: Any, errors: list[str]) -> None:
@@ -60,9 +67,6 @@ def check_async(cfg: Any, layout: ParallelLayout | None, errors: list[str]) -> P
     """Validate async_training and the rollout pool; the layout gains the pool when it is configured."""
     a, pool = cfg.async_training, cfg.rollout
     n_err = len(errors)
-    if a.partial_rollout:
-        errors.append(f"{ASYNC}partial_rollout=true (interrupting generation at a weight sync and continuing it "
-                      "with the new weights) is not implemented in rlsp; set it to false")
     if not a.staleness_threshold >= 0:
         errors.append(f"{ASYNC}staleness_threshold={a.staleness_threshold} must be >= 0 (0 = synchronous)")
     for key in ("trigger_parameter_sync_step", "require_batches"):
@@ -74,12 +78,16 @@ def check_async(cfg: Any, layout: ParallelLayout | None, errors: list[str]) -> P
     if len(errors) > n_err or layout is None:
         return layout
     if not rollout_pool_enabled(cfg):
+        if a.partial_rollout:
+            errors.append(f"{ASYNC}partial_rollout=true continues generations with weights pushed while they run: "
+                          "that needs a rollout pool of its own (rollout.n_gpus_per_node > 0)")
         if a.staleness_threshold > 0 or a.trigger_parameter_sync_step > 1:
             errors.append(f"{ASYNC}staleness_threshold={a.staleness_threshold} / trigger_parameter_sync_step="
                           f"{a.trigger_parameter_sync_step} generate while the trainer trains: that needs a rollout "
                           "pool of its own (rollout.n_gpus_per_node > 0); colocated engines share the trainer's processes")
         return layout
     _check_pool_batches(cfg, World(int(pool.nnodes), int(pool.n_gpus_per_node)), errors)
+    _check_partial_rollout(cfg, errors)
     if cfg.trainer.critic_warmup > 0:
         errors.append(f"trainer.critic_warmup={cfg.trainer.critic_warmup} is not supported with a rollout pool "
                       "(policy versions count actor updates); set it to 0")
@@ -92,6 +100,19 @@ def _check_pool_batches(cfg: Any, world: World, errors: list[str]) -> None:
     if a.require_batches * mini != d.train_batch_size:
         errors.append(f"{ASYNC}require_batches={a.require_batches} x actor_rollout_ref.actor.ppo_mini_batch_size={mini} "
                       f"must equal data.train_batch_size={d.train_batch_size} (the prompts of one trainer step)")
-    if d.train_batch_size % world.world_size:
-        errors.append(f"data.train_batch_size={d.train_batch_size} must be divisible by the {world.world_size} "
-                      "rollout workers (rollout.nnodes x rollout.n_gpus_per_node)")
+    if mini % world.world_size:
+        errors.append(f"actor_rollout_ref.actor.ppo_mini_batch_size={mini} (the prompts of one generation unit) must be "
+                      f"divisible by the {world.world_size} rollout workers (rollout.nnodes x rollout.n_gpus_per_node)")
+
+
+def _check_partial_rollout(cfg: Any, errors: list[str]) -> None:
+    a = cfg.async_training
+    if int(a.partial_rollout_segment_tokens) < 1:
+        errors.append(f"{ASYNC}partial_rollout_segment_tokens={a.partial_rollout_segment_tokens} must be >= 1 (new "
+                      "tokens per sample between two weight pick-ups)")
+    tp = int(cfg.actor_rollout_ref.rollout.tensor_model_parallel_size)
+    if a.partial_rollout and tp > 1:
+        errors.append(f"{ASYNC}partial_rollout=true with actor_rollout_ref.rollout.tensor_model_parallel_size={tp} is "
+                      "not supported: each rank polls for new weights on its own, so the ranks of one tp engine could "
+                      "switch weights at different segment boundaries; use tensor_model_parallel_size=1 or "
+                      "partial_rollout=false")

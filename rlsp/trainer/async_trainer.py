@@ -1,26 +1,31 @@
 """AsyncTrainer: generation on a rollout pool of its own, overlapped with training (verl's
 `async_training.*` with `rollout.nnodes` x `rollout.n_gpus_per_node` rollout workers).
 
-The loop keeps a queue of generation calls ahead of the trainer:
+Generation streams in units of `ppo_mini_batch_size` prompts (verl's mini-batches); a trainer step
+trains on the concatenation of `require_batches` units (= data.train_batch_size prompts). The loop
+keeps generation calls queued ahead of the trainer, unit by unit:
 
-    before step j: submit batches j, j+1, ... while (batch - 1) - pushed_version <= max_staleness
-    step j:        wait for batch j -> train on it (RayTrainer.train_on) -> actor version j
+    before step j: submit units u = 0, 1, ... (global index) while u < pushed_version x require_batches
+                   + max_units_ahead, where max_units_ahead = floor((1 + staleness_threshold) x
+                   trigger_parameter_sync_step x require_batches)   (verl's max_required_samples, in units)
+    step j:        wait for its require_batches units -> train on them (RayTrainer.train_on) -> version j
                    -> every trigger_parameter_sync_step versions: weights to the rollout pool
 
-`pushed_version` is the newest weights version sent to the pool; a batch submitted after a push is
-generated with it (a Ray actor runs its calls in order). max_staleness = trigger_parameter_sync_step
-- 1 + floor(staleness_threshold x trigger_parameter_sync_step): with 0 and 1 the pipeline is the
-synchronous one (same samples, same updates); staleness_threshold=1 is one-step off-policy (batch
-j+1 generated while the trainer works on batch j). Every sample carries the `policy_version` that
-generated it; its staleness is the trainer's version minus that.
+`pushed_version` is the newest weights version sent to the pool; a unit submitted after a push is
+generated with it (or newer weights, with partial rollouts). With staleness_threshold=0 and
+trigger_parameter_sync_step=1 the pipeline is the synchronous one (same samples, same updates: a
+prompt's sampling seed depends on its index in the step's batch, not on the unit it travels in);
+staleness_threshold=1 is one-step off-policy. Every sample carries `policy_version`, the oldest
+version among its tokens; its staleness is the trainer's version minus that.
 
-Weights go trainer -> driver's object store -> rollout workers: the actor's rank 0 returns the full
-tensors (one gather per parameter, as the colocated sync does) and every rollout worker reads that one
-object. The two pools are separate torch worlds, so a direct collective would need a third process
-group spanning both (verl's parameter synchroniser builds one over NCCL); on one CPU node the object
-store is already a shared-memory copy.
+Weights go trainer -> object store -> rollout workers: the actor's rank 0 returns the full tensors
+(one gather per parameter, as the colocated sync does) and every rollout worker reads that one object.
+Without partial rollouts a `set_weights` call queues on each rollout worker behind the generation
+calls already submitted; with `partial_rollout=true` the driver publishes (version, weights ref) on a
+WeightBoard (rlsp/controller/weight_board.py) that the workers poll between generation segments, so a
+running generation continues with the new weights from its next segment on.
 
-A checkpoint records the data position of the last *trained* batch: batches generated ahead are
+A checkpoint records the data position of the last *trained* batch: units generated ahead are
 dropped when a run stops, and a resumed run generates them again with weights it has.
 """
 
@@ -32,11 +37,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from rlsp.config.layout import ParallelLayout
-from rlsp.config.validate_async import max_staleness
+from rlsp.config.validate_async import max_units_ahead
 from rlsp.controller.resource_pool import ResourcePool, default_cpus_per_worker
+from rlsp.controller.weight_board import BoardFeed, start_weight_board
 from rlsp.controller.worker_group import PendingCall, RayWorkerGroup
 from rlsp.data.batch import Batch
 from rlsp.trainer.ray_trainer import RayTrainer, _prompt_batch, worker_env
@@ -48,22 +55,30 @@ log = get_logger("rlsp.trainer")
 
 @dataclass
 class InFlight:
-    """A generation call for one training step."""
+    """A generation call for one unit (ppo_mini_batch_size prompts) of a training step."""
 
     step: int
-    data_pos: tuple[int, int]  # the data position once this batch is consumed
+    data_pos: tuple[int, int]  # the data position once the step's batch is consumed
     call: PendingCall
 
 
 class AsyncTrainer(RayTrainer):
     def __init__(self, cfg: DictConfig, layout: ParallelLayout) -> None:
         super().__init__(cfg, layout)
+        a = cfg.async_training
         self.pool_wg: RayWorkerGroup | None = None
-        self.window = int(cfg.async_training.trigger_parameter_sync_step)
-        self.max_staleness = max_staleness(cfg)
+        self.board: Any = None  # partial rollouts: where the pool picks up new weights
+        self.partial = bool(a.partial_rollout)
+        self.window, self.units_per_step = int(a.trigger_parameter_sync_step), int(a.require_batches)
+        self.unit_size = int(cfg.actor_rollout_ref.actor.ppo_mini_batch_size)
+        self.max_units = max_units_ahead(cfg)
         self.pushed_version: int | None = None
         self.syncs: list[PendingCall] = []  # weight loads on the pool not yet checked
         self.totals = {"trainer_idle_s": 0.0, "rollout_busy_s": 0.0}
+        self.queue: deque[InFlight] = deque()
+        self.next_unit = 0  # global index of the next unit to submit
+        self._step_items: list[dict[str, Any]] = []  # the prompts of the step whose units are being submitted
+        self._step_pos = (0, 0)  # and the data position once that step's batch is consumed
 
     @property
     def rollout_wg(self) -> RayWorkerGroup:
@@ -81,11 +96,20 @@ class AsyncTrainer(RayTrainer):
                                       "rollout", env_vars=worker_env(self.cfg))
         self.pool_wg.wait_started()
         infos += self.pool_wg.init_workers()
+        if self.partial:
+            self.board = start_weight_board(f"rlsp-weights-{id(self):x}")
+            self.pool_wg.call("rollout", "follow_weights", BoardFeed(self.board))
         self.startup["startup/rollout_pool_s"] = time.perf_counter() - t0
         return infos
 
     def _groups(self) -> list[RayWorkerGroup]:
         return super()._groups() + ([self.pool_wg] if self.pool_wg is not None else [])
+
+    def shutdown(self, graceful: bool = True) -> None:
+        super().shutdown(graceful)
+        if self.board is not None:
+            ray.kill(self.board)
+            self.board = None
 
     # ------------------------------------------------------------------ weights
     def sync_rollout(self, step: int) -> None:
@@ -95,10 +119,13 @@ class AsyncTrainer(RayTrainer):
 
     def _push(self, version: int) -> None:
         export = self.wg.submit("actor", "export_rollout_weights", str(self.cfg.actor_rollout_ref.rollout.dtype))
-        # Rank 0's result (the weights) goes to the pool as an object reference, never through the driver.
-        self.syncs.append(self.pool_wg.submit("rollout", "set_weights", export.refs[0], version))
+        if not self.partial:
+            # Rank 0's result (the weights) goes to the pool as an object reference, never through the driver.
+            self.syncs.append(self.pool_wg.submit("rollout", "set_weights", export.refs[0], version))
         ray.wait(export.refs[:1])
         self.wg._gather(export.refs[1:])  # the other ranks took part in the gathers; raise if one failed
+        if self.partial:  # published once exported: a worker polling the board never waits for the trainer
+            ray.get(self.board.publish.remote(version, [export.refs[0]]))
         self.pushed_version = version
 
     def _check_syncs(self) -> None:
@@ -109,38 +136,62 @@ class AsyncTrainer(RayTrainer):
 
     # ------------------------------------------------------------------ loop
     def run_steps(self, total: int):
-        """(step, metrics) of each step, generation running up to max_staleness versions ahead."""
+        """(step, metrics) of each step, generation running up to max_units_ahead units ahead."""
         if self.pushed_version != self.start_step - 1:  # a fresh or resumed run: the pool gets its weights
             self._push(self.start_step - 1)
-        stream, queue = self._batch_stream(), deque()
-        next_step, started = self.start_step, time.perf_counter()
+        stream, started = self._batch_stream(), time.perf_counter()
+        self.queue.clear()
+        self.next_unit = (self.start_step - 1) * self.units_per_step
         for step in range(self.start_step, total + 1):
-            while next_step <= total and (next_step - 1) - self.pushed_version <= self.max_staleness:
-                items = next(stream)
-                call = self.rollout_wg.submit("rollout", "generate", _prompt_batch(items), self._sampling(next_step))
-                queue.append(InFlight(next_step, self.data_pos, call))
-                next_step += 1
-            job = queue.popleft()
+            self._submit_ahead(stream, total)
             t0 = time.perf_counter()
-            batch = job.call.result()
+            units = [self.queue.popleft() for _ in range(self.units_per_step)]
+            parts = [u.call.result() for u in units]
             waited = time.perf_counter() - t0
             self._check_syncs()
-            metrics = self.train_on(step, batch, t0, {"timing/gen_s": float(batch.info["gen_s"])})
-            self.data_pos = job.data_pos  # what a checkpoint of this step continues from
-            metrics.update(self._async_metrics(step, batch, waited, len(queue), time.perf_counter() - started))
+            batch = Batch.concat(parts)
+            gen_s = [float(p.info["gen_s"]) for p in parts]
+            metrics = self.train_on(step, batch, t0, {"timing/gen_s": sum(gen_s)})
+            self.data_pos = units[-1].data_pos  # what a checkpoint of this step continues from
+            wall = time.perf_counter() - started
+            metrics.update(self._async_metrics(step, parts, waited, sum(gen_s), wall))
             yield step, metrics
 
-    def _async_metrics(self, step: int, batch: Batch, waited: float, depth: int, wall: float) -> dict[str, float]:
-        staleness = (step - 1) - batch["policy_version"].double()
+    def _submit_ahead(self, stream, total: int) -> None:
+        """Submit units while they stay within verl's staleness bound (and the run's steps)."""
+        R = self.units_per_step
+        while self.next_unit < total * R and self.next_unit < self.pushed_version * R + self.max_units:
+            step, k = divmod(self.next_unit, R)
+            if k == 0:
+                self._step_items, self._step_pos = next(stream), self.data_pos
+            items = self._step_items[k * self.unit_size:(k + 1) * self.unit_size]
+            prompts = _prompt_batch(items)
+            # The prompts' indices in the step's batch: the sampling seed of each follows from it.
+            prompts.set("prompt_index", torch.arange(k * self.unit_size, k * self.unit_size + len(items)))
+            call = self.rollout_wg.submit("rollout", "generate", prompts, self._sampling(step + 1))
+            self.queue.append(InFlight(step + 1, self._step_pos, call))
+            self.next_unit += 1
+
+    def _async_metrics(self, step: int, units: list[Batch], waited: float, busy: float,
+                       wall: float) -> dict[str, float]:
+        version = step - 1
+        oldest = torch.cat([u["policy_version"] for u in units]).double()
+        newest = torch.cat([u["policy_version_max"] for u in units]).double()
+        unit_staleness = torch.tensor([version - float(u["policy_version"].min()) for u in units])
         self.totals["trainer_idle_s"] += waited
-        self.totals["rollout_busy_s"] += float(batch.info["gen_s"])
+        self.totals["rollout_busy_s"] += busy
         return {
-            "async/policy_version": float(step - 1),
-            "async/staleness_mean": float(staleness.mean()),
-            "async/staleness_max": float(staleness.max()),
-            "async/queue_depth": float(depth),
+            "async/policy_version": float(version),
+            "async/staleness_mean": float((version - oldest).mean()),
+            "async/staleness_max": float((version - oldest).max()),
+            "async/unit_staleness_mean": float(unit_staleness.mean()),
+            "async/unit_staleness_max": float(unit_staleness.max()),
+            "async/version_span_max": float((newest - oldest).max()),
+            "async/partial_fraction": float((newest > oldest).double().mean()),
+            "async/queue_depth": float(len(self.queue)),
             "async/trainer_idle_s": waited,
-            "async/rollout_busy_s": float(batch.info["gen_s"]),
+            "async/rollout_busy_s": busy,
+            "async/rollout_idle_s": max(0.0, wall - self.totals["rollout_busy_s"]),
             "async/trainer_idle_ratio": self.totals["trainer_idle_s"] / max(wall, 1e-9),
             "async/rollout_idle_ratio": max(0.0, 1.0 - self.totals["rollout_busy_s"] / max(wall, 1e-9)),
         }

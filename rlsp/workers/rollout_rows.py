@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+NO_VERSION = -1  # token_version of padding
+
 
 def build_rollout_rows(
     prompt_ids: list[list[int]],
@@ -15,8 +17,14 @@ def build_rollout_rows(
     prompt_width: int,
     response_width: int,
     pad_id: int,
+    token_versions: list[list[int]] | None = None,
+    version: int = 0,
 ) -> dict[str, torch.Tensor]:
-    """Rows [N, P+R]: input_ids, attention_mask, position_ids; [N, R]: response_mask, rollout_logprobs."""
+    """Rows [N, P+R]: input_ids, attention_mask, position_ids; [N, R]: response_mask, rollout_logprobs.
+
+    With `token_versions` (the policy version that generated each response token) also [N, R]
+    token_version (NO_VERSION on padding) and [N] policy_version / policy_version_max: the oldest and
+    newest version among the sample's tokens (`version`, the engine's, for a sample without tokens)."""
     n = len(prompt_ids)
     P, R = prompt_width, response_width
     input_ids = torch.full((n, P + R), pad_id, dtype=torch.long)
@@ -33,10 +41,27 @@ def build_rollout_rows(
             rollout_logprobs[i, : len(resp)] = torch.tensor(lps, dtype=torch.float32)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp_min(0)
     response_mask = attention_mask[:, P:].to(torch.float32)
-    return {
+    rows = {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
         "position_ids": position_ids,
         "response_mask": response_mask,
         "rollout_logprobs": rollout_logprobs,
     }
+    if token_versions is not None:
+        rows.update(_version_rows(token_versions, response_ids, R, version))
+    return rows
+
+
+def _version_rows(token_versions: list[list[int]], response_ids: list[list[int]], R: int,
+                  version: int) -> dict[str, torch.Tensor]:
+    n = len(token_versions)
+    token_version = torch.full((n, R), NO_VERSION, dtype=torch.long)
+    oldest, newest = torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long)
+    for i, (versions, resp) in enumerate(zip(token_versions, response_ids)):
+        if len(versions) != len(resp):
+            raise ValueError(f"sample {i}: {len(versions)} token versions for {len(resp)} tokens")
+        if versions:
+            token_version[i, : len(versions)] = torch.tensor(versions, dtype=torch.long)
+        oldest[i], newest[i] = min(versions, default=version), max(versions, default=version)
+    return {"token_version": token_version, "policy_version": oldest, "policy_version_max": newest}

@@ -7,7 +7,9 @@
   trainer works on batch j (staleness 1, one batch queued); Ctrl-C with a batch in flight exits 130, and
   the resumed run's first batch comes from the weights it resumed with (staleness 0), never from a
   version it never had;
-* a killed rollout worker ends the run naming it.
+* a killed rollout worker ends the run naming it;
+* streaming in mini-batch units with partial rollouts (2 units per step, weights picked up between
+  segments of 3 tokens): the run completes and every sample's staleness stays within verl's bound.
 """
 
 from __future__ import annotations
@@ -116,3 +118,21 @@ def test_killed_rollout_worker_ends_the_run_naming_it(tmp_path):
     assert proc.returncode == 1, err[-3000:]
     assert "rollout worker rank 0 of 1 died" in err, err[-3000:]
     _assert_nothing_left(marker)
+
+
+def test_partial_rollouts_stream_units_within_the_staleness_bound(tmp_path):
+    run_dir = str(tmp_path / "run")
+    settings = {**POOL, "trainer.total_training_steps": 3, "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
+                "async_training.require_batches": 2, "async_training.staleness_threshold": 0.5,
+                "async_training.partial_rollout": "true", "async_training.partial_rollout_segment_tokens": 3,
+                "data.max_response_length": 8}
+    _finish(_start(run_dir, settings, uuid.uuid4().hex))
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    # floor((1 + 0.5) x 1 x 2) = 3 units ahead of the weights: staleness <= floor((3 - 1) / 2) = 1 version.
+    assert rows[0]["async/staleness_max"] == 0.0
+    for r in rows:
+        assert 0.0 <= r["async/unit_staleness_max"] <= r["async/staleness_max"] <= 1.0
+        assert r["async/version_span_max"] <= 1.0 and 0.0 <= r["async/partial_fraction"] <= 1.0
+        assert r["async/queue_depth"] <= 1.0 and r["async/rollout_idle_s"] >= 0.0
+    assert rows[1]["async/queue_depth"] == 1.0  # step 3's first unit was submitted before step 2 trained

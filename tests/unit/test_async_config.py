@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 from rlsp.config.layout import World
 from rlsp.config.schema import RLSPConfig
 from rlsp.config.validate import validate_config
-from rlsp.config.validate_async import max_staleness
+from rlsp.config.validate_async import max_staleness, max_units_ahead
 from rlsp.trainer.off_policy import check_rollout_correction_names, rollout_correction_settings, uses_rollout_logprobs
 
 BASE = {"data.train_batch_size": 4, "actor_rollout_ref.actor.ppo_mini_batch_size": 4, "actor_rollout_ref.rollout.n": 2,
@@ -47,12 +47,33 @@ def test_max_staleness(threshold, window, expected) -> None:
     assert max_staleness(cfg) == expected
 
 
+@pytest.mark.parametrize("threshold,window,batches,units,versions", [
+    (0.0, 1, 2, 2, 0), (0.5, 1, 2, 3, 1), (0.25, 1, 2, 2, 0), (1.0, 2, 2, 8, 3), (0.0, 3, 2, 6, 2)])
+def test_units_ahead_follow_verl(threshold, window, batches, units, versions) -> None:
+    """floor((1 + staleness_threshold) x trigger x require_batches) units per sync window (verl's
+    max_required_samples / ppo_mini_batch_size), and the version lag that allows."""
+    cfg = _cfg(**{"async_training.staleness_threshold": threshold, "async_training.trigger_parameter_sync_step": window,
+                  "async_training.require_batches": batches, "data.train_batch_size": 4 * batches})
+    assert max_units_ahead(cfg) == units and max_staleness(cfg) == versions
+
+
+def test_partial_rollout_is_accepted_with_a_pool() -> None:
+    cfg = _cfg(**{"rollout.n_gpus_per_node": 1, "async_training.staleness_threshold": 0.5,
+                  "async_training.partial_rollout": True, "async_training.partial_rollout_segment_tokens": 4})
+    assert validate_config(cfg).rollout == World(1, 1)
+
+
 REFUSED = [
-    ({"async_training.partial_rollout": True}, "partial_rollout=true .* is not implemented"),
+    ({"async_training.partial_rollout": True}, "partial_rollout=true .* needs a rollout pool of its own"),
+    ({"rollout.n_gpus_per_node": 1, "async_training.partial_rollout": True,
+      "async_training.partial_rollout_segment_tokens": 0}, "partial_rollout_segment_tokens=0 must be >= 1"),
+    ({"rollout.n_gpus_per_node": 2, "async_training.partial_rollout": True,
+      "actor_rollout_ref.rollout.tensor_model_parallel_size": 2},
+     "partial_rollout=true with actor_rollout_ref.rollout.tensor_model_parallel_size=2 is not supported"),
     ({"async_training.staleness_threshold": 0.5}, "needs a rollout pool of its own"),
     ({"async_training.trigger_parameter_sync_step": 0}, "trigger_parameter_sync_step=0 must be >= 1"),
     ({"rollout.n_gpus_per_node": 2, "async_training.require_batches": 2}, "require_batches=2 x .* must equal"),
-    ({"rollout.n_gpus_per_node": 3}, "divisible by the 3 rollout workers"),
+    ({"rollout.n_gpus_per_node": 3}, "ppo_mini_batch_size=4 .* divisible by the 3 rollout workers"),
     ({"async_training.compute_prox_log_prob": True}, "only applies with async_training.use_rollout_log_probs=true"),
     ({"async_training.use_rollout_log_probs": True, "async_training.compute_prox_log_prob": True},
      "decoupled PPO.*set algorithm.rollout_correction.rollout_is=token"),

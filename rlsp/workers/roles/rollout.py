@@ -4,27 +4,43 @@ With rollout tensor parallelism (`actor_rollout_ref.rollout.tensor_model_paralle
 consecutive ranks run one vLLM engine together, each holding 1/k of the weights: they get the same
 prompts (`generate` is dispatched by dp group of the rollout layout, one group per engine), the same
 engine seed, and each keeps its own shard of every full tensor a weight sync hands it.
+
+Partial rollouts (`async_training.partial_rollout=true`, a rollout pool of its own): the driver gives
+the role a weight feed (`follow_weights`), an object with `poll()` that returns (version, full tensors)
+when the trainer has published weights newer than the ones this engine holds, else None. `generate`
+polls before it starts and between segments of `async_training.partial_rollout_segment_tokens` tokens
+(rlsp/rollout/segments.py), so a weight change reaches a running generation at the next segment
+boundary instead of queueing behind it. Every sample records the oldest (`policy_version`) and newest
+(`policy_version_max`) version among its tokens, and `token_version` the version of each token.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from rlsp.data.batch import Batch
 from rlsp.rollout import SamplingConfig, build_rollout_engine
+from rlsp.rollout.segments import SegmentedOutput, generate_in_segments
 from rlsp.workers.context import RoleContext
 from rlsp.workers.dispatch import Dispatch, register
 from rlsp.workers.rollout_rows import build_rollout_rows
+
+
+class WeightFeed(Protocol):
+    """Newer weights than the last ones handed out, if the trainer published any (see the module docstring)."""
+
+    def poll(self) -> tuple[int, list[tuple[str, torch.Tensor]]] | None: ...
 
 
 class RolloutRole:
     def __init__(self, ctx: RoleContext) -> None:
         self.ctx, self.cfg = ctx, ctx.cfg
         self.version = 0  # actor updates behind the weights this engine holds (set by `set_weights`)
+        self.feed: WeightFeed | None = None  # partial rollouts: where newer weights are picked up
         r, d = ctx.cfg.actor_rollout_ref.rollout, ctx.cfg.data
         engine_rank = ctx.layout.role("rollout").dp_rank(ctx.rank)  # the ranks of one tp engine share it
         self.engine = build_rollout_engine(
@@ -56,17 +72,38 @@ class RolloutRole:
         prompt_ids: list[list[int]] = prompts.meta["prompt_ids"]
         t0 = time.perf_counter()
         self.engine.wake_up()
-        out = self.engine.generate(prompt_ids, cfg)
+        gen = self._generate(prompt_ids, cfg)
         # Free the engine's accelerator memory for training (no-op on CPU); weight sync wakes it.
         self.engine.sleep()
+        out = gen.out
         rows = build_rollout_rows(
             [prompt_ids[i] for i in out.prompt_index], out.response_ids, out.response_logprobs,
-            self.ctx.prompt_len, cfg.max_tokens, self.ctx.pad_token_id,
+            self.ctx.prompt_len, cfg.max_tokens, self.ctx.pad_token_id, gen.token_versions, self.version,
         )
         meta = {k: [v[i] for i in out.prompt_index] for k, v in prompts.meta.items() if k != "prompt_ids"}
-        # The policy version of every sample (async training: actor updates behind the weights it came from).
-        rows["policy_version"] = torch.full((len(out.response_ids),), self.version, dtype=torch.long)
         return Batch.from_dict(rows, meta=meta, info={"gen_s": time.perf_counter() - t0})
+
+    def _generate(self, prompt_ids: list[list[int]], cfg: SamplingConfig) -> SegmentedOutput:
+        """One-shot generation, or segment-wise with weight pick-ups when following a weight feed."""
+        if self.feed is None:
+            out = self.engine.generate(prompt_ids, cfg)
+            return SegmentedOutput(out, [[self.version] * len(r) for r in out.response_ids])
+        self._pick_up_weights()
+        segment = int(self.cfg.async_training.partial_rollout_segment_tokens)
+        return generate_in_segments(self.engine, prompt_ids, cfg, segment, self.version, self._pick_up_weights)
+
+    def _pick_up_weights(self) -> int:
+        """Load the feed's weights if they are newer than the engine's; returns the version held now."""
+        if (newer := self.feed.poll()) is not None:
+            version, named_tensors = newer
+            self.load_weights(named_tensors)
+            self.version = int(version)
+        return self.version
+
+    @register(Dispatch.ALL)
+    def follow_weights(self, feed: WeightFeed) -> None:
+        """Partial rollouts: pick up weights from `feed` before and during every generation."""
+        self.feed = feed
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.engine.wake_up()
