@@ -4,7 +4,7 @@ generation-heavy CPU workload (tiny model, 8 prompts x 4 samples x 128 forced to
 Runs `python -m rlsp.main` once per setting and prints one JSON line each: mean wall time per step
 over steps 2..N (step 1 includes engine warm-up), rewards, staleness and each pool's idle share.
 
-    .venv/bin/python benchmarks/async_pipeline.py [--steps 6] [--out /tmp/rlsp_async_bench]
+    .venv/bin/python benchmarks/async_pipeline.py [--steps 6] [--response-length 128] [--out /tmp/rlsp_async_bench]
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ SETTINGS = {
     "async staleness 0, 1 trainer + 1 rollout": {"trainer.n_gpus_per_node": 1, "rollout.n_gpus_per_node": 1},
     "async staleness 1 (one-step off), 1 + 1": {"trainer.n_gpus_per_node": 1, "rollout.n_gpus_per_node": 1,
                                                 "async_training.staleness_threshold": 1.0},
+    "async staleness 1 + partial rollouts (16-token segments), 1 + 1": {
+        "trainer.n_gpus_per_node": 1, "rollout.n_gpus_per_node": 1, "async_training.staleness_threshold": 1.0,
+        "async_training.partial_rollout": "true", "async_training.partial_rollout_segment_tokens": 16},
 }
 
 
@@ -48,7 +51,9 @@ def run(name: str, overrides: dict, steps: int, out: str) -> dict:
             "update_actor_s_mean": mean("timing/update_actor_s"), "reward_mean": mean("reward/mean"),
             "staleness_max": max((r.get("async/staleness_max", 0.0) for r in rows), default=0.0),
             "trainer_idle_ratio": rows[-1].get("async/trainer_idle_ratio"),
-            "rollout_idle_ratio": rows[-1].get("async/rollout_idle_ratio")}
+            "rollout_idle_ratio": rows[-1].get("async/rollout_idle_ratio"),
+            "partial_fraction_mean": mean("async/partial_fraction"),
+            "version_span_max": max((r.get("async/version_span_max", 0.0) for r in rows), default=0.0)}
 
 
 def main() -> None:
@@ -56,10 +61,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", default="/tmp/rlsp_async_bench")
     parser.add_argument("--only", default=None, help="run the settings whose name contains this")
+    parser.add_argument("--response-length", type=int, default=WORKLOAD["data.max_response_length"],
+                        help="forced tokens per sample (generation weight of the step)")
     a = parser.parse_args()
     for name, overrides in SETTINGS.items():
         if a.only is None or a.only in name:
-            print(json.dumps(run(name, overrides, a.steps, a.out)), flush=True)
+            sized = {**overrides, "data.max_response_length": a.response_length}
+            print(json.dumps({**run(name, sized, a.steps, a.out), "response_length": a.response_length}), flush=True)
 
 
 if __name__ == "__main__":
