@@ -1,9 +1,11 @@
 """Masked reductions, group statistics and loss aggregation.
 
-The one normalisation used for training losses is :func:`aggregate_token_mean`: per-token losses
-summed locally and divided by the *global* number of response tokens of the mini-batch (all ranks,
-all micro-batches). Summing those partial losses (or their gradients) over micro-batches and ranks
-gives exactly the token-mean over the mini-batch, whatever the split.
+Training losses are aggregated as verl's `loss_agg_mode` says (token-mean, seq-mean-token-sum,
+seq-mean-token-mean, seq-mean-token-sum-norm), but always over the *whole* mini-batch: each token
+gets a weight from its full row where the rows are known (:func:`compute_token_weights`: 1, or 1 / the
+row's tokens) and the mini-batch one global divisor (:func:`loss_divisor`: its tokens, its sequences,
+...), and each shard sums loss x weight / divisor over its tokens. Summing those partial losses (or their gradients) over micro-batches,
+data-parallel and sequence-parallel ranks gives exactly the mini-batch loss, whatever the split.
 
 Shape legend: B rows (samples), R response length, T packed tokens, S sequences, "..." any shape.
 Masks are bool or float tensors of the values' shape; masked-out positions never leak (even NaN).
@@ -12,11 +14,15 @@ Masks are bool or float tensors of the values' shape; masked-out positions never
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-AGGREGATION_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+from rlsp.config.choices import LOSS_AGG_MODES
+
+# One list of legal modes (rlsp.config.choices validates actor/critic loss_agg_mode against it).
+AGGREGATION_MODES = LOSS_AGG_MODES
 
 
 def _masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -110,48 +116,73 @@ def aggregate_token_mean(
     return masked_sum(loss_tokens, mask) / global_token_count
 
 
-def _per_sequence(
-    values: torch.Tensor, mask: torch.Tensor, seq_index: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(masked sums [S], token counts [S]) per sequence: rows of [B, R], or ``seq_index`` of [T]."""
-    kept = _masked(values, mask)
-    count = mask.to(values.dtype)
-    if values.dim() == 2 and seq_index is None:
-        return kept.sum(-1), count.sum(-1)
-    if values.dim() == 1 and seq_index is not None:
-        if seq_index.shape != values.shape:
-            raise ValueError(f"seq_index shape {tuple(seq_index.shape)} != loss shape {tuple(values.shape)}")
-        num_seqs = int(seq_index.max().item()) + 1 if seq_index.numel() else 0
-        zeros_S = values.new_zeros(num_seqs)
-        return zeros_S.index_add(0, seq_index, kept), zeros_S.index_add(0, seq_index, count)
-    raise ValueError(
-        f"sequence-level aggregation needs a [B, R] loss without seq_index or a packed [T] loss with "
-        f"seq_index; got shape {tuple(values.shape)} and seq_index={'set' if seq_index is not None else None}"
-    )
+@dataclass(frozen=True)
+class LossScale:
+    """What a mini-batch's loss is normalised by (verl's `agg_loss` with global counts).
 
-
-def aggregate_loss(
-    loss_tokens: torch.Tensor,
-    mask: torch.Tensor,
-    mode: str,
-    global_token_count: float | torch.Tensor | None = None,
-    global_seq_count: float | torch.Tensor | None = None,
-    seq_index: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Scalar loss share of this micro-batch under ``mode``; sums over micro-batches/ranks add up.
-
-    - "token-mean": see :func:`aggregate_token_mean` (needs ``global_token_count``).
-    - "seq-mean-token-sum": sum over sequences of (token sum) / ``global_seq_count``.
-    - "seq-mean-token-mean": sum over sequences of (token mean) / ``global_seq_count``.
-    Sequence modes take a [B, R] loss (rows are sequences) or a packed [T] loss with ``seq_index``
-    [T] (int64 sequence number of each token, 0..S-1).
+    ``global_tokens``: response tokens of the whole mini-batch (all ranks and micro-batches);
+    ``global_seqs``: its sequences with at least one response token (verl leaves fully masked
+    sequences out of the sequence mean); ``horizon``: seq-mean-token-sum-norm's constant divisor
+    (verl's loss_scale_factor; None = the rows' response width, verl's loss_mask.shape[-1]).
     """
-    if mode == "token-mean":
-        return aggregate_token_mean(loss_tokens, mask, global_token_count)  # type: ignore[arg-type]
+
+    mode: str = "token-mean"
+    global_tokens: float | None = None
+    global_seqs: float | None = None
+    horizon: float | None = None
+
+
+def count_sequences(mask_BR: torch.Tensor) -> torch.Tensor:
+    """Rows with at least one masked-in token (the sequences a sequence mean counts), as a float scalar."""
+    return (mask_BR.sum(-1) > 0).to(torch.float64).sum()
+
+
+def loss_divisor(scale: LossScale, response_width: int) -> float:
+    """The mini-batch's global divisor under ``scale.mode``: global tokens (token-mean), global sequences
+    (seq-mean-token-sum / -token-mean) or global sequences x horizon (seq-mean-token-sum-norm; the
+    horizon defaults to ``response_width``, verl's loss_mask.shape[-1])."""
+    if scale.mode not in AGGREGATION_MODES:
+        raise ValueError(f"unknown loss aggregation mode {scale.mode!r}; legal modes: {', '.join(AGGREGATION_MODES)}")
+    if scale.mode == "token-mean":
+        _check_count("global_token_count", scale.global_tokens)
+        return float(scale.global_tokens)  # type: ignore[arg-type]
+    _check_count("global_seq_count", scale.global_seqs)
+    if scale.mode != "seq-mean-token-sum-norm":
+        return float(scale.global_seqs)  # type: ignore[arg-type]
+    horizon = response_width if scale.horizon is None else scale.horizon
+    _check_count("horizon (loss_scale_factor)", horizon)
+    return float(scale.global_seqs) * float(horizon)  # type: ignore[arg-type]
+
+
+def compute_token_weights(mask_BR: torch.Tensor, mode: str) -> torch.Tensor:
+    """Per-token weights [B, R] relative to :func:`loss_divisor` (0 where masked out): 1 for every mode
+    but seq-mean-token-mean, where a row's tokens share its weight (1 / tokens of the row). They depend
+    on the full rows only, so any split of the rows (micro-batches, dp ranks) and of the tokens
+    (sequence-parallel shards) sums loss x weight / divisor to exactly the mini-batch loss:
+
+    - "token-mean": sum(loss) / global_tokens;
+    - "seq-mean-token-sum": sum(loss) / global_seqs;
+    - "seq-mean-token-mean": sum over rows of (row's token mean) / global_seqs;
+    - "seq-mean-token-sum-norm": sum(loss) / (global_seqs * horizon) (Dr. GRPO: a constant instead of
+      each row's length).
+    """
     if mode not in AGGREGATION_MODES:
         raise ValueError(f"unknown loss aggregation mode {mode!r}; legal modes: {', '.join(AGGREGATION_MODES)}")
-    _check_count("global_seq_count", global_seq_count)
-    sums_S, counts_S = _per_sequence(loss_tokens, mask, seq_index)
-    if mode == "seq-mean-token-mean":
-        sums_S = sums_S / counts_S.clamp_min(1.0)
-    return sums_S.sum() / global_seq_count
+    ones_BR = (mask_BR != 0).to(torch.float64)
+    if mode != "seq-mean-token-mean":
+        return ones_BR
+    return ones_BR / ones_BR.sum(-1, keepdim=True).clamp_min(1.0)
+
+
+def weighted_sum(loss_tokens: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor, divisor: float) -> torch.Tensor:
+    """sum(loss * weights) / divisor over masked-in tokens: this shard's share of the aggregated loss."""
+    return masked_sum(loss_tokens * weights.to(loss_tokens.dtype), mask) / divisor
+
+
+def aggregate_loss(loss_BR: torch.Tensor, mask_BR: torch.Tensor, scale: LossScale) -> torch.Tensor:
+    """Loss share of rows [B, R] (rows are sequences) under ``scale`` (see :func:`compute_token_weights`);
+    with the counts of these rows alone it is verl's ``agg_loss`` of them."""
+    if loss_BR.dim() != 2:
+        raise ValueError(f"aggregate_loss takes a [B, R] loss (rows are sequences), got shape {tuple(loss_BR.shape)}")
+    divisor = loss_divisor(scale, loss_BR.shape[-1])
+    return weighted_sum(loss_BR, mask_BR, compute_token_weights(mask_BR, scale.mode), divisor)

@@ -223,6 +223,8 @@ def _check_choices(cfg: Any, errors: list[str]) -> None:
         ("trainer.resume_mode", cfg.trainer.resume_mode, RESUME_MODES),
         ("reward.on_error", cfg.reward.on_error, REWARD_ON_ERROR),
     )
+    if not (isinstance(cfg, DictConfig) and OmegaConf.is_interpolation(cfg.critic, "loss_agg_mode")):  # set: check it
+        choices += (("critic.loss_agg_mode", cfg.critic.loss_agg_mode, LOSS_AGG_MODES),)
     for key, val, legal in choices:
         error = choice_error(key, val, legal)
         if error:
@@ -239,6 +241,9 @@ def _check_ranges(cfg: Any, errors: list[str]) -> None:
         ("actor_rollout_ref.actor.clip_ratio_high", actor.clip_ratio_high),
     ):
         _require(val is None or 0.0 < val < 1.0, f"{key}={val} must be in (0, 1)", errors)
+    scale = actor.loss_scale_factor
+    _require(scale is None or scale > 0, f"actor_rollout_ref.actor.loss_scale_factor={scale} must be > 0 (or null: "
+             "data.max_response_length)", errors)
     _require(actor.clip_ratio_c > 1.0, f"actor_rollout_ref.actor.clip_ratio_c={actor.clip_ratio_c} must be > 1", errors)
     _require(rollout.temperature > 0.0, f"actor_rollout_ref.rollout.temperature={rollout.temperature} must be > 0", errors)
     _require(0.0 < rollout.top_p <= 1.0, f"actor_rollout_ref.rollout.top_p={rollout.top_p} must be in (0, 1]", errors)

@@ -13,8 +13,9 @@ FSDP2 policy only, and maps the keys onto it as follows (rlsp.engine.fsdp_offloa
   without param_offload=true asks for the state alone, which FSDP2 cannot do: refused with that
   reason instead of being half honoured;
 * frozen roles (reference, reward model) have no optimizer: optimizer_offload=true is refused;
-* with LoRA the reference runs on the actor's engine (adapters off): its own offload keys are
-  refused (set the actor's).
+* with LoRA the reference runs on the actor's engine (adapters off), as in verl: its own param_offload /
+  offload_policy have no effect (accepted; the log says so once at start-up and `rlsp.check` notes it);
+  the actor's fsdp_config.* offloads the shared base weights.
 On a CPU run every combination accepted here is applied and has no effect (logged once per role).
 """
 
@@ -23,7 +24,6 @@ from __future__ import annotations
 from typing import Any
 
 from rlsp.config.layout import ParallelLayout
-from rlsp.config.validate_lora import lora_enabled
 
 
 def _check_role(prefix: str, fsdp: Any, trainable: bool, errors: list[str]) -> None:
@@ -42,12 +42,7 @@ def check_offload(cfg: Any, layout: ParallelLayout | None, errors: list[str]) ->
     """The offload keys of every role that builds an engine (see the module docstring)."""
     arr = cfg.actor_rollout_ref
     _check_role("actor_rollout_ref.actor.fsdp_config", arr.actor.fsdp_config, True, errors)
-    ref = arr.ref.fsdp_config
-    _check_role("actor_rollout_ref.ref.fsdp_config", ref, False, errors)
-    if lora_enabled(arr.model) and (ref.param_offload or ref.offload_policy):
-        errors.append("actor_rollout_ref.ref.fsdp_config.param_offload / offload_policy=true is not supported with "
-                      "LoRA: the reference is the actor's engine with the adapters off and has no parameters of its "
-                      "own to offload; set actor_rollout_ref.actor.fsdp_config.* instead")
+    _check_role("actor_rollout_ref.ref.fsdp_config", arr.ref.fsdp_config, False, errors)
     if layout is not None and layout.critic is not None:
         _check_role("critic.model.fsdp_config", cfg.critic.model.fsdp_config, True, errors)
     if cfg.reward_model.enable:

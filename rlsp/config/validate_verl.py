@@ -19,8 +19,23 @@ from rlsp.config.choices import (
 )
 from rlsp.config.run_length import warmup_errors
 
-PACKING = ("rlsp always packs sequences without padding (its Ulysses and ring sharding work on the packed stream); "
-           "padded batches are not implemented and would train the same")
+
+def _check_padding(cfg: Any, errors: list[str]) -> None:
+    """use_remove_padding=false: verl's padded forward of the same model, which rlsp does not need (it always
+    packs; a start-up note says the flag has no effect). verl refuses it with Ulysses, and so does rlsp."""
+    arr = cfg.actor_rollout_ref
+    ref_sp = arr.ref.ulysses_sequence_parallel_size
+    for prefix, unpadded, degrees in (
+        ("actor_rollout_ref", arr.model.use_remove_padding,
+         (("actor_rollout_ref.actor", arr.actor.ulysses_sequence_parallel_size), ("actor_rollout_ref.ref", ref_sp))),
+        ("critic", cfg.critic.model.use_remove_padding, (("critic", cfg.critic.ulysses_sequence_parallel_size),)),
+    ):
+        for role, sp in degrees:
+            if not unpadded and sp is not None and sp > 1:
+                errors.append(f"{prefix}.model.use_remove_padding=false with {role}.ulysses_sequence_parallel_size="
+                              f"{sp} is not supported: verl requires use_remove_padding=true for Ulysses sequence "
+                              "parallelism (it shards the unpadded stream); set use_remove_padding=true (rlsp packs "
+                              "sequences either way)")
 
 
 def _check_choices(cfg: Any, errors: list[str]) -> None:
@@ -43,10 +58,7 @@ def _check_choices(cfg: Any, errors: list[str]) -> None:
 def _check_fixed(cfg: Any, errors: list[str]) -> None:
     """Keys with one legal value in rlsp: the other is refused with the reason."""
     arr = cfg.actor_rollout_ref
-    for key, value in (("actor_rollout_ref.model.use_remove_padding", arr.model.use_remove_padding),
-                       ("critic.model.use_remove_padding", cfg.critic.model.use_remove_padding)):
-        if not value:
-            errors.append(f"{key}=false is not supported: {PACKING}; legal values: [true]")
+    _check_padding(cfg, errors)
     if not arr.rollout.free_cache_engine:
         errors.append("actor_rollout_ref.rollout.free_cache_engine=false is not supported: rlsp always frees the rollout "
                       "engine's KV cache and weights while the colocated trainer runs; legal values: [true]")

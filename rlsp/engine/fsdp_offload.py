@@ -22,10 +22,9 @@ from __future__ import annotations
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
-from rlsp.utils.logging import get_logger
+from rlsp.utils.logging import get_logger, log_once
 
 log = get_logger("rlsp.engine")
-_LOGGED: set[str] = set()
 
 
 def build_offload_policy(enabled: bool, device: torch.device) -> OffloadPolicy:
@@ -37,16 +36,15 @@ def build_offload_policy(enabled: bool, device: torch.device) -> OffloadPolicy:
 
 def log_offload(role: str, enabled: bool, device: torch.device) -> None:
     """One line per role and process: what the offload does on this device."""
-    if not enabled or role in _LOGGED:
+    if not enabled:
         return
-    _LOGGED.add(role)
     if device.type == "cpu":
-        log.info("%s: FSDP parameter offload (CPUOffloadPolicy) has no effect on cpu: parameters, gradients and "
-                 "optimizer state already live in host memory", role)
+        log_once(log, f"offload:{role}", "%s: FSDP parameter offload (CPUOffloadPolicy) has no effect on cpu: "
+                 "parameters, gradients and optimizer state already live in host memory", role)
     else:
-        log.info("%s: FSDP parameter offload: parameter shards, gradients and (trainable roles) the optimizer state "
-                 "in host memory (CPUOffloadPolicy, whatever optimizer_offload says); the optimizer step runs on "
-                 "the CPU", role)
+        log_once(log, f"offload:{role}", "%s: FSDP parameter offload: parameter shards, gradients and (trainable "
+                 "roles) the optimizer state in host memory (CPUOffloadPolicy, whatever optimizer_offload says); the "
+                 "optimizer step runs on the CPU", role)
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

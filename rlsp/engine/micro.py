@@ -47,7 +47,12 @@ class MicroBatch:
 
     def response_local(self, key: str) -> torch.Tensor:
         """This rank's tokens of a [B, R] response field of the rows, laid out like the head outputs."""
-        return self.out_local(response_to_stream(self.rows[key], self.packed, self.prompt_len))
+        return self.response_values_local(self.rows[key])
+
+    def response_values_local(self, values_BR: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens of per-response values [B, R] of these rows (e.g. loss weights computed
+        from the full rows), laid out like the head outputs."""
+        return self.out_local(response_to_stream(values_BR, self.packed, self.prompt_len))
 
     def gather(self, values_out: torch.Tensor) -> torch.Tensor:
         """Head outputs of every rank -> the full stream [T] in order (collective; not differentiable)."""

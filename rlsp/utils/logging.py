@@ -27,6 +27,7 @@ RUN_LOG_NAME = "run.log"  # under trainer.default_local_dir
 STARTED_AT = time.time()  # when rlsp was first imported in this process: a run's wall-clock start
 # The terminal while `log_to_run_file` holds stdout/stderr; None: the current sys.stderr.
 _terminal: TextIO | None = None
+_LOGGED_ONCE: set[str] = set()  # keys already logged by `log_once` in this process
 
 
 class _RankFilter(logging.Filter):
@@ -69,6 +70,15 @@ def get_logger(name: str) -> logging.Logger:
         logger.addFilter(_RankFilter())
     _rlsp_root()
     return logger
+
+
+def log_once(logger: logging.Logger, key: str, msg: str, *args: object) -> None:
+    """Log `msg` at INFO the first time `key` comes up in this process: what a setting does (or that it
+    has no effect here) is said once per role at start-up, not on every call."""
+    if key in _LOGGED_ONCE:
+        return
+    _LOGGED_ONCE.add(key)
+    logger.info(msg, *args)
 
 
 @contextlib.contextmanager

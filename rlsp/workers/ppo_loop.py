@@ -12,14 +12,23 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from rlsp.algos.aggregation import count_sequences
 from rlsp.data.batch import Batch
 
 
+def global_counts(mini: Batch, dp_group: dist.ProcessGroup) -> tuple[float, float]:
+    """(response tokens, sequences with a response token) of the whole mini-batch, the loss's global
+    normalisers (rlsp.algos.aggregation.LossScale): sp ranks hold identical rows, so reduce over dp only."""
+    mask_BR = mini["response_mask"]
+    counts = torch.stack([mask_BR.sum().to(torch.float64), count_sequences(mask_BR)])
+    dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=dp_group)
+    tokens, seqs = counts.tolist()
+    return tokens, seqs
+
+
 def global_token_count(mini: Batch, dp_group: dist.ProcessGroup) -> float:
-    """Response tokens of the whole mini-batch: sp ranks hold identical rows, so reduce over dp only."""
-    count = mini["response_mask"].sum().to(torch.float64).reshape(1)
-    dist.all_reduce(count, op=dist.ReduceOp.SUM, group=dp_group)
-    return float(count.item())
+    """Response tokens of the whole mini-batch (see `global_counts`)."""
+    return global_counts(mini, dp_group)[0]
 
 
 def _epoch_order(n_rows: int, seed: int, step: int, epoch: int, dp_rank: int) -> torch.Tensor:

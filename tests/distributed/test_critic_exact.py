@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from _launch import layout_dims, run_distributed
 from test_fsdp_engine import B, P, _rollout_batch
 
@@ -17,6 +16,7 @@ from rlsp.models.loading import load_backbone
 from rlsp.models.tiny import TinyModelSpec, build_tiny_model
 from rlsp.models.value import ValueModel
 from rlsp.workers.critic_loss import make_critic_loss
+from rlsp.workers.ppo_loop import global_counts
 
 pytestmark = pytest.mark.distributed
 
@@ -45,15 +45,15 @@ def _with_critic_fields(batch: Batch) -> Batch:
     return batch
 
 
-def _values_and_grads(rank: int, world: int, model_path: str, sp: int, batch: Batch, ring: int = 1, tp: int = 1):
+def _values_and_grads(rank: int, world: int, model_path: str, sp: int, batch: Batch, ring: int = 1, tp: int = 1,
+                      mode: str = "token-mean", micro: int = 2):
     dims = layout_dims(ulysses=sp, ring=ring, tp=tp)
     engine = critic_engine(model_path, dims)
     values = engine.infer(batch, P, 3, "values")  # every rank gets the whole batch: the sp ranks split it
     shard = batch.chunk(dims.dp_size)[dims.dp_rank]
-    count = shard["response_mask"].sum().double().reshape(1)
-    dist.all_reduce(count, group=dims.dp_group)
     engine.optimizer.zero_grad(set_to_none=True)
-    metrics = engine.backward_batch(shard, P, 2, make_critic_loss(CLIP, float(count)))
+    loss_fn = make_critic_loss(CLIP, *global_counts(shard, dims.dp_group), mode)  # the critic role's normalisers
+    metrics = engine.backward_batch(shard, P, micro, loss_fn)
     grads = {k: v.clone() for k, v in engine.iter_full_grads()}
     return (values, metrics, grads) if rank == 0 else None
 
@@ -84,3 +84,17 @@ def test_critic_values_and_grads_match_sp1(reference, world, sp, ring, tp):
     assert grads.keys() == ref_grads.keys() and "value_head.weight" in grads
     worst = max(float((grads[k] - ref_grads[k]).norm() / ref_grads[k].norm().clamp_min(1e-30)) for k in grads)
     assert worst <= 1e-5, f"max relative gradient error {worst:.3g}"
+
+
+@pytest.mark.parametrize("mode", ["seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_critic_sequence_loss_aggregation_is_exact(reference, mode):
+    """critic.loss_agg_mode (verl: the actor's unless set) over the whole mini-batch: two micro-batch
+    splits on one rank, dp=2 and Ulysses 2 give the same value loss and gradients."""
+    path, batch, (_, token_mean_metrics, _) = reference
+    _, ref_metrics, ref_grads = run_distributed(_values_and_grads, 1, path, 1, batch, 1, 1, mode, B)[0]
+    assert abs(ref_metrics["critic/vf_loss"] - token_mean_metrics["critic/vf_loss"]) > 1e-4
+    for world, sp, micro in ((1, 1, 3), (2, 1, 2), (2, 2, 3)):
+        _, metrics, grads = run_distributed(_values_and_grads, world, path, sp, batch, 1, 1, mode, micro)[0]
+        assert abs(metrics["critic/vf_loss"] - ref_metrics["critic/vf_loss"]) <= 1e-6
+        worst = max(float((grads[k] - ref_grads[k]).norm() / ref_grads[k].norm().clamp_min(1e-30)) for k in grads)
+        assert worst <= 1e-5, f"max relative gradient error {worst:.3g}"

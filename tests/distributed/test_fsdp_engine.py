@@ -7,9 +7,10 @@ step must land on the same parameters.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
-import torch.distributed as dist
 from _launch import layout_dims, run_distributed
 
 from rlsp.data.batch import Batch
@@ -19,6 +20,7 @@ from rlsp.models.lm import TokenLogprobModel
 from rlsp.models.loading import load_causal_lm
 from rlsp.models.tiny import TinyModelSpec, build_tiny_model
 from rlsp.workers.actor_loss import ActorLossConfig, make_actor_loss
+from rlsp.workers.ppo_loop import global_counts
 
 pytestmark = pytest.mark.distributed
 
@@ -55,13 +57,11 @@ def policy_engine(model_path: str, dims, *, trainable: bool = True, lr: float = 
 
 def _train_once(rank: int, world: int, model_path: str, sp: int, micro: int, batch: Batch,
                 max_tokens: int | None = None, fsdp_size: int = -1, ring: int = 1, tp: int = 1,
-                sequence_parallel: bool = True):
+                sequence_parallel: bool = True, loss: ActorLossConfig = LOSS):
     dims = layout_dims(ulysses=sp, ring=ring, tp=tp, fsdp_size=fsdp_size, sequence_parallel=sequence_parallel)
     engine = policy_engine(model_path, dims)
     shard = batch.chunk(dims.dp_size)[dims.dp_rank]
-    count = shard["response_mask"].sum().double().reshape(1)
-    dist.all_reduce(count, group=dims.dp_group)
-    loss_fn = make_actor_loss(LOSS, float(count))
+    loss_fn = make_actor_loss(loss, *global_counts(shard, dims.dp_group))  # the actor role's normalisers
     engine.optimizer.zero_grad(set_to_none=True)
     metrics = engine.backward_batch(shard, P, micro, loss_fn, max_tokens, temperature=1.0, with_entropy=True)
     grads = {k: v.clone() for k, v in engine.iter_full_grads()}
@@ -164,3 +164,59 @@ def test_token_budget_micro_batches_keep_loss_and_gradients_exact(model_and_batc
     assert worst <= 1e-6, f"max relative gradient error {worst:.3g}"
     for k in params:
         torch.testing.assert_close(params[k], ref_params[k], rtol=0, atol=1e-6)
+
+
+SEQ_MODES = ("seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+@pytest.mark.parametrize("mode", SEQ_MODES)
+def test_sequence_loss_aggregation_is_exact_across_splits(model_and_batch, mode):
+    """verl's sequence-level loss_agg_modes (policy, KL and entropy terms) over the whole mini-batch:
+    one rank with two micro-batch splits, dp=2 and Ulysses 2 (sequences cut across ranks) give the
+    loss metrics, gradients and AdamW step of one rank with one micro-batch."""
+    path, batch, (token_mean_metrics, _, _) = model_and_batch
+    loss = dataclasses.replace(LOSS, loss_agg_mode=mode, loss_scale_factor=None if mode != SEQ_MODES[2] else 11)
+    ref = run_distributed(_train_once, 1, path, 1, B, batch, None, -1, 1, 1, True, loss)[0]
+    assert abs(ref[0]["actor/pg_loss"] - token_mean_metrics["actor/pg_loss"]) > 1e-4  # the mode changes the loss
+    for world, sp, micro in ((1, 1, 3), (2, 1, 2), (2, 2, 3)):
+        got = run_distributed(_train_once, world, path, sp, micro, batch, None, -1, 1, 1, True, loss)[0]
+        _assert_same_step(got, ref, grad_tol=1e-6)
+
+
+def _role_update(rank: int, world: int, model_path: str, sp: int, overrides: dict, batch: Batch):
+    """One update_actor call of an ActorRole built from a config (its loss keys read as in a run): one
+    mini-batch of the whole batch, micro-batches of 3 rows."""
+    from omegaconf import OmegaConf
+
+    from rlsp.config.layout import ParallelLayout, RoleLayout, World
+    from rlsp.config.schema import RLSPConfig
+    from rlsp.workers.context import RoleContext
+    from rlsp.workers.roles.actor import ActorRole
+
+    cfg = OmegaConf.structured(RLSPConfig)
+    a = "actor_rollout_ref.actor."
+    for key, val in {"trainer.n_gpus_per_node": world, "actor_rollout_ref.model.path": model_path,
+                     "data.max_prompt_length": P, "actor_rollout_ref.rollout.n": 1, a + "ppo_mini_batch_size": B,
+                     a + "ppo_micro_batch_size_per_gpu": 3, a + "ulysses_sequence_parallel_size": sp,
+                     a + "optim.grad_clip": 0.0, a + "kl_loss_coef": LOSS.kl_loss_coef,
+                     a + "entropy_coeff": LOSS.entropy_coeff, **overrides}.items():
+        OmegaConf.update(cfg, key, val)
+    actor = RoleLayout(World(1, world), ulysses=sp)
+    role = ActorRole(RoleContext(cfg, rank, ParallelLayout(World(1, world), actor, actor), torch.device("cpu"), 0))
+    dims = role.engine.dims
+    metrics = role.update_actor(batch.chunk(dims.dp_size)[dims.dp_rank])
+    return metrics if rank == 0 else None
+
+
+@pytest.mark.parametrize("mode,scale", [("seq-mean-token-mean", None), ("seq-mean-token-sum-norm", 11)])
+def test_actor_role_reads_loss_agg_mode(model_and_batch, mode, scale):
+    """actor.loss_agg_mode / loss_scale_factor reach the loss through ActorRole.update_actor: its loss
+    metrics are the engine-level ones of that mode, and the same on one rank, dp=2 and Ulysses 2."""
+    path, batch, _ = model_and_batch
+    overrides = {"actor_rollout_ref.actor.loss_agg_mode": mode, "actor_rollout_ref.actor.loss_scale_factor": scale}
+    loss = dataclasses.replace(LOSS, loss_agg_mode=mode, loss_scale_factor=scale)
+    expected = run_distributed(_train_once, 1, path, 1, 3, batch, None, -1, 1, 1, True, loss)[0][0]
+    for world, sp in ((1, 1), (2, 1), (2, 2)):
+        metrics = run_distributed(_role_update, world, path, sp, overrides, batch)[0]
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
+            assert abs(metrics[key] - expected[key]) <= 1e-6, (world, sp, key, metrics[key], expected[key])

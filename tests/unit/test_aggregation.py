@@ -8,14 +8,20 @@ import pytest
 import torch
 
 from rlsp.algos.aggregation import (
+    AGGREGATION_MODES,
+    LossScale,
     aggregate_loss,
     aggregate_token_mean,
+    compute_token_weights,
+    count_sequences,
     group_mean_std,
+    loss_divisor,
     masked_mean,
     masked_sum,
     masked_whiten,
 )
 from rlsp.algos.policy_loss import compute_ppo_clip_loss
+from rlsp.config.choices import LOSS_AGG_MODES
 
 F64 = torch.float64
 
@@ -48,25 +54,54 @@ def test_group_mean_std_hand_values() -> None:
 
 def test_aggregation_modes_hand_values() -> None:
     loss = torch.tensor([[1.0, 3.0, 9.0], [2.0, 2.0, 2.0]], dtype=F64)
+
+    def agg(mode: str, **counts: float) -> float:
+        return aggregate_loss(loss, MASK, LossScale(mode, **counts)).item()
+
     # token-mean: 10 / global count 8 (other micro-batches hold the rest of the tokens).
-    assert aggregate_loss(loss, MASK, "token-mean", global_token_count=8).item() == pytest.approx(10 / 8)
+    assert agg("token-mean", global_tokens=8) == pytest.approx(10 / 8)
     assert aggregate_token_mean(loss, MASK, torch.tensor(8.0)).item() == pytest.approx(10 / 8)
-    # seq-mean-token-sum: (4 + 6) / 4 sequences; seq-mean-token-mean: (2 + 2) / 4.
-    assert aggregate_loss(loss, MASK, "seq-mean-token-sum", global_seq_count=4).item() == pytest.approx(2.5)
-    assert aggregate_loss(loss, MASK, "seq-mean-token-mean", global_seq_count=4).item() == pytest.approx(1.0)
+    # Row sums 4 and 6, row lengths 2 and 3, 4 sequences in the mini-batch.
+    assert agg("seq-mean-token-sum", global_seqs=4) == pytest.approx((4 + 6) / 4)
+    assert agg("seq-mean-token-mean", global_seqs=4) == pytest.approx((4 / 2 + 6 / 3) / 4)
+    # Dr. GRPO: token sums over a constant horizon (default: the response width, 3), then the sequence mean.
+    assert agg("seq-mean-token-sum-norm", global_seqs=4) == pytest.approx((4 + 6) / (4 * 3))
+    assert agg("seq-mean-token-sum-norm", global_seqs=4, horizon=16) == pytest.approx((4 + 6) / (4 * 16))
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
-def test_packed_input_matches_padded(mode: str) -> None:
+def test_token_weights_hand_values() -> None:
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]], dtype=F64)
+    assert count_sequences(mask).item() == 2.0  # a fully masked row is not a sequence of the mean
+    w = compute_token_weights(mask, "seq-mean-token-mean")
+    torch.testing.assert_close(w, torch.tensor([[1 / 2, 1 / 2, 0], [1 / 3, 1 / 3, 1 / 3], [0, 0, 0]], dtype=F64))
+    for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        torch.testing.assert_close(compute_token_weights(mask, mode), mask)
+    assert loss_divisor(LossScale("token-mean", global_tokens=20), 3) == 20
+    assert loss_divisor(LossScale("seq-mean-token-mean", global_seqs=5), 3) == 5
+    assert loss_divisor(LossScale("seq-mean-token-sum-norm", global_seqs=5), 3) == 15
+    assert loss_divisor(LossScale("seq-mean-token-sum-norm", global_seqs=5, horizon=8), 3) == 40
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_split_rows_add_up_to_the_whole_mini_batch(mode: str) -> None:
+    """Any row split with the global counts adds up to the whole; with its own rows' counts and
+    verl's local normalisers, aggregate_loss is verl's agg_loss of those rows."""
     gen = torch.Generator().manual_seed(3)
-    loss = torch.randn(3, 4, generator=gen, dtype=F64)
-    mask = (torch.arange(4)[None, :] < torch.tensor([4, 1, 3])[:, None]).to(F64)
-    keep = mask.bool()
-    seq_index = torch.arange(3)[:, None].expand(3, 4)[keep]
-    counts = {"global_token_count": 11.0, "global_seq_count": 5.0}
-    padded = aggregate_loss(loss, mask, mode, **counts)
-    packed = aggregate_loss(loss[keep], torch.ones(int(mask.sum()), dtype=F64), mode, seq_index=seq_index, **counts)
-    torch.testing.assert_close(packed, padded, rtol=0, atol=1e-12)
+    loss = torch.randn(5, 4, generator=gen, dtype=F64)
+    mask = (torch.arange(4)[None, :] < torch.tensor([4, 1, 3, 0, 2])[:, None]).to(F64)
+    scale = LossScale(mode, float(mask.sum()), float(count_sequences(mask)), horizon=6)
+    whole = aggregate_loss(loss, mask, scale)
+    parts = sum(aggregate_loss(loss[rows], mask[rows], scale) for rows in (slice(0, 2), slice(2, 3), slice(3, 5)))
+    torch.testing.assert_close(parts, whole, rtol=0, atol=1e-12)
+    sums, lens = (loss * mask).sum(-1), mask.sum(-1)
+    verl = {"token-mean": sums.sum() / lens.sum(), "seq-mean-token-sum": sums.sum() / 4,
+            "seq-mean-token-mean": (sums[lens > 0] / lens[lens > 0]).sum() / 4,
+            "seq-mean-token-sum-norm": sums.sum() / (4 * 6)}[mode]
+    torch.testing.assert_close(whole, verl, rtol=0, atol=1e-12)
+
+
+def test_legal_modes_are_one_list() -> None:
+    assert AGGREGATION_MODES == LOSS_AGG_MODES
 
 
 def test_aggregation_errors() -> None:
@@ -74,11 +109,15 @@ def test_aggregation_errors() -> None:
     with pytest.raises(ValueError, match="global_token_count must be > 0"):
         aggregate_token_mean(loss, torch.ones(2, 3), 0)
     with pytest.raises(ValueError, match="global_token_count is required"):
-        aggregate_loss(loss, torch.ones(2, 3), "token-mean")
-    with pytest.raises(ValueError, match="legal modes: token-mean"):
-        aggregate_loss(loss, torch.ones(2, 3), "seq-sum", global_seq_count=2)
-    with pytest.raises(ValueError, match="seq_index"):
-        aggregate_loss(torch.ones(6), torch.ones(6), "seq-mean-token-sum", global_seq_count=2)
+        aggregate_loss(loss, torch.ones(2, 3), LossScale("token-mean"))
+    with pytest.raises(ValueError, match="global_seq_count is required"):
+        aggregate_loss(loss, torch.ones(2, 3), LossScale("seq-mean-token-mean", global_tokens=6))
+    with pytest.raises(ValueError, match="legal modes: token-mean, seq-mean-token-sum"):
+        aggregate_loss(loss, torch.ones(2, 3), LossScale("seq-sum", global_seqs=2))
+    with pytest.raises(ValueError, match=r"horizon \(loss_scale_factor\) must be > 0"):
+        aggregate_loss(loss, torch.ones(2, 3), LossScale("seq-mean-token-sum-norm", global_seqs=2, horizon=0))
+    with pytest.raises(ValueError, match=r"\[B, R\] loss"):
+        aggregate_loss(torch.ones(6), torch.ones(6), LossScale("seq-mean-token-sum", global_seqs=2))
     with pytest.raises(ValueError, match="mask shape"):
         masked_sum(loss, torch.ones(3, 2))
 

@@ -54,7 +54,7 @@ def test_checks_the_config_rlsp_main_composes(tmp_path):
 def test_every_problem_is_listed_at_once(tmp_path, base, capsys):
     rc = check_main([*base, "trainer.device=tpu", "actor_rollout_ref.actor.ulysses_sp=2", "algorithm.use_pf_ppo=true",
                      "data.train_batch_size=abc", "custom_reward_function.path=/a.py", "reward.custom_function_path=/b.py",
-                     f"data.train_files={tmp_path / 'missing.parquet'}", "actor_rollout_ref.model.use_remove_padding=false"])
+                     f"data.train_files={tmp_path / 'missing.parquet'}", "actor_rollout_ref.actor.loss_agg_mode=seq-sum"])
     out = capsys.readouterr().out
     assert rc == 2
     for needle in ("trainer.device='tpu' is not supported; legal values: ['auto', 'cpu', 'cuda']",
@@ -63,7 +63,7 @@ def test_every_problem_is_listed_at_once(tmp_path, base, capsys):
                    "data.train_batch_size=abc: ",
                    "custom_reward_function.path='/a.py' (verl's spelling) and reward.custom_function_path='/b.py'",
                    "missing.parquet' does not exist",
-                   "actor_rollout_ref.model.use_remove_padding=false is not supported: rlsp always packs"):
+                   "actor_rollout_ref.actor.loss_agg_mode='seq-sum' is not supported; legal values: ['token-mean'"):
         assert needle in out, (needle, out)
     assert "8 problem(s):" in out
 

@@ -63,13 +63,15 @@ def test_both_kl_keys_take_the_same_estimator_names():
     ("actor_rollout_ref.rollout.name", "sglang", "(SGLang rollouts are not implemented (rlsp's engines: vllm, hf))"),
     ("actor_rollout_ref.actor.strategy", "megatron", "(Megatron-LM training is not implemented"),
     ("actor_rollout_ref.ref.strategy", "megatron", "actor_rollout_ref.ref.strategy='megatron' is not supported"),
-    ("actor_rollout_ref.actor.loss_agg_mode", "seq-mean-token-mean", "sequence-level loss aggregation is not wired"),
+    ("actor_rollout_ref.actor.loss_agg_mode", "seq-sum", "legal values: ['token-mean', 'seq-mean-token-sum', "
+                                                         "'seq-mean-token-mean', 'seq-mean-token-sum-norm']"),
+    ("critic.loss_agg_mode", "sum", "critic.loss_agg_mode='sum' is not supported; legal values: ['token-mean'"),
+    ("actor_rollout_ref.actor.loss_scale_factor", 0, "loss_scale_factor=0 must be > 0"),
     ("trainer.device", "npu", "(Ascend NPUs are not supported"),
     ("data.truncation", "cut", "legal values: ['error', 'left', 'right', 'middle']"),
     ("actor_rollout_ref.rollout.mode", "server", "legal values: ['sync', 'async']"),
     ("actor_rollout_ref.rollout.free_cache_engine", False, "free_cache_engine=false is not supported"),
     ("actor_rollout_ref.rollout.multi_turn.enable", True, "multi-turn (tool) rollouts are not implemented"),
-    ("critic.model.use_remove_padding", False, "critic.model.use_remove_padding=false is not supported"),
     ("trainer.use_legacy_worker_impl", "yes", "legal values: ['auto', 'enable', 'disable']"),
     ("actor_rollout_ref.model.fused_kernel_options.impl_backend", "cuda", "legal values: ['torch', 'triton']"),
     ("actor_rollout_ref.rollout.val_kwargs.temperature", 0.7, "do_sample=false validates greedily, so "),
@@ -78,6 +80,31 @@ def test_both_kl_keys_take_the_same_estimator_names():
 ])
 def test_values_rlsp_does_not_implement_are_refused_with_the_reason(key, value, needle):
     assert needle in _errors(make(**{key: value}))
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_loss_aggregation_modes_compose_and_validate(mode):
+    """verl's four loss_agg_modes are accepted; the critic's follows the actor's unless set (as in verl)."""
+    cfg = make(**{"actor_rollout_ref.actor.loss_agg_mode": mode, "actor_rollout_ref.actor.loss_scale_factor": 4096,
+                  "algorithm.adv_estimator": "gae"})
+    validate_config(cfg)
+    assert cfg.critic.loss_agg_mode == mode
+    validate_config(make(**{"actor_rollout_ref.actor.loss_agg_mode": mode, "critic.loss_agg_mode": "token-mean"}))
+
+
+def test_use_remove_padding_false_is_accepted_except_with_ulysses():
+    """verl's padded forward computes what rlsp's packed one does; verl refuses it with Ulysses, so does rlsp."""
+    validate_config(make(**{"actor_rollout_ref.model.use_remove_padding": False, "critic.model.use_remove_padding": False,
+                            "algorithm.adv_estimator": "gae"}))
+    assert "has no effect on results" in verl_status("actor_rollout_ref.model.use_remove_padding",
+                                                     set(schema_keys()))
+    text = _errors(make(**{"actor_rollout_ref.model.use_remove_padding": False, "trainer.n_gpus_per_node": 2,
+                           "actor_rollout_ref.actor.ulysses_sequence_parallel_size": 2,
+                           "critic.model.use_remove_padding": False, "critic.ulysses_sequence_parallel_size": 2,
+                           "algorithm.adv_estimator": "gae"}))
+    assert ("actor_rollout_ref.model.use_remove_padding=false with actor_rollout_ref.actor.ulysses_sequence_parallel_size"
+            "=2 is not supported: verl requires use_remove_padding=true") in text
+    assert "critic.model.use_remove_padding=false with critic.ulysses_sequence_parallel_size=2" in text
 
 
 def test_use_shm_needs_one_node_and_two_warmups_conflict():

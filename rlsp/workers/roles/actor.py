@@ -22,8 +22,15 @@ from rlsp.utils.dtypes import resolve_dtype
 from rlsp.workers.actor_loss import ActorLossConfig, make_actor_loss
 from rlsp.workers.context import RoleContext
 from rlsp.workers.dispatch import Dispatch, register
-from rlsp.workers.ppo_loop import global_token_count, run_ppo_epochs
-from rlsp.workers.roles.common import batch_temperature, fsdp_offload, optim_settings, role_metrics, token_budget
+from rlsp.workers.ppo_loop import global_counts, run_ppo_epochs
+from rlsp.workers.roles.common import (
+    batch_temperature,
+    fsdp_offload,
+    note_padding,
+    optim_settings,
+    role_metrics,
+    token_budget,
+)
 
 
 def lora_settings(model: Any) -> LoraSettings | None:
@@ -41,6 +48,7 @@ def build_policy_engine(ctx: RoleContext, trainable: bool,
     """The policy model on this rank: fp32 master weights when trainable, compute dtype from model.dtype.
     With `lora` only the adapters are trainable (fp32 masters); the frozen base stays in the compute dtype."""
     arr = ctx.cfg.actor_rollout_ref
+    note_padding("actor_rollout_ref.model", arr.model.use_remove_padding, "logprobs and entropy")
     compute = resolve_dtype(arr.model.dtype)
     lm = load_causal_lm(arr.model.path, dtype=torch.float32 if trainable and lora is None else compute)
     if trainable and arr.model.enable_gradient_checkpointing:
@@ -100,7 +108,7 @@ class ActorRole:
         temperature = batch_temperature(batch, self.cfg)
 
         def train_mini(mini: Batch) -> dict[str, float]:
-            loss_fn = make_actor_loss(loss_cfg, global_token_count(mini, dims.dp_group))
+            loss_fn = make_actor_loss(loss_cfg, *global_counts(mini, dims.dp_group))
             return self.engine.train_step(mini, self.ctx.prompt_len, a.ppo_micro_batch_size_per_gpu, loss_fn,
                                           token_budget(a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu),
                                           temperature=temperature, with_entropy=True)
@@ -117,7 +125,8 @@ class ActorRole:
             clip_ratio_low=a.clip_ratio_low if a.clip_ratio_low is not None else a.clip_ratio,
             clip_ratio_high=a.clip_ratio_high if a.clip_ratio_high is not None else a.clip_ratio,
             clip_ratio_c=a.clip_ratio_c, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef,
-            kl_loss_type=a.kl_loss_type, entropy_coeff=a.entropy_coeff,
+            kl_loss_type=a.kl_loss_type, entropy_coeff=a.entropy_coeff, loss_agg_mode=a.loss_agg_mode,
+            loss_scale_factor=a.loss_scale_factor,
         )
 
     @register(Dispatch.BY_DP)

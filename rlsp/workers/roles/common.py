@@ -1,5 +1,6 @@
 """Helpers the roles share: optimizer settings from the config, metric names, the sampling temperature of a
-batch, whether an engine offloads its parameters."""
+batch, whether an engine offloads its parameters, and the start-up notes on verl keys that have no effect
+in rlsp (logged once per process, like the offload notes; `python -m rlsp.check` prints the same)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from rlsp.config.run_length import warmup_optimizer_steps
 from rlsp.data.batch import Batch
 from rlsp.engine.fsdp_offload import log_offload
 from rlsp.engine.optim import OptimSettings
+from rlsp.utils.logging import get_logger, log_once
+
+log = get_logger("rlsp.workers")
 
 
 def optim_settings(cfg: DictConfig, role: str) -> OptimSettings:
@@ -52,3 +56,18 @@ def fsdp_offload(fsdp_config: Any, role: str, device: torch.device) -> bool:
     enabled = bool(fsdp_config.param_offload or fsdp_config.offload_policy)
     log_offload(role, enabled, device)
     return enabled
+
+
+def note_padding(prefix: str, use_remove_padding: bool, what: str) -> None:
+    """verl's use_remove_padding=false only chooses a padded forward of the same model; rlsp packs anyway."""
+    if not use_remove_padding:
+        log_once(log, f"padding:{prefix}", "%s.use_remove_padding=false has no effect: rlsp always runs packed sequences "
+                 "without padding, which computes the same %s as verl's padded forward", prefix, what)
+
+
+def note_shared_reference_offload(ref_fsdp_config: Any) -> None:
+    """With LoRA the reference is the actor's engine with the adapters off: its own offload keys do nothing."""
+    if ref_fsdp_config.param_offload or ref_fsdp_config.offload_policy:
+        log_once(log, "offload:ref-lora", "actor_rollout_ref.ref.fsdp_config.param_offload / offload_policy=true has "
+                 "no effect with LoRA: the reference is the actor's engine with the adapters off and shares its base "
+                 "weights, which actor_rollout_ref.actor.fsdp_config.* offloads (or not)")

@@ -20,12 +20,13 @@ from rlsp.utils.dtypes import resolve_dtype
 from rlsp.workers.context import RoleContext
 from rlsp.workers.critic_loss import make_critic_loss
 from rlsp.workers.dispatch import Dispatch, register
-from rlsp.workers.ppo_loop import global_token_count, run_ppo_epochs
-from rlsp.workers.roles.common import fsdp_offload, optim_settings, role_metrics, token_budget
+from rlsp.workers.ppo_loop import global_counts, run_ppo_epochs
+from rlsp.workers.roles.common import fsdp_offload, note_padding, optim_settings, role_metrics, token_budget
 
 
 def build_critic_engine(ctx: RoleContext) -> FSDPEngine:
     c, arr = ctx.cfg.critic, ctx.cfg.actor_rollout_ref
+    note_padding("critic.model", c.model.use_remove_padding, "values")
     compute = resolve_dtype(c.model.dtype or arr.model.dtype)
     backbone = load_backbone(c.model.path or arr.model.path, dtype=torch.float32)
     if c.model.enable_gradient_checkpointing:
@@ -60,7 +61,7 @@ class CriticRole:
         dims = self.engine.dims
 
         def train_mini(mini: Batch) -> dict[str, float]:
-            loss_fn = make_critic_loss(c.cliprange_value, global_token_count(mini, dims.dp_group))
+            loss_fn = make_critic_loss(c.cliprange_value, *global_counts(mini, dims.dp_group), c.loss_agg_mode)
             return self.engine.train_step(mini, self.ctx.prompt_len, c.ppo_micro_batch_size_per_gpu, loss_fn,
                                           token_budget(c.use_dynamic_bsz, c.ppo_max_token_len_per_gpu))
 

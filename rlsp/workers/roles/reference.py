@@ -1,7 +1,8 @@
 """ReferenceRole: the frozen initial policy (for the KL loss or the KL penalty in the reward).
 
 With LoRA on the actor the initial policy is the actor's own base: the role then has no engine of
-its own and runs the actor's with the adapters switched off (no second copy of the weights).
+its own and runs the actor's with the adapters switched off (no second copy of the weights); its own
+fsdp_config offload keys then have no effect (said once at start-up), as in verl.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from rlsp.data.batch import Batch
 from rlsp.workers.context import RoleContext
 from rlsp.workers.dispatch import Dispatch, register
 from rlsp.workers.roles.actor import ActorRole, build_policy_engine
-from rlsp.workers.roles.common import batch_temperature, token_budget
+from rlsp.workers.roles.common import batch_temperature, note_shared_reference_offload, token_budget
 
 
 class ReferenceRole:
@@ -20,6 +21,8 @@ class ReferenceRole:
         """`actor`: the actor on this worker; given one with LoRA adapters, the reference is its base."""
         self.ctx, self.cfg = ctx, ctx.cfg
         self.actor = actor if actor is not None and actor.lora is not None else None
+        if self.actor is not None:
+            note_shared_reference_offload(self.cfg.actor_rollout_ref.ref.fsdp_config)
         self.engine = self.actor.engine if self.actor is not None else build_policy_engine(ctx, trainable=False)[0]
 
     def _policy(self) -> contextlib.AbstractContextManager[None]:
