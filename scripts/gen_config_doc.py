@@ -37,7 +37,16 @@ each verl key that it handles its own way.
 Rules taken from verl: the run is `trainer.total_epochs` x batches per epoch unless
 `trainer.total_training_steps` is set; unset log-prob token budgets of the reference and the rollout
 follow the actor's (`use_dynamic_bsz`, `ppo_max_token_len_per_gpu`), and so do the critic's
-mini-batch, epochs, shuffle and dynamic batching; `trainer.logger` is one name or a list.
+mini-batch, epochs, shuffle and dynamic batching; `trainer.logger` is one name or a list;
+`critic.loss_agg_mode` is the actor's unless set. Every `loss_agg_mode` (token-mean, seq-mean-token-sum,
+seq-mean-token-mean, seq-mean-token-sum-norm with `loss_scale_factor`, default the response length)
+applies to the policy, KL and entropy terms alike, and is exact over the whole mini-batch (verl's
+seq-mean-token-sum-norm scales with the micro-batch size; rlsp's is the mean over the mini-batch's
+sequences). `model.use_remove_padding=false` (verl's padded forward) has no effect: rlsp packs sequences
+either way and computes the same logprobs and values (refused with Ulysses sp > 1, as in verl). With
+LoRA, `ref.fsdp_config.param_offload` / `offload_policy` have no effect: the reference is the actor's
+engine with the adapters off (as in verl), whose base weights `actor.fsdp_config.*` offloads. rlsp
+logs each such no-effect setting once at start-up.
 """
 HEADER = """# Configuration
 

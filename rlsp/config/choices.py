@@ -22,8 +22,9 @@ LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 ROLLOUT_ENGINES = ("vllm", "hf")
 # Training engines (*.strategy): verl's "fsdp" (FSDP1) and "fsdp2" both run rlsp's one engine, FSDP2.
 STRATEGIES = ("fsdp2", "fsdp")
-# actor.loss_agg_mode: rlsp's loss is the exact global token-mean (see rlsp.algos.aggregation).
-LOSS_AGG_MODES = ("token-mean",)
+# actor.loss_agg_mode / critic.loss_agg_mode: verl's modes, each over the whole mini-batch whatever its
+# split (rlsp.algos.aggregation implements them).
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 RESUME_MODES = ("auto", "disable", "resume_path")
 REWARD_ON_ERROR = ("raise", "zero")
 # data.truncation of a prompt longer than data.max_prompt_length (verl's values).
@@ -34,6 +35,8 @@ ROLLOUT_MODES = ("sync", "async")
 LEGACY_WORKER_IMPL = ("auto", "enable", "disable")
 # reward_model.reward_manager: rlsp's Scorer calls a reward function per row (verl's "naive").
 REWARD_MANAGERS = ("naive",)
+# reward_model.rollout.name: the reward loop's engine (rlsp.rollout.vllm_reward, a vLLM pooling engine).
+REWARD_ENGINES = ("vllm",)
 # actor_rollout_ref.model.fused_kernel_options.impl_backend (verl's values).
 FUSED_KERNEL_BACKENDS = ("torch", "triton")
 
@@ -45,16 +48,14 @@ REFUSED_VALUES: dict[tuple[str, str], str] = {
     ("reward_model.reward_manager", "dapo"): _MANAGER,
     ("reward_model.reward_manager", "batch"): _MANAGER,
     ("trainer.device", "npu"): "Ascend NPUs are not supported (rlsp runs on CUDA GPUs or CPUs)",
+    ("reward_model.rollout.name", "sglang"): "serving the reward model with SGLang is not implemented (the reward "
+                                             "loop's engine: vllm)",
+    ("reward_model.rollout.name", "trtllm"): "TensorRT-LLM cannot serve a reward model (verl refuses it too); the "
+                                             "reward loop's engine: vllm",
     ("rollout.name", "sglang"): "SGLang rollouts are not implemented (rlsp's engines: vllm, hf)",
     ("rollout.name", "trtllm"): "TensorRT-LLM rollouts are not implemented (rlsp's engines: vllm, hf)",
     ("strategy", "megatron"): "Megatron-LM training is not implemented (rlsp trains with FSDP2, plus its own "
                               "Ulysses/ring/tensor parallelism)",
-    ("loss_agg_mode", "seq-mean-token-sum"): "sequence-level loss aggregation is not wired into rlsp's exact "
-                                             "token-mean loss",
-    ("loss_agg_mode", "seq-mean-token-mean"): "sequence-level loss aggregation is not wired into rlsp's exact "
-                                              "token-mean loss",
-    ("loss_agg_mode", "seq-mean-token-sum-norm"): "sequence-level loss aggregation is not wired into rlsp's exact "
-                                                  "token-mean loss",
 }
 
 

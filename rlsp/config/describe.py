@@ -53,7 +53,13 @@ def describe_placement(cfg: Any, layout: ParallelLayout) -> list[str]:
                  else f"own pool: {c.world.nnodes} x {c.world.procs_per_node} = {c.world_size} workers")
         lines.append(f"  critic:  {where} | {_degrees(c)}")
     reward_model = getattr(layout, "reward_model", None)
-    if reward_model is not None:
+    if reward_model is not None and cfg.reward_model.use_reward_loop:
+        r = cfg.reward_model.rollout
+        lines.append(f"  reward model: reward loop on the policy pool, {reward_model.world_size // reward_model.tp} "
+                     f"{r.name} pooling engine(s) of {reward_model.tp} worker(s) each (dtype {r.dtype}, max_model_len "
+                     f"{r.max_model_len or 'max_position_embeddings'}); rule scoring in "
+                     f"{cfg.reward_model.num_workers} process(es)")
+    elif reward_model is not None:
         lines.append(f"  reward model: on the policy pool | {_degrees(reward_model)}")
     if p.nnodes > 1:
         lines.append("  across nodes: ulysses x tp groups stay inside a node; ring and data-parallel groups span nodes")

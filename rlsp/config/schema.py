@@ -51,7 +51,7 @@ class ModelConfig:
     path: str = TINY_MODEL
     dtype: str = "float32"  # parameter/compute dtype of the trainer: float32 | bfloat16
     enable_gradient_checkpointing: bool = False
-    use_remove_padding: bool = True  # rlsp always packs sequences without padding (its sequence parallelism needs it): true only
+    use_remove_padding: bool = True  # verl's padded (false) or unpadded forward; rlsp always packs without padding, same logprobs either way: false has no effect (refused with Ulysses sp > 1, as in verl)
     use_shm: bool = False  # copy the model into /dev/shm once and load it from there (one node)
     use_fused_kernels: bool = False  # verl's fused logprob/entropy head; rlsp always computes them vocab-chunked (never the full logits), true or false
     fused_kernel_options: FusedKernelOptions = field(default_factory=FusedKernelOptions)
@@ -107,7 +107,8 @@ class ActorConfig:
     clip_ratio_high: float | None = None
     clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
     policy_loss: str = "vanilla"
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (verl's; policy, KL and entropy terms alike), over the whole mini-batch whatever its micro-batch/dp/sp split
+    loss_scale_factor: int | None = None  # seq-mean-token-sum-norm's constant divisor; None = data.max_response_length
     entropy_coeff: float = 0.0
     use_kl_loss: bool = True
     kl_loss_coef: float = 0.001
@@ -194,7 +195,7 @@ class CriticModelConfig:
     path: str | None = None  # None = initialise from the actor's checkpoint (actor_rollout_ref.model.path)
     dtype: str | None = None  # compute dtype; None = actor_rollout_ref.model.dtype (master weights stay fp32)
     enable_gradient_checkpointing: bool = False
-    use_remove_padding: bool = True  # as actor_rollout_ref.model.use_remove_padding: true only
+    use_remove_padding: bool = True  # as actor_rollout_ref.model.use_remove_padding, for the values
     enable_activation_offload: bool = False  # as actor_rollout_ref.model.enable_activation_offload, for the critic
     tiled_mlp: TiledMLPConfig = field(default_factory=TiledMLPConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
@@ -222,6 +223,7 @@ class CriticConfig:
     ppo_epochs: int = II("actor_rollout_ref.actor.ppo_epochs")
     shuffle: bool = II("actor_rollout_ref.actor.shuffle")
     cliprange_value: float = 0.5  # clip of the new value around the rollout-time value
+    loss_agg_mode: str = II("actor_rollout_ref.actor.loss_agg_mode")  # the value loss's aggregation (verl: the actor's unless set)
     ulysses_sequence_parallel_size: int = 1
     ring_sequence_parallel_size: int = 1
     tensor_model_parallel_size: int = 1
@@ -267,10 +269,11 @@ class AlgorithmConfig:
 class AsyncTrainingConfig:
     """Generation on a rollout pool of its own, overlapped with training (verl's keys; docs/async.md)."""
 
-    staleness_threshold: float = 0.0  # 0: synchronous; s > 0: floor(s * trigger_parameter_sync_step) batches generated ahead
+    staleness_threshold: float = 0.0  # 0: synchronous; s > 0: up to floor(s x trigger x require_batches) mini-batches ahead
     trigger_parameter_sync_step: int = 1  # trainer updates between weight syncs to the rollout pool
     require_batches: int = 1  # ppo mini-batches per trainer step (x ppo_mini_batch_size = data.train_batch_size)
-    partial_rollout: bool = False  # interrupt generation at a sync and continue it with new weights: refused (not built)
+    partial_rollout: bool = False  # generate in segments; between them pick up newer weights and continue with them
+    partial_rollout_segment_tokens: int = 64  # rlsp's: new tokens per sample between weight pick-ups (partial_rollout)
     use_rollout_log_probs: bool = False  # true: the rollout engine's logprobs are the behaviour policy of the loss
     compute_prox_log_prob: bool = False  # with use_rollout_log_probs: recompute the proximal policy (decoupled PPO)
 
@@ -309,9 +312,38 @@ class RewardModelModelConfig:
 
 
 @dataclass
+class RewardModelRolloutConfig:
+    """The reward loop's inference engine (use_reward_loop=true): verl's reward_model.rollout keys."""
+
+    name: str = "vllm"  # vllm only (an in-process pooling engine); sglang and trtllm are not implemented
+    dtype: str = "bfloat16"  # the engine's compute dtype
+    gpu_memory_utilization: float = 0.5  # GPU memory fraction of the engine (colocated with training)
+    enforce_eager: bool = True  # no CUDA graphs
+    cudagraph_capture_sizes: Any = None  # null only (eager)
+    free_cache_engine: bool = True  # sleep the engine between scoring calls on GPU (no-op on CPU)
+    data_parallel_size: int = 1  # 1 only: one engine per tensor-parallel group
+    expert_parallel_size: int = 1  # 1 only
+    tensor_model_parallel_size: int = 1  # consecutive policy workers per engine (verl's default: 2)
+    max_num_batched_tokens: int = 8192  # tokens per engine step (raised to max_model_len: a sequence is scored whole)
+    max_model_len: int | None = None  # longest input scored; null: the reward model's max_position_embeddings
+    max_num_seqs: int = 1024  # sequences per engine step
+    load_format: str = "auto"  # vLLM's weight loader (auto | safetensors | pt | dummy ...)
+    engine_kwargs: Any = field(default_factory=dict)  # empty only
+    limit_images: Any = None  # null only (text reward models)
+    enable_chunked_prefill: bool = True  # accepted; rlsp scores each sequence in one step (no chunking)
+    enable_prefix_caching: bool = True  # accepted; the engine's own cache policy
+    disable_log_stats: bool = True
+    skip_tokenizer_init: bool = False  # false only (verl asserts it)
+    prompt_length: int = 2048  # verl's key; the bound on an input is max_model_len
+    response_length: int = 2048  # verl's key; the bound on an input is max_model_len
+    cpu_kvcache_space_gib: int = 1  # CPU only: the engine's KV cache (VLLM_CPU_KVCACHE_SPACE)
+
+
+@dataclass
 class RewardModelConfig:
-    """A frozen sequence-classification reward model on the policy workers (verl's legacy RM worker). Its score at
-    the last response token is the token-level score; rule rewards then score validation only (verl's rule)."""
+    """A frozen sequence-classification reward model on the policy workers: verl's legacy RM worker (FSDP) or, with
+    use_reward_loop, verl's reward loop (a vLLM pooling engine). Its score at the last response token is the
+    token-level score; rule rewards then score validation only (verl's rule)."""
 
     enable: bool = False  # false: this section is not read (verl's rule)
     strategy: str = "fsdp2"  # fsdp or fsdp2: both run rlsp's FSDP2 engine
@@ -321,8 +353,9 @@ class RewardModelConfig:
     forward_max_token_len_per_gpu: int = 32768  # that budget, tokens per rank
     ulysses_sequence_parallel_size: int = 1  # Ulysses degree of the reward model's forward
     reward_manager: str = "naive"  # naive only: per-row rule rewards for validation
-    num_workers: int = 1  # 1 only: rule rewards are scored in the driver, the reward model runs on every policy worker
-    use_reward_loop: bool = False  # false only: verl's reward loop (the RM behind an inference server) is not implemented
+    num_workers: int = 1  # reward-loop processes scoring rule rewards concurrently (Ray actors over chunks of the batch)
+    use_reward_loop: bool = False  # true: the reward model served by an in-process vLLM engine (reward_model.rollout)
+    rollout: RewardModelRolloutConfig = field(default_factory=RewardModelRolloutConfig)
 
 
 @dataclass

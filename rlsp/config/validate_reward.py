@@ -1,12 +1,15 @@
 """Start-up check of the reward-model section (`reward_model.*`, verl's keys) and its layout.
 
 With `reward_model.enable=true` a frozen sequence-classification model is placed on the policy
-workers as the `reward_model` role, with a `RoleLayout` of its own over the policy pool (Ulysses
-degree and fsdp_size; no ring or tensor parallelism, as in verl). What rlsp implements is verl's
-legacy reward-model worker; the other forms verl has are refused by name: its reward loop
-(`use_reward_loop=true`, the model behind an inference server, `num_workers` reward processes) and
-reward managers other than "naive". With `enable=false` the section is not read (verl's rule).
-The model itself (architecture, heads, tokenizer) is checked in rlsp.trainer.preflight.
+workers as the `reward_model` role. Two forms, as in verl:
+- `use_reward_loop=false`, verl's legacy reward-model worker: FSDP2 with a `RoleLayout` of its own
+  (Ulysses degree and fsdp_size; no ring or tensor parallelism);
+- `use_reward_loop=true`, verl's reward loop: an in-process vLLM pooling engine per group of
+  `reward_model.rollout.tensor_model_parallel_size` consecutive policy workers (checked in
+  rlsp.config.validate_reward_loop). The legacy worker's FSDP keys are then not read (verl's rule).
+Reward managers other than "naive" are refused by name. With `enable=false` the section is not read
+(verl's rule), but `num_workers` (rule scoring processes) is. The model itself (architecture, heads,
+tokenizer) is checked in rlsp.trainer.preflight.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 
 from rlsp.config.choices import REWARD_MANAGERS, STRATEGIES, choice_error
 from rlsp.config.layout import ParallelLayout, RoleLayout
+from rlsp.config.validate_reward_loop import check_reward_loop
 
 P = "reward_model."
 
@@ -30,14 +34,8 @@ def _check_keys(rm: Any, errors: list[str]) -> None:
     for key, legal in (("reward_manager", REWARD_MANAGERS), ("strategy", STRATEGIES)):
         if (error := choice_error(P + key, rm[key], legal)) is not None:
             errors.append(error)
-    if rm.num_workers != 1:
-        errors.append(f"{P}num_workers={rm.num_workers} is not supported: verl's reward-loop worker processes are not "
-                      "implemented; rlsp scores rule rewards in the driver and runs the reward model on every policy "
-                      "worker (shard it with reward_model.ulysses_sequence_parallel_size); legal values: [1]")
     if rm.use_reward_loop:
-        errors.append(f"{P}use_reward_loop=true is not supported: verl's reward loop (the reward model behind an "
-                      "inference server) is not implemented; rlsp runs it as verl's legacy reward-model worker "
-                      "does (FSDP on the policy workers); legal values: [false]")
+        return  # the legacy worker's keys below are not read by the reward loop (verl's rule)
     if not rm.model.use_remove_padding:
         errors.append(f"{P}model.use_remove_padding=false is not supported: rlsp always scores packed sequences "
                       "without padding (the same scores); legal values: [true]")
@@ -49,10 +47,15 @@ def _check_keys(rm: Any, errors: list[str]) -> None:
 def check_reward_model(cfg: Any, layout: ParallelLayout | None, errors: list[str]) -> ParallelLayout | None:
     """The layout with the reward model's `RoleLayout` when it is enabled, after checking its keys."""
     rm = cfg.reward_model
+    workers = rm.num_workers
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        errors.append(f"{P}num_workers={workers!r} must be an integer >= 1 (reward-loop processes scoring rule rewards)")
     if not rm.enable:
         return layout
     n_err = len(errors)
     _check_keys(rm, errors)
+    if rm.use_reward_loop:
+        return check_reward_loop(cfg, layout, errors) if len(errors) == n_err else layout
     uly, size = rm.ulysses_sequence_parallel_size, rm.model.fsdp_config.fsdp_size
     if isinstance(uly, bool) or not isinstance(uly, int) or uly < 1:
         errors.append(f"{P}ulysses_sequence_parallel_size={uly!r} must be an integer >= 1")

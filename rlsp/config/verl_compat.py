@@ -40,9 +40,6 @@ UNSUPPORTED_KEYS = {
     "npu_profile.*": "Ascend NPUs are not supported (rlsp runs on CUDA GPUs or CPUs)",
     "reward_model.sandbox_fusion.*": "rewards from a remote code sandbox (Sandbox Fusion) are not implemented in rlsp; "
                                      "score code locally with reward.custom_function_path",
-    "reward_model.rollout.*": "serving the reward model with an inference engine (verl's reward loop) is not "
-                              "implemented; rlsp runs a sequence-classification reward model with FSDP on the policy "
-                              "workers (reward_model.use_reward_loop=false, verl's legacy worker)",
     "reward_model.enable_resource_pool": _RM_POOL,
     "reward_model.nnodes": _RM_POOL,
     "reward_model.n_gpus_per_node": _RM_POOL,
@@ -59,6 +56,11 @@ NOT_YET_KEYS: dict[str, str] = {}
 
 # Accepted keys whose verl result rlsp reaches its own way (fnmatch patterns -> what rlsp does).
 VERL_NOTES = {
+    "actor_rollout_ref.model.use_remove_padding": "true or false: rlsp always packs sequences without padding; verl's "
+                                                  "false (a padded forward) computes the same logprobs and entropy, so "
+                                                  "the flag has no effect on results (false with Ulysses sp > 1 is "
+                                                  "refused, as in verl)",
+    "critic.model.use_remove_padding": "true or false: as actor_rollout_ref.model.use_remove_padding, for the values",
     "*.model.use_remove_padding": "true only: rlsp always packs sequences without padding (its Ulysses and ring "
                                   "sharding work on the packed stream); false (padded batches) is refused",
     "actor_rollout_ref.model.use_fused_kernels": "true or false: rlsp always computes logprobs and entropy "
@@ -71,6 +73,11 @@ VERL_NOTES = {
     "*.strategy": "fsdp or fsdp2: both run rlsp's FSDP2 engine (megatron is refused)",
     "actor_rollout_ref.rollout.mode": "sync or async: rlsp's engine runs in-process in every worker and generates "
                                       "the same single-turn samples either way",
+    "actor_rollout_ref.ref.fsdp_config.param_offload": "the reference's FSDP2 CPUOffloadPolicy (no effect on cpu); with "
+                                                       "LoRA no effect at all: the reference is the actor's engine with "
+                                                       "the adapters off, sharing the base weights that "
+                                                       "actor_rollout_ref.actor.fsdp_config.* offloads (as in verl)",
+    "actor_rollout_ref.ref.fsdp_config.offload_policy": "as actor_rollout_ref.ref.fsdp_config.param_offload",
     "*.fsdp_config.param_offload": "FSDP2's CPUOffloadPolicy: parameters, gradients and the optimizer state in host "
                                    "memory together (the state follows its parameters, whatever optimizer_offload "
                                    "says); no effect on cpu",
@@ -98,11 +105,14 @@ VERL_NOTES = {
     "trainer.total_epochs": "verl's rule: the run is total_epochs x batches per epoch unless "
                             "trainer.total_training_steps is set",
     "trainer.use_legacy_worker_impl": "auto, enable or disable: rlsp has one worker implementation",
-    "reward_model.use_reward_loop": "false only: verl's reward loop (the reward model behind an inference server) is "
-                                    "not implemented; rlsp runs the reward model as verl's legacy worker does (FSDP "
-                                    "on the policy workers)",
-    "reward_model.num_workers": "1 only: verl's reward-loop worker processes are not implemented; the reward model "
-                                "runs on every policy worker",
+    "reward_model.use_reward_loop": "true: verl's reward loop, the reward model served by an in-process vLLM pooling "
+                                    "engine on the policy workers (reward_model.rollout.*); false: verl's legacy FSDP "
+                                    "reward-model worker",
+    "reward_model.num_workers": "verl's meaning: reward-loop processes that score rule rewards concurrently (Ray actors "
+                                "over chunks of the batch); the reward model's inputs are rendered on the workers "
+                                "hosting its engine",
+    "reward_model.rollout.*": "the reward loop's vLLM engine (verl's keys); engine features rlsp does not use are "
+                              "refused by value",
     "reward_model.reward_manager": "naive only: rlsp calls the reward function once per row",
 }
 

@@ -45,17 +45,29 @@ def _texts(batch: Batch, prompt_len: int, policy_tok: Any, rm_tok: Any) -> list[
     return texts
 
 
+def _engine_text(text: str, rm_tok: Any) -> str:
+    """`text` without a leading BOS: an inference engine's tokenizer adds its special tokens itself."""
+    bos = rm_tok.bos_token
+    return text[len(bos):] if bos is not None and text.startswith(bos) else text
+
+
 def render_for_reward_model(batch: Batch, prompt_len: int, policy_tok: Any, rm_tok: Any,
-                            max_len: int | None = None) -> Batch:
+                            max_len: int | None = None, engine_specials: bool = False) -> Batch:
     """Right-padded rows [B, L'] {input_ids, attention_mask} of every sample in the reward model's own
-    chat format (see the module docstring); ValueError naming the row if one exceeds `max_len` tokens."""
+    chat format (see the module docstring); ValueError naming the row if one exceeds `max_len` tokens.
+    `engine_specials`: tokenize as verl's reward loop has its inference engine do it (a leading BOS
+    text dropped, then the tokenizer's own special tokens added), so a BOS is never doubled."""
     texts = _texts(batch, prompt_len, policy_tok, rm_tok)
-    ids = [rm_tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    if engine_specials:
+        ids = [rm_tok(_engine_text(t, rm_tok), add_special_tokens=True)["input_ids"] for t in texts]
+    else:
+        ids = [rm_tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     longest = max((len(x) for x in ids), default=0)
     if max_len is not None and longest > max_len:
         row = max(range(len(ids)), key=lambda i: len(ids[i]))
-        raise ValueError(f"row {row} is {longest} tokens in the reward model's format, more than its "
-                         f"max_position_embeddings={max_len}; lower data.max_response_length / max_prompt_length")
+        limit = "the reward engine's max_model_len" if engine_specials else "its max_position_embeddings"
+        raise ValueError(f"row {row} is {longest} tokens in the reward model's format, more than {limit}={max_len}; "
+                         "lower data.max_response_length / max_prompt_length (or raise reward_model.rollout.max_model_len)")
     pad = rm_tok.pad_token_id if rm_tok.pad_token_id is not None else 0
     input_ids = torch.full((len(ids), max(longest, 1)), pad, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)

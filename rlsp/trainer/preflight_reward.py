@@ -3,6 +3,8 @@
 The checkpoint must be a one-label *ForSequenceClassification model whose attention rlsp can shard at
 the configured Ulysses degree; its tokenizer must match the policy's when `model.input_tokenizer` is
 null (the rollout ids are then fed as they are); and rows fed as they are must fit its position range.
+With the reward loop (use_reward_loop=true) samples are always re-rendered, and the engine's
+max_model_len must fit the model's position range (verl's rule).
 """
 
 from __future__ import annotations
@@ -19,6 +21,20 @@ from rlsp.models.reward import check_reward_config
 P = "reward_model."
 
 
+def _reward_loop_errors(rm: DictConfig, config: object) -> list[str]:
+    """The reward loop always re-renders samples in the model's format; its engine's length must fit the model."""
+    errors = []
+    try:
+        check_reward_config(config)
+    except ValueError as exc:
+        errors.append(f"{P}model.path: {exc}")
+    limit, length = getattr(config, "max_position_embeddings", None), rm.rollout.max_model_len
+    if limit is not None and length is not None and length > limit:
+        errors.append(f"{P}rollout.max_model_len={length} exceeds the reward model's max_position_embeddings={limit}; "
+                      f"legal: null (= {limit}) or at most {limit}")
+    return errors
+
+
 def reward_model_errors(cfg: DictConfig) -> list[str]:
     """Every problem with the reward model's files (none when it is off)."""
     rm = cfg.reward_model
@@ -28,6 +44,8 @@ def reward_model_errors(cfg: DictConfig) -> list[str]:
     if not os.path.isdir(path):
         return [f"{P}model.path={path!r} is not a local directory with a Hugging Face model"]
     config = AutoConfig.from_pretrained(path)
+    if rm.use_reward_loop:
+        return _reward_loop_errors(rm, config)
     errors = []
     for check, key in ((check_reward_config, "model.path"), (lambda c: check_sp_support(c, rm.ulysses_sequence_parallel_size),
                                                               "ulysses_sequence_parallel_size")):

@@ -33,7 +33,8 @@ from rlsp.trainer.checkpoint import CheckpointWriter, TrainerState, latest_check
 from rlsp.trainer.metrics import MetricsLogger
 from rlsp.trainer.off_policy import apply_rollout_correction, rollout_correction_settings, uses_rollout_logprobs
 from rlsp.trainer.progress import RunProgress
-from rlsp.trainer.scoring import Scorer, apply_rm_scores
+from rlsp.trainer.reward_workers import build_scorer
+from rlsp.trainer.scoring import apply_rm_scores
 from rlsp.trainer.stopping import Terminated
 from rlsp.utils.device import resolve_device_type
 from rlsp.utils.logging import get_logger
@@ -81,8 +82,9 @@ class RayTrainer:
         self.train_set = dataset(d.train_files)
         self.val_set = dataset(d.val_files) if d.val_files else None
         resolve_total_steps(cfg, len(self.train_set))  # verl's rule; from here on the config holds the run length
-        self.scorer = Scorer(self.tokenizer, cfg.reward.custom_function_path, cfg.reward.custom_function_name,
-                             on_error=cfg.reward.on_error)
+        # reward_model.num_workers > 1: rule scoring in that many Ray actors (verl's reward-loop workers).
+        self.scorer = build_scorer(cfg.reward_model.num_workers, self.tokenizer, cfg.actor_rollout_ref.model.path,
+                                   cfg.reward.custom_function_path, cfg.reward.custom_function_name, cfg.reward.on_error)
         self.metrics = MetricsLogger(self.run_dir, list(cfg.trainer.logger))
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = build_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
@@ -270,7 +272,8 @@ class RayTrainer:
         tol = self.cfg.trainer.sp_self_check_tol
         ref_differs = needs_reference(self.cfg) and self.layout.ref != self.layout.actor
         worst = 0.0
-        scorer = self.wg if self.layout.reward_model is not None else None
+        # The reward loop's engine is served like a rollout engine: no sharded-vs-unsharded forward to compare.
+        scorer = self.wg if self.layout.reward_model is not None and not self.cfg.reward_model.use_reward_loop else None
         for role, wg in (("actor", self.wg), ("ref", self.wg if ref_differs else None), ("critic", self.critic_wg),
                          ("reward_model", scorer)):
             degrees = self.layout.role(role) if wg is not None else None

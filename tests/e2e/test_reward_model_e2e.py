@@ -42,3 +42,24 @@ def test_grpo_trains_on_reward_model_scores(tmp_path):
         assert abs(mean * samples - round(mean * samples)) > 1e-6  # model scores, not 0/1 rule rewards
         assert r["reward/errors"] == 0.0
     assert 0.0 <= lines[0]["val/accuracy"] <= 1.0  # validation: the rule reward of the arithmetic task
+
+
+def test_grpo_trains_on_reward_loop_scores(tmp_path):
+    """verl's reward loop (use_reward_loop=true): the same reward model served by one vLLM pooling engine
+    split over both policy workers (reward tp=2), validation's rule rewards scored by 2 reward-loop processes."""
+    rm = build_tiny_reward_model(TinyModelSpec(init_std=0.3, seed=5), str(tmp_path / "rm"), chat_template=RM_TEMPLATE)
+    run = tmp_path / "grpo_loop"
+    run.mkdir()
+    proc = _main(run, "trainer.total_training_steps=2", "actor_rollout_ref.rollout.name=hf",
+                 "reward_model.enable=true", f"reward_model.model.path={rm}", "reward_model.use_reward_loop=true",
+                 "reward_model.rollout.name=vllm", "reward_model.rollout.dtype=float32",
+                 "reward_model.rollout.tensor_model_parallel_size=2", "reward_model.num_workers=2")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [json.loads(x) for x in (run / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2]
+    samples = 4 * 4
+    for r in lines:
+        mean = r["reward/mean"]
+        assert math.isfinite(mean) and math.isfinite(r["actor/pg_loss"])
+        assert abs(mean * samples - round(mean * samples)) > 1e-6  # model scores, not 0/1 rule rewards
+    assert 0.0 <= lines[0]["val/accuracy"] <= 1.0

@@ -7,6 +7,7 @@ starts, naming the key and the legal values or the reason.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -67,8 +68,6 @@ def test_rollout_tp_against_the_models_heads():
      "actor_rollout_ref.ref.fsdp_config.optimizer_offload=true is not supported: this role is frozen"),
     ({ACTOR_FSDP + "optimizer_offload": True},
      f"{ACTOR_FSDP}optimizer_offload=true without {ACTOR_FSDP}param_offload=true is not supported"),
-    ({"actor_rollout_ref.model.lora_rank": 8, "actor_rollout_ref.ref.fsdp_config.param_offload": True},
-     "offload_policy=true is not supported with LoRA"),
     ({"algorithm.adv_estimator": "gae", "critic.model.fsdp_config.optimizer_offload": True},
      "critic.model.fsdp_config.optimizer_offload=true without critic.model.fsdp_config.param_offload=true"),
 ])
@@ -80,9 +79,32 @@ def test_offload_combinations_fsdp2_cannot_honour_are_refused(overrides, needle)
 @pytest.mark.parametrize("overrides", [
     {ACTOR_FSDP + "param_offload": True}, {ACTOR_FSDP + "param_offload": True, ACTOR_FSDP + "optimizer_offload": True},
     {ACTOR_FSDP + "offload_policy": True, ACTOR_FSDP + "optimizer_offload": True},
-    {"actor_rollout_ref.ref.fsdp_config.param_offload": True}])
+    {"actor_rollout_ref.ref.fsdp_config.param_offload": True},
+    # With LoRA the reference shares the actor's engine: accepted, no effect (a start-up note says so), as in verl.
+    {"actor_rollout_ref.model.lora_rank": 8, "actor_rollout_ref.ref.fsdp_config.param_offload": True,
+     "actor_rollout_ref.ref.fsdp_config.offload_policy": True}])
 def test_offload_settings_rlsp_applies(overrides):
     validate_config(make(**overrides))
+
+
+def test_no_effect_settings_are_logged_once_naming_the_key(caplog):
+    """use_remove_padding=false and, with LoRA, the reference's offload keys are accepted: start-up says
+    once that they have no effect, naming the key (`python -m rlsp.check` shows the same note)."""
+    from rlsp.workers.roles.common import note_padding, note_shared_reference_offload
+
+    ref = OmegaConf.create({"param_offload": True, "offload_policy": False})
+    with caplog.at_level(logging.INFO, logger="rlsp.workers"):
+        for _ in range(2):
+            note_padding("critic.model", False, "values")
+            note_shared_reference_offload(ref)
+        note_padding("actor_rollout_ref.model", True, "logprobs and entropy")  # true: nothing to say
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "critic.model.use_remove_padding=false has no effect: rlsp always runs packed sequences without padding, "
+        "which computes the same values as verl's padded forward",
+        "actor_rollout_ref.ref.fsdp_config.param_offload / offload_policy=true has no effect with LoRA: the reference "
+        "is the actor's engine with the adapters off and shares its base weights, which "
+        "actor_rollout_ref.actor.fsdp_config.* offloads (or not)"]
 
 
 def test_reward_model_layout_and_refusals():
@@ -92,11 +114,9 @@ def test_reward_model_layout_and_refusals():
     assert layout.roles_of("policy")[-1] == "reward_model" and layout.node_local_sizes("policy") == (1, 2)
     assert validate_config(make(**{"reward_model.num_workers": 8})).reward_model is None  # off: not read
     with pytest.raises(ValueError) as err:
-        validate_config(make(**on, **{"reward_model.num_workers": 8, "reward_model.use_reward_loop": True,
-                                      "reward_model.reward_manager": "dapo", "reward_model.ulysses_sequence_parallel_size": 3,
+        validate_config(make(**on, **{"reward_model.reward_manager": "dapo", "reward_model.ulysses_sequence_parallel_size": 3,
                                       "reward_model.model.use_remove_padding": False}))
-    for needle in ("reward_model.num_workers=8 is not supported", "reward_model.use_reward_loop=true is not supported",
-                   "reward_model.reward_manager='dapo' is not supported (reward managers other than naive",
+    for needle in ("reward_model.reward_manager='dapo' is not supported (reward managers other than naive",
                    "reward_model.ulysses_sequence_parallel_size=3 must divide the 2 workers per node",
                    "reward_model.model.use_remove_padding=false is not supported"):
         assert needle in str(err.value)

@@ -70,3 +70,19 @@ def test_a_row_beyond_the_reward_models_positions_is_refused(tokenizers):
     with pytest.raises(ValueError, match=r"row 1 is \d+ tokens in the reward model's format, more than its "
                                          r"max_position_embeddings=12"):
         render_for_reward_model(_rows(policy, ["1+1=", "100+200="], ["2", "300"]), P, policy, rm, max_len=12)
+
+
+def test_engine_rendering_never_doubles_a_bos(tokenizers):
+    # verl's reward loop: a leading BOS text is dropped and the tokenizer adds its own special tokens.
+    policy, rm = tokenizers
+    rm.bos_token = "<|endoftext|>"
+    rm.chat_template = "{{ bos_token }}" + RM_TEMPLATE
+    bos = rm.convert_tokens_to_ids("<|endoftext|>")
+    rows = _rows(policy, ["3+4="], ["7"])
+    legacy = render_for_reward_model(rows, P, policy, rm)["input_ids"][0].tolist()
+    engine = render_for_reward_model(rows, P, policy, rm, engine_specials=True)["input_ids"][0].tolist()
+    want = rm("User: 3+4=\nAssistant: 7\n", add_special_tokens=True)["input_ids"]
+    assert legacy[0] == bos and legacy[1:] == rm.encode("User: 3+4=\nAssistant: 7\n", add_special_tokens=False)
+    assert engine == want and engine.count(bos) <= 1
+    with pytest.raises(ValueError, match=r"more than the reward engine's max_model_len=8"):
+        render_for_reward_model(rows, P, policy, rm, max_len=8, engine_specials=True)

@@ -41,8 +41,6 @@ REFUSED = {
     "examples/ppo_trainer/run_deepseek7b_llm_sandbox_fusion.sh": ["reward_model.sandbox_fusion.url"],
     "examples/ppo_trainer/run_qwen2-7b_rm_seq_balance_nsys.sh": ["global_profiler.tool",
                                                                   "actor_rollout_ref.actor.profiler.enable"],
-    "examples/ppo_trainer/run_gemma.sh": ["actor_rollout_ref.model.use_remove_padding",
-                                          "critic.model.use_remove_padding"],
 }
 MIN_ACCEPTED = 14  # see the module docstring
 

@@ -7,7 +7,9 @@ Sharded like the reference (FSDP2 over the policy workers, Ulysses with
 its last real token. Each sample is scored in the reward model's own chat format when its tokenizer
 differs from `reward_model.model.input_tokenizer` (the policy's): see rlsp.data.rm_inputs. The score
 lands on the last response token (`rm_scores`, [B, R]), which the driver uses as the token-level
-score (verl's rule, rlsp.trainer.scoring.apply_rm_scores).
+score (verl's rule, rlsp.trainer.scoring.apply_rm_scores). With reward_model.use_reward_loop the role
+hosts verl's reward loop instead (a vLLM pooling engine, rlsp.workers.roles.reward_loop); the scores
+land the same way.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from rlsp.utils.dtypes import resolve_dtype
 from rlsp.workers.context import RoleContext
 from rlsp.workers.dispatch import Dispatch, register
 from rlsp.workers.roles.common import fsdp_offload, token_budget
+from rlsp.workers.roles.reward_loop import RewardLoopScorer
 
 
 def build_reward_engine(ctx: RoleContext) -> FSDPEngine:
@@ -46,6 +49,10 @@ class RewardModelRole:
     def __init__(self, ctx: RoleContext) -> None:
         self.ctx, self.cfg = ctx, ctx.cfg
         rm = ctx.cfg.reward_model
+        # verl's reward loop: a vLLM pooling engine instead of the FSDP model (rlsp.workers.roles.reward_loop).
+        self.loop = RewardLoopScorer(ctx) if rm.use_reward_loop else None
+        if self.loop is not None:
+            return
         self.engine = build_reward_engine(ctx)
         self.tokenizer = AutoTokenizer.from_pretrained(rm.model.path)
         source = rm.model.input_tokenizer
@@ -66,6 +73,9 @@ class RewardModelRole:
     def compute_rm_score(self, batch: Batch) -> Batch:
         """`rm_scores` [B, R]: each sequence's score on its last response token (zeros elsewhere)."""
         rm = self.cfg.reward_model
+        if self.loop is not None:
+            scores_B = torch.tensor(self.loop.scores(batch), dtype=torch.float32)
+            return Batch.from_dict({"rm_scores": place_on_last_token(scores_B, batch["response_mask"])})
         rows = self.rows(batch)
         scores_B = self.engine.infer(rows, rows["input_ids"].shape[1], rm.micro_batch_size_per_gpu, "scores",
                                      token_budget(rm.use_dynamic_bsz, rm.forward_max_token_len_per_gpu),
