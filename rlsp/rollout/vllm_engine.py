@@ -1,4 +1,5 @@
-"""In-process vLLM rollout engine; the only module in rlsp that imports vllm.
+"""In-process vLLM rollout engine; with rlsp/rollout/vllm_reward.py (the reward loop's pooling engine) the only
+modules in rlsp that import vllm (an import-linter contract keeps it so).
 
 `VLLMEngine` wraps a `vllm.LLM` living in the caller's process (V1 multiprocessing off), so the
 policy worker can hand it weights as plain tensors: `update_weights` reloads them in place through
