@@ -5,8 +5,10 @@ fp64) and reduced to one logprob (and entropy) per token. The backward is writte
 autograd function) instead of recorded: it recomputes each chunk's logits from the saved inputs and
 forms the logit gradient in place, g_lp * (onehot - p) - g_ent * p * (log p + H), then two matmuls.
 Only the inputs and two fp32 numbers per token (logsumexp, entropy) are kept for backward, so peak
-extra memory is O(C * V) in forward and backward instead of O(T * V), and the [C, V] buffers are
-touched a few times per chunk instead of once per recorded op.
+extra memory is O(C * V) in forward and backward instead of O(T * V): one fp32 [C, V] buffer per chunk
+(forward: the logits, reduced 128 rows at a time; backward: the logit gradient formed in place, plus
+the probabilities when the entropy is in the loss), touched a few times per chunk instead of once
+per recorded op. An output the loss does not use gets no gradient work.
 
 Legend: T tokens, H hidden size, V vocabulary size, C chunk length.
 """
@@ -24,6 +26,23 @@ def _chunk_logits(hidden_CH: torch.Tensor, weight_VH: torch.Tensor, temperature:
     return logits_CV if temperature == 1.0 else logits_CV.div_(temperature)
 
 
+_ROWS = 128  # rows per reduction block of a chunk: logsumexp's and softmax's temporaries stay [128, V]
+
+
+def _reduce_rows(logits_CV: torch.Tensor, entropy_C: torch.Tensor | None) -> torch.Tensor:
+    """Row-wise logsumexp of a chunk's logits (returned) and, into `entropy_C`, H = lse - sum_v p_v * logit_v,
+    _ROWS rows at a time so no temporary of the chunk's full [C, V] size is allocated."""
+    lse_C = logits_CV.new_empty(logits_CV.shape[0])
+    for r0 in range(0, logits_CV.shape[0], _ROWS):
+        block_RV = logits_CV[r0:r0 + _ROWS]
+        lse_R = torch.logsumexp(block_RV, dim=-1)
+        lse_C[r0:r0 + _ROWS] = lse_R
+        if entropy_C is not None:
+            p_RV = (block_RV - lse_R[:, None]).exp_()
+            entropy_C[r0:r0 + _ROWS] = lse_R - torch.linalg.vecdot(p_RV, block_RV)
+    return lse_C
+
+
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden_TH: torch.Tensor, weight_VH: torch.Tensor, labels_T: torch.Tensor,
@@ -36,14 +55,15 @@ class _ChunkedLogprobs(torch.autograd.Function):
         for start in range(0, T, chunk_size):
             end = min(start + chunk_size, T)
             logits_CV = _chunk_logits(hidden_TH[start:end], weight_VH, temperature)
-            lse_C = torch.logsumexp(logits_CV, dim=-1)
+            lse_C = _reduce_rows(logits_CV, entropy_T[start:end] if with_entropy else None)
             lse_T[start:end] = lse_C
             logprobs_T[start:end] = logits_CV.gather(-1, labels_T[start:end, None])[:, 0] - lse_C
-            if with_entropy:  # H = lse - sum_v p_v * logit_v
-                p_CV = (logits_CV - lse_C[:, None]).exp_()
-                entropy_T[start:end] = lse_C - torch.linalg.vecdot(p_CV, logits_CV)
+            del logits_CV
         ctx.save_for_backward(hidden_TH, weight_VH, labels_T, lse_T, entropy_T)
         ctx.settings = (temperature, chunk_size, with_entropy)
+        # An output the loss does not use (the entropy when only reported as a metric) then arrives as
+        # None in backward instead of zeros, and its part of the logit gradient is skipped.
+        ctx.set_materialize_grads(False)
         return logprobs_T, entropy_T
 
     @staticmethod
@@ -52,19 +72,25 @@ class _ChunkedLogprobs(torch.autograd.Function):
         hidden_TH, weight_VH, labels_T, lse_T, entropy_T = ctx.saved_tensors
         temperature, chunk_size, with_entropy = ctx.settings
         need_h, need_w = ctx.needs_input_grad[:2]
+        entropy_grad = with_entropy and g_ent_T is not None
+        if g_lp_T is None:
+            if not entropy_grad:
+                return None, None, None, None, None, None
+            g_lp_T = torch.zeros_like(lse_T)
         grad_h = torch.empty_like(hidden_TH) if need_h else None
         grad_w = torch.zeros_like(weight_VH) if need_w else None
         for start in range(0, hidden_TH.shape[0], chunk_size):
             end = min(start + chunk_size, hidden_TH.shape[0])
             h_CH, g_lp_C = hidden_TH[start:end], g_lp_T[start:end]
             logp_CV = _chunk_logits(h_CH, weight_VH, temperature).sub_(lse_T[start:end, None])
-            if with_entropy:  # dH/dz = -p * (log p + H)
+            if entropy_grad:  # dH/dz = -p * (log p + H): two [C, V] buffers
                 p_CV = logp_CV.exp()
                 coef_CV = logp_CV.add_(entropy_T[start:end, None]).mul_(g_ent_T[start:end, None]).add_(g_lp_C[:, None])
                 grad_z_CV = p_CV.mul_(coef_CV).neg_()  # d lp/dz = onehot - p
-                del p_CV, coef_CV, logp_CV  # one [C, V] buffer left for the matmuls below
-            else:  # logprobs alone: p is computed in place, one [C, V] buffer throughout
+                del p_CV, coef_CV
+            else:  # logprobs alone: p is computed in place, one [C, V] buffer
                 grad_z_CV = logp_CV.exp_().mul_(g_lp_C[:, None]).neg_()
+            del logp_CV
             grad_z_CV.scatter_add_(-1, labels_T[start:end, None], g_lp_C[:, None].to(grad_z_CV.dtype))
             if temperature != 1.0:
                 grad_z_CV.div_(temperature)
@@ -73,6 +99,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 torch.mm(grad_z_CV, weight_VH, out=grad_h[start:end])
             if need_w:
                 grad_w.addmm_(grad_z_CV.t(), h_CH)
+            del grad_z_CV  # nothing of this chunk stays alive while the next one is computed
         return grad_h, grad_w, None, None, None, None
 
 

@@ -43,6 +43,21 @@ def test_values_and_gradients_match_naive(chunk_size: int, temperature: float) -
         assert ((g.double() - ref).norm() / ref.norm()).item() < 1e-5
 
 
+@pytest.mark.parametrize("used", ["logprobs", "entropy"])
+def test_an_output_the_loss_does_not_use_gets_no_gradient_work(used: str) -> None:
+    """with_entropy=True but only one output in the loss (the entropy as a metric, as in an update with
+    entropy_coeff=0): the other's gradient arrives as None and the result equals the naive gradient."""
+    hidden, weight, labels = _inputs(dtype=torch.float64)
+    lp, ent = compute_token_logprobs(hidden, weight, labels, chunk_size=8, with_entropy=True)
+    ref_lp, ref_ent = _naive(hidden, weight, labels, 1.0)
+    out, ref = (lp, ref_lp) if used == "logprobs" else (ent, ref_ent)
+    w = torch.randn(out.shape[0], generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    grads = torch.autograd.grad((w * out).sum(), (hidden, weight))
+    ref_grads = torch.autograd.grad((w * ref).sum(), (hidden, weight))
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=1e-12, rtol=0)
+
+
 def test_fp64_exact_and_without_entropy() -> None:
     hidden, weight, labels = _inputs(dtype=torch.float64)
     lp, ent = compute_token_logprobs(hidden, weight, labels, chunk_size=8)

@@ -17,9 +17,9 @@ Every number is bytes on ONE rank, for one micro-batch stream of `budget x token
              unsharded gradients (plus their fp32 copy for the reduce); the root unit (embedding,
              lm_head, final norm) stays unsharded from forward to the end of backward, with the
              lm_head gradient next to it.
-  head       the vocab-chunked logprob head's backward: fp32 logprobs and probabilities of a
-             [chunk, vocab] block, two chunks alive at once (rlsp/models/logprobs.py keeps the
-             previous chunk's buffers referenced while it computes the next).
+  head       the vocab-chunked logprob head's backward (rlsp/models/logprobs.py), one [chunk, vocab]
+             block at a time: one fp32 buffer (the logit gradient formed in place), two when the
+             entropy is in the loss (entropy_coeff != 0), plus a compute-dtype copy below fp32.
   working    one layer's backward: the MLP's intermediate gradients, the Ulysses exchange buffers,
              tp's re-gathered inputs, ring attention's block math (fp32 scores, probabilities and
              their gradients of one tile: up to 1024 of a sequence's rows on this rank x the
@@ -56,6 +56,7 @@ class MemoryOptions:
     tiled_mlp_shards: int = 0  # 0: off; n: the MLP runs over n token tiles (recomputed in backward)
     activation_offload: bool = False  # checkpointed layer inputs kept in host memory (needs checkpointing)
     logprob_chunk: int = 1024  # actor_rollout_ref.actor.logprob_chunk_size
+    entropy_grad: bool = False  # actor.entropy_coeff != 0: the head's backward forms the entropy's gradient too
 
 
 @dataclass(frozen=True)
@@ -164,12 +165,11 @@ def _head_bytes(shape: ModelShape, w: Workload, role: str, opts: MemoryOptions) 
     e, tokens = opts.dtype_bytes, w.kept  # the head runs on the tokens a rank keeps
     if role == "critic":
         return tokens * shape.hidden * e
-    # per chunk: fp32 logprobs and probabilities (the logit gradient is formed in place), plus a
-    # compute-dtype copy below fp32; the previous chunk's buffers are still referenced while the next
-    # chunk's are computed, so two chunks are alive once there are two
+    # one chunk at a time: the fp32 logit gradient formed in place (with the entropy's gradient the
+    # probabilities too), and at the end its compute-dtype copy next to one fp32 buffer
     chunk = min(opts.logprob_chunk, tokens)
-    alive = 2 if tokens > chunk else 1
-    return chunk * shape.vocab * (8 * alive + (e if e < 4 else 0)) + tokens * shape.hidden * e
+    per_elem = max(8 if opts.entropy_grad else 4, 4 + (e if e < 4 else 0))
+    return chunk * shape.vocab * per_elem + tokens * shape.hidden * e
 
 
 def activation_terms(shape: ModelShape, w: Workload, role: str, opts: MemoryOptions) -> dict[str, float]:
