@@ -76,7 +76,26 @@ def _with_tied_head(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterat
         yield LM_HEAD_NAME, embed
 
 
-class VLLMEngine:
+class _SleepWake:
+    """GPU sleep mode of an engine's `llm` (vLLM has none on CPU: both calls are no-ops there)."""
+
+    llm: Any
+    on_gpu: bool
+    _asleep: bool
+
+    def sleep(self) -> None:
+        """Release weights and KV cache memory on GPU (level 1 keeps a CPU copy); no-op on CPU."""
+        if self.on_gpu and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def wake_up(self) -> None:
+        if self.on_gpu and self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+
+class VLLMEngine(_SleepWake):
     """Rollout engine backed by an in-process `vllm.LLM` (see the module docstring)."""
 
     def __init__(
@@ -175,13 +194,3 @@ class VLLMEngine:
         # Prefix-cache blocks hold keys/values computed with the old weights.
         self.llm.reset_prefix_cache()
 
-    def sleep(self) -> None:
-        """Release weights and KV cache memory on GPU (level 1 keeps a CPU copy); no-op on CPU."""
-        if self.on_gpu and not self._asleep:
-            self.llm.sleep(level=1)
-            self._asleep = True
-
-    def wake_up(self) -> None:
-        if self.on_gpu and self._asleep:
-            self.llm.wake_up()
-            self._asleep = False

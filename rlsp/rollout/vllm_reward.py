@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlsp.rollout.vllm_engine import _prepare_environment, clear_stale_cpu_tp_segments
+from rlsp.rollout.vllm_engine import _prepare_environment, _SleepWake, clear_stale_cpu_tp_segments
 
 
 @contextmanager
@@ -36,7 +36,7 @@ def _rng_kept() -> Iterator[None]:
     np.random.set_state(npy)
 
 
-class VLLMRewardEngine:
+class VLLMRewardEngine(_SleepWake):
     """A reward model served by an in-process vLLM pooling engine (see the module docstring)."""
 
     def __init__(
@@ -94,13 +94,3 @@ class VLLMRewardEngine:
                                     pooling_params=params, use_tqdm=False)
         return [float(out.outputs.probs[-1]) for out in outputs]
 
-    def sleep(self) -> None:
-        """Release weights and cache memory on GPU (the policy trains next); no-op on CPU."""
-        if self.on_gpu and not self._asleep:
-            self.llm.sleep(level=1)
-            self._asleep = True
-
-    def wake_up(self) -> None:
-        if self.on_gpu and self._asleep:
-            self.llm.wake_up()
-            self._asleep = False
