@@ -55,7 +55,9 @@ def describe_placement(cfg: Any, layout: ParallelLayout) -> list[str]:
     reward_model = getattr(layout, "reward_model", None)
     if reward_model is not None and cfg.reward_model.use_reward_loop:
         r = cfg.reward_model.rollout
-        lines.append(f"  reward model: reward loop on the policy pool, {reward_model.world_size // reward_model.tp} "
+        where = ("in processes of their own beside the policy workers (the rollout engine uses another tp degree)"
+                 if layout.reward_servers else "on the policy pool")
+        lines.append(f"  reward model: reward loop {where}, {reward_model.world_size // reward_model.tp} "
                      f"{r.name} pooling engine(s) of {reward_model.tp} worker(s) each (dtype {r.dtype}, max_model_len "
                      f"{r.max_model_len or 'max_position_embeddings'}); rule scoring in "
                      f"{cfg.reward_model.num_workers} process(es)")

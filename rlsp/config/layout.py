@@ -149,7 +149,9 @@ class ParallelLayout:
     their pool each with their own degrees (`critic` is None without a critic). With
     `critic_colocated` the critic shares the policy pool (same ranks and devices); otherwise its
     layout's `world` is a pool of its own. `reward_model` (None without one) splits the policy pool
-    too; a rollout engine spans `rollout_tp` consecutive ranks.
+    too, or with `reward_servers` (the reward loop beside a rollout engine of another tensor-parallel
+    degree) is served by one process of its own per policy worker; a rollout engine spans `rollout_tp`
+    consecutive ranks.
     """
 
     policy: World
@@ -160,6 +162,7 @@ class ParallelLayout:
     rollout: World | None = None  # a rollout pool of its own (async training); None: engines on the policy workers
     rollout_tp: int = 1  # vLLM tensor parallelism: consecutive ranks of the rollout pool that run one engine together
     reward_model: RoleLayout | None = None  # the frozen reward model's split of the policy pool (reward_model.enable)
+    reward_servers: bool = False  # the reward loop's engines in processes beside the policy workers, not in them
 
     # Shorthands for the policy pool and the actor's split (the ones every run has).
     @property
@@ -207,7 +210,7 @@ class ParallelLayout:
         if group == "policy":
             colocated = ("critic",) if self.has_critic and self.critic_colocated else ()
             engines = ("rollout",) if self.rollout is None else ()
-            scorer = ("reward_model",) if self.reward_model is not None else ()
+            scorer = ("reward_model",) if self.reward_model is not None and not self.reward_servers else ()
             return ("actor", "ref", *engines, *colocated, *scorer)
         if group == "rollout" and self.rollout is not None:
             return ("rollout",)
@@ -235,5 +238,6 @@ class ParallelLayout:
         if self.rollout_tp > 1:
             text += f" | rollout tp={self.rollout_tp}"
         if self.reward_model is not None:
-            text += f" | reward_model {self.reward_model.describe()}"
+            where = " in processes of its own" if self.reward_servers else ""
+            text += f" | reward_model{where} {self.reward_model.describe()}"
         return text

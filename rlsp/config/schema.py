@@ -323,7 +323,7 @@ class RewardModelRolloutConfig:
     free_cache_engine: bool = True  # sleep the engine between scoring calls on GPU (no-op on CPU)
     data_parallel_size: int = 1  # 1 only: one engine per tensor-parallel group
     expert_parallel_size: int = 1  # 1 only
-    tensor_model_parallel_size: int = 1  # consecutive policy workers per engine (verl's default: 2)
+    tensor_model_parallel_size: int = 1  # policy workers per engine (verl's default: 2); 1 beside a vLLM rollout of another tp: own processes
     max_num_batched_tokens: int = 8192  # tokens per engine step (raised to max_model_len: a sequence is scored whole)
     max_model_len: int | None = None  # longest input scored; null: the reward model's max_position_embeddings
     max_num_seqs: int = 1024  # sequences per engine step

@@ -4,8 +4,9 @@ With `reward_model.enable=true` a frozen sequence-classification model is placed
 workers as the `reward_model` role. Two forms, as in verl:
 - `use_reward_loop=false`, verl's legacy reward-model worker: FSDP2 with a `RoleLayout` of its own
   (Ulysses degree and fsdp_size; no ring or tensor parallelism);
-- `use_reward_loop=true`, verl's reward loop: an in-process vLLM pooling engine per group of
-  `reward_model.rollout.tensor_model_parallel_size` consecutive policy workers (checked in
+- `use_reward_loop=true`, verl's reward loop: a vLLM pooling engine per group of
+  `reward_model.rollout.tensor_model_parallel_size` consecutive policy workers, in their processes
+  or (tp 1 beside a rollout engine of another tp degree) in processes of their own (checked in
   rlsp.config.validate_reward_loop). The legacy worker's FSDP keys are then not read (verl's rule).
 Reward managers other than "naive" are refused by name. With `enable=false` the section is not read
 (verl's rule), but `num_workers` (rule scoring processes) is. The model itself (architecture, heads,

@@ -3,8 +3,9 @@
 The reward model is served by an in-process vLLM pooling engine (rlsp.rollout.vllm_reward) on the
 policy workers, one engine per group of `tensor_model_parallel_size` consecutive workers: its ranks
 all-reduce every layer, so a group stays inside a node. vLLM keeps its parallel groups per process,
-so where the policy workers also host a vLLM rollout engine both engines must use the same tensor
-parallel degree (a second degree in one process is refused by vLLM). Engine features rlsp does not
+so where the policy workers also host a vLLM rollout engine of another tensor-parallel degree, a
+reward engine of tp 1 runs in a process of its own beside each worker (the layout's
+`reward_servers`, rlsp.controller.reward_servers) and one of tp > 1 is refused. Engine features rlsp does not
 use are refused by value, naming the legal one.
 """
 
@@ -69,11 +70,13 @@ def check_reward_loop(cfg: Any, layout: ParallelLayout | None, errors: list[str]
                       f"(trainer.n_gpus_per_node): an engine's ranks all-reduce every layer and stay inside a node; "
                       f"legal values: {_divisors(world.procs_per_node)}")
     rollout = cfg.actor_rollout_ref.rollout
-    if layout.rollout is None and rollout.name == "vllm" and tp != layout.rollout_tp:
+    beside_other_tp = layout.rollout is None and rollout.name == "vllm" and tp != layout.rollout_tp
+    if beside_other_tp and tp > 1:
         errors.append(f"{TP_KEY}={tp} with actor_rollout_ref.rollout.tensor_model_parallel_size={layout.rollout_tp} "
-                      f"is not supported: the reward engine runs in the policy workers' processes next to the vLLM "
-                      f"rollout engine, and vLLM keeps one tensor-parallel degree per process; legal value: "
-                      f"{layout.rollout_tp} (or a rollout pool of its own)")
+                      f"is not supported: a reward engine of tp > 1 runs in the policy workers' processes next to the "
+                      f"vLLM rollout engine, and vLLM keeps one tensor-parallel degree per process (tp 1 runs in a "
+                      f"process of its own beside each worker); legal value: "
+                      f"{' or '.join(map(str, sorted({1, layout.rollout_tp})))}")
     if len(errors) > n_err:
         return layout
-    return dataclasses.replace(layout, reward_model=RoleLayout(world, tp=tp))
+    return dataclasses.replace(layout, reward_model=RoleLayout(world, tp=tp), reward_servers=beside_other_tp)

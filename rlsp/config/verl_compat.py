@@ -105,9 +105,10 @@ VERL_NOTES = {
     "trainer.total_epochs": "verl's rule: the run is total_epochs x batches per epoch unless "
                             "trainer.total_training_steps is set",
     "trainer.use_legacy_worker_impl": "auto, enable or disable: rlsp has one worker implementation",
-    "reward_model.use_reward_loop": "true: verl's reward loop, the reward model served by an in-process vLLM pooling "
-                                    "engine on the policy workers (reward_model.rollout.*); false: verl's legacy FSDP "
-                                    "reward-model worker",
+    "reward_model.use_reward_loop": "true: verl's reward loop, the reward model served by vLLM pooling engines on "
+                                    "the policy workers (in their processes, or in one process beside each worker "
+                                    "when the rollout engine uses another tp degree; reward_model.rollout.*); false: "
+                                    "verl's legacy FSDP reward-model worker",
     "reward_model.num_workers": "verl's meaning: reward-loop processes that score rule rewards concurrently (Ray actors "
                                 "over chunks of the batch); the reward model's inputs are rendered on the workers "
                                 "hosting its engine",

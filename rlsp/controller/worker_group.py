@@ -7,6 +7,7 @@ Calls name a role and a method; the dispatch contract is the one the role method
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,20 @@ log = get_logger("rlsp.controller")
 
 class WorkerDiedError(RuntimeError):
     """A worker process ended (killed, out of memory, crashed) while the driver waited on it."""
+
+
+def gather_or_name(refs: list[Any], name_of: Callable[[int], str]) -> list[Any]:
+    """Results of one call per process (`refs` in order). Fails as soon as any process dies, naming it
+    (`name_of(index)`): the others may be blocked in a collective with it and would never return."""
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        try:
+            ray.get(ready[0])
+        except ray.exceptions.RayActorError as exc:
+            cause = str(exc).strip().splitlines()
+            raise WorkerDiedError(f"{name_of(refs.index(ready[0]))} died: {' '.join(cause[:3])[:600]}") from None
+    return ray.get(refs)
 
 
 @dataclass
@@ -59,7 +74,7 @@ class RayWorkerGroup:
         bundle = pool.bundle()
         self.workers = []
         for rank in range(self.world_size):
-            env = {**(env_vars or {}), **self._rank_env(rank)}
+            env = {**(env_vars or {}), **self.rank_env(rank)}
             self.workers.append(remote_cls.options(
                 num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -67,7 +82,7 @@ class RayWorkerGroup:
                 runtime_env={"env_vars": env}, name=f"rlsp-{group}-{rank}-{id(self):x}",
             ).remote(config, layout, group, rank))
 
-    def _rank_env(self, rank: int) -> dict[str, str]:
+    def rank_env(self, rank: int) -> dict[str, str]:
         env = {"RANK": str(rank), "WORLD_SIZE": str(self.world_size), "RLSP_WORKER_GROUP": self.group}
         if self.pool.device_type == "cpu":
             # Each worker gets its own cores: vLLM binds its OpenMP threads, so give disjoint ranges.
@@ -117,19 +132,8 @@ class RayWorkerGroup:
         return PendingCall(self, refs, [g * per_dp for g in range(dp)])
 
     def _gather(self, refs: list[Any]) -> list[Any]:
-        """Results of one call per rank (refs in rank order). Fails as soon as any rank fails: the
-        others may be blocked in a collective with it and would never return."""
-        pending = list(refs)
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
-            try:
-                ray.get(ready[0])
-            except ray.exceptions.RayActorError as exc:
-                rank = refs.index(ready[0])
-                cause = str(exc).strip().splitlines()
-                raise WorkerDiedError(f"{self.group} worker rank {rank} of {self.world_size} died: "
-                                      f"{' '.join(cause[:3])[:600]}") from None
-        return ray.get(refs)
+        """Results of one call per rank (refs in rank order); raises WorkerDiedError naming a dead rank."""
+        return gather_or_name(refs, lambda rank: f"{self.group} worker rank {rank} of {self.world_size}")
 
     def shutdown(self, graceful: bool = True) -> None:
         """Release the workers; `graceful` first lets them close their process groups (bounded wait)."""

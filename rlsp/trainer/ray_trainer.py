@@ -22,6 +22,7 @@ from rlsp.algos.registry import compute_advantages
 from rlsp.config.layout import ParallelLayout
 from rlsp.config.run_length import resolve_total_steps
 from rlsp.controller.resource_pool import ResourcePool, default_cpus_per_worker
+from rlsp.controller.reward_servers import RewardServers, server_envs
 from rlsp.controller.worker_group import RayWorkerGroup
 from rlsp.data.balance import balanced_order
 from rlsp.data.batch import Batch
@@ -90,6 +91,7 @@ class RayTrainer:
         self.kl_ctrl = build_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
         self.correction = rollout_correction_settings(cfg)
         self.wg: RayWorkerGroup | None = None
+        self.reward_servers: RewardServers | None = None
         self.critic_wg: RayWorkerGroup | None = None
         self.start_step = 1
         # where start-up went (ray init, worker processes, worker set-up); logged with the first step
@@ -122,6 +124,8 @@ class RayTrainer:
         infos = self.wg.init_workers()
         if separate:
             infos += self.critic_wg.init_workers()
+        if layout.reward_servers:  # the reward loop beside a rollout engine of another tp degree
+            self.reward_servers = RewardServers(pool, config, server_envs(self.wg, env, infos))
         self.startup.update({"startup/worker_processes_s": t1 - t0, "startup/worker_init_s": time.perf_counter() - t1})
         return infos
 
@@ -138,6 +142,8 @@ class RayTrainer:
         return list({id(g): g for g in (self.wg, self.critic_wg) if g is not None}.values())
 
     def shutdown(self, graceful: bool = True) -> None:
+        if self.reward_servers is not None:
+            self.reward_servers.shutdown()
         for wg in self._groups():
             wg.shutdown(graceful=graceful)
 
@@ -262,7 +268,8 @@ class RayTrainer:
         replace the rule rewards in training), else each row's rule/custom reward; returns the per-row scores."""
         if self.layout.reward_model is None:
             return self.scorer.score_rows(batch)
-        batch.update(self.wg.call("reward_model", "compute_rm_score", batch))
+        rm = self.reward_servers
+        batch.update(rm.compute_rm_score(batch) if rm is not None else self.wg.call("reward_model", "compute_rm_score", batch))
         self.scorer.last_errors = 0
         return apply_rm_scores(batch)
 

@@ -125,7 +125,9 @@ class Worker:
             self.sync_weights()
         log.info("worker ready in %.1fs (roles %s)", time.perf_counter() - t0, ", ".join(self.roles))
         return {"rank": self.rank, "roles": list(self.roles), "init_s": time.perf_counter() - t0,
-                "torch_threads": torch.get_num_threads()}
+                "torch_threads": torch.get_num_threads(),
+                # the device a process placed beside this worker shares (rlsp.controller.reward_servers)
+                "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES") if device_type == "cuda" else None}
 
     # ------------------------------------------------------------------ calls
     def execute(self, role: str, method: str, *args: Any) -> Any:

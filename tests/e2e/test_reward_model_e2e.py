@@ -63,3 +63,23 @@ def test_grpo_trains_on_reward_loop_scores(tmp_path):
         assert math.isfinite(mean) and math.isfinite(r["actor/pg_loss"])
         assert abs(mean * samples - round(mean * samples)) > 1e-6  # model scores, not 0/1 rule rewards
     assert 0.0 <= lines[0]["val/accuracy"] <= 1.0
+
+
+def test_grpo_reward_loop_beside_a_tp_rollout(tmp_path):
+    """verl's reward-loop commands with rollout TP 2 and reward TP 1: the vLLM rollout engine spans both
+    policy workers, and the reward engines run in a process of their own beside each worker."""
+    rm = build_tiny_reward_model(TinyModelSpec(init_std=0.3, seed=5), str(tmp_path / "rm"), chat_template=RM_TEMPLATE)
+    run = tmp_path / "grpo_servers"
+    run.mkdir()
+    proc = _main(run, "trainer.total_training_steps=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+                 "reward_model.enable=true", f"reward_model.model.path={rm}", "reward_model.use_reward_loop=true",
+                 "reward_model.rollout.dtype=float32", "reward_model.rollout.tensor_model_parallel_size=1")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "2 reward engine processes started (one beside each policy worker)" in proc.stderr
+    assert "reward_model in processes of its own dp=2" in proc.stderr
+    lines = [json.loads(x) for x in (run / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2]
+    samples = 4 * 4
+    for r in lines:
+        assert math.isfinite(r["actor/pg_loss"]) and r["rollout/logprob_diff"] < 1e-3
+        assert abs(r["reward/mean"] * samples - round(r["reward/mean"] * samples)) > 1e-6  # model scores

@@ -35,6 +35,18 @@ def test_reward_loop_tp_rules():
     assert ("reward_model.rollout.tensor_model_parallel_size=2 with "
             "actor_rollout_ref.rollout.tensor_model_parallel_size=1 is not supported") in str(err.value)
     assert "legal value: 1" in str(err.value)
+    # A tp-1 reward engine beside a tp-2 rollout engine: one process of its own per policy worker.
+    layout = validate_config(make(**LOOP, **{"actor_rollout_ref.rollout.tensor_model_parallel_size": 2}))
+    assert layout.reward_model == RoleLayout(World(1, 2), tp=1) and layout.reward_servers
+    assert "reward_model" not in layout.roles_of("policy")
+    assert "reward_model in processes of its own" in layout.describe()
+    text = "\n".join(describe_placement(make(**LOOP, **{"actor_rollout_ref.rollout.tensor_model_parallel_size": 2}),
+                                         layout))
+    assert "reward loop in processes of their own beside the policy workers" in text
+    assert not validate_config(make(**LOOP, **both)).reward_servers
+    with pytest.raises(ValueError, match=r"legal value: 1 or 4"):
+        validate_config(make(**LOOP, **{"trainer.n_gpus_per_node": 4, "actor_rollout_ref.rollout.tensor_model_parallel_size": 4,
+                                        "reward_model.rollout.tensor_model_parallel_size": 2}))
     # With HF generate on the workers there is no vLLM rollout engine in the process: any divisor is legal.
     hf = {"actor_rollout_ref.rollout.name": "hf", "reward_model.rollout.tensor_model_parallel_size": 2}
     assert validate_config(make(**LOOP, **hf)).reward_model.tp == 2

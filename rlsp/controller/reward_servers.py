@@ -1,0 +1,88 @@
+"""The reward loop's engines in processes of their own (verl's reward servers beside a TP rollout).
+
+vLLM keeps one tensor-parallel degree per process, so where the policy workers' vLLM rollout engine
+runs at tensor parallelism k > 1 a reward engine asking for 1 (verl's example reward-loop commands:
+rollout TP 2 or 4, reward TP 1) cannot live in the same processes. Instead each policy worker gets a
+reward server: a Ray actor on the worker's own placement-group bundle (the same node, no resources of
+its own), with the worker's device (CUDA_VISIBLE_DEVICES) or CPU cores, holding one single-rank
+vLLM pooling engine (rlsp.workers.roles.reward_loop.RewardLoopScorer). A batch is split into
+contiguous chunks, one per server; each renders its rows exactly as the in-process reward loop does
+and returns `rm_scores` [rows, R] (the score on the last response token), concatenated back in order.
+With `reward_model.rollout.free_cache_engine` an engine sleeps between scoring calls, as the rollout
+engine does, so the device is shared with the worker's own engines.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ray
+import torch
+from omegaconf import OmegaConf
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rlsp.controller.resource_pool import ResourcePool
+from rlsp.controller.worker_group import RayWorkerGroup, gather_or_name
+from rlsp.data.batch import Batch
+from rlsp.utils.logging import get_logger
+from rlsp.workers.roles.reward_loop import RewardLoopScorer
+from rlsp.workers.roles.reward_model import place_on_last_token
+from rlsp.workers.worker import loopback_interface
+
+log = get_logger("rlsp.controller")
+
+
+class RewardServer:
+    """One reward engine in this process (wrapped as a Ray actor by `RewardServers`)."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        if (lo := loopback_interface()) is not None:  # vLLM's one-rank world meets over loopback
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
+        self.scorer = RewardLoopScorer(OmegaConf.create(config), in_process_group=False)
+
+    def compute_rm_score(self, batch: Batch) -> Batch:
+        """`rm_scores` [B, R] of these rows (the reward-model role's contract)."""
+        scores_B = torch.tensor(self.scorer.scores(batch), dtype=torch.float32)
+        return Batch.from_dict({"rm_scores": place_on_last_token(scores_B, batch["response_mask"])})
+
+
+def server_envs(wg: RayWorkerGroup, env_vars: dict[str, str], infos: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """Each server's environment: the workers' common one, its worker's CPU binding, and its worker's
+    device (Ray sets none for a process that asks for no GPU; `infos` are the workers' init_worker results)."""
+    envs = []
+    for rank in range(wg.world_size):
+        env = {**env_vars, **wg.rank_env(rank)}
+        if infos[rank].get("visible_devices") is not None:
+            env["CUDA_VISIBLE_DEVICES"] = infos[rank]["visible_devices"]
+        envs.append(env)
+    return envs
+
+
+class RewardServers:
+    """One `RewardServer` per bundle of `pool` (the policy workers' pool), placed with the worker of
+    that rank and started with `envs[rank]` (see `server_envs`); `compute_rm_score` has the
+    reward-model role's contract over the whole batch."""
+
+    def __init__(self, pool: ResourcePool, config: dict[str, Any], envs: list[dict[str, str]]) -> None:
+        remote_cls = ray.remote(RewardServer)
+        self.servers = [remote_cls.options(
+            num_cpus=0, num_gpus=0,  # the worker's bundle already holds the device and cores
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pool.pg, placement_group_bundle_index=pool.rank_to_bundle[rank]),
+            runtime_env={"env_vars": envs[rank]}, name=f"rlsp-reward-{rank}-{id(self):x}",
+        ).remote(config) for rank in range(pool.world_size)]
+        gather_or_name([s.__ray_ready__.remote() for s in self.servers], self._name)
+        log.info("%d reward engine processes started (one beside each policy worker)", len(self.servers))
+
+    def _name(self, i: int) -> str:
+        return f"reward engine process {i} of {len(self.servers)}"
+
+    def compute_rm_score(self, batch: Batch) -> Batch:
+        parts = batch.split(max(1, -(-len(batch) // len(self.servers))))  # contiguous, at most one per server
+        refs = [s.compute_rm_score.remote(p) for s, p in zip(self.servers, parts)]
+        return Batch.concat(gather_or_name(refs, self._name))
+
+    def shutdown(self) -> None:
+        for s in self.servers:
+            ray.kill(s)
+        self.servers = []
