@@ -21,14 +21,12 @@ from rlsp.algos.kl_ctrl import apply_kl_penalty, build_kl_controller
 from rlsp.algos.registry import compute_advantages
 from rlsp.config.layout import ParallelLayout
 from rlsp.config.run_length import resolve_total_steps
-from rlsp.controller.resource_pool import ResourcePool, default_cpus_per_worker
-from rlsp.controller.reward_servers import RewardServers, server_envs
+from rlsp.controller.reward_servers import RewardServers
 from rlsp.controller.worker_group import RayWorkerGroup
 from rlsp.data.balance import balanced_order
 from rlsp.data.batch import Batch
 from rlsp.data.dataset import PromptDataset, iterate_batches
 from rlsp.engine.export import export_hf
-from rlsp.engine.fsdp_engine import assert_sp_matches
 from rlsp.trainer.batch_metrics import check_finite, compute_batch_metrics
 from rlsp.trainer.checkpoint import CheckpointWriter, TrainerState, latest_checkpoint, read_metrics_lines
 from rlsp.trainer.metrics import MetricsLogger
@@ -37,7 +35,7 @@ from rlsp.trainer.progress import RunProgress
 from rlsp.trainer.reward_workers import build_scorer
 from rlsp.trainer.scoring import apply_rm_scores
 from rlsp.trainer.stopping import Terminated
-from rlsp.utils.device import resolve_device_type
+from rlsp.trainer.training_workers import check_sharded_forwards, start_training_workers
 from rlsp.utils.logging import get_logger
 from rlsp.utils.timing import timed
 from rlsp.workers.worker import needs_reference
@@ -58,16 +56,6 @@ def _prompt_batch(items: list[dict[str, Any]], uids: list[str] | None = None) ->
             "messages": [it.get("messages") for it in items],  # chat turns, for a reward model's own template
         },
     )
-
-
-def worker_env(cfg: DictConfig) -> dict[str, str]:
-    return {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CPU_KVCACHE_SPACE": str(cfg.actor_rollout_ref.rollout.cpu_kvcache_space_gib),
-        "TOKENIZERS_PARALLELISM": "false",
-        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
-        "RLSP_LOG_LEVEL": os.environ.get("RLSP_LOG_LEVEL", "INFO"),
-    }
 
 
 class RayTrainer:
@@ -103,31 +91,10 @@ class RayTrainer:
 
     # ------------------------------------------------------------------ workers
     def start_workers(self) -> list[dict[str, Any]]:
-        t0 = time.perf_counter()
-        t, layout = self.cfg.trainer, self.layout
-        device_type = resolve_device_type(t.device)
-        separate = layout.has_critic and not layout.critic_colocated
-        cpus = 1 if device_type == "cuda" else default_cpus_per_worker(layout.total_workers)
-        config = OmegaConf.to_container(self.cfg, resolve=True)
-        env = worker_env(self.cfg)
-        pool = ResourcePool(layout.policy.nnodes, layout.policy.procs_per_node, device_type, cpus, name="policy")
-        self.wg = RayWorkerGroup(pool, config, layout, "policy", env_vars=env)
-        self.critic_wg = self.wg if layout.has_critic and layout.critic_colocated else None
-        if separate:
-            c = layout.role("critic").world
-            critic_pool = ResourcePool(c.nnodes, c.procs_per_node, device_type, cpus, name="critic")
-            self.critic_wg = RayWorkerGroup(critic_pool, config, layout, "critic", env_vars=env)
-        for wg in self._groups():  # processes up, worker module imported (all groups start at once)
-            wg.wait_started()
-        t1 = time.perf_counter()
-        # Both worlds initialise at once (each is collective among its own ranks).
-        infos = self.wg.init_workers()
-        if separate:
-            infos += self.critic_wg.init_workers()
-        if layout.reward_servers:  # the reward loop beside a rollout engine of another tp degree
-            self.reward_servers = RewardServers(pool, config, server_envs(self.wg, env, infos))
-        self.startup.update({"startup/worker_processes_s": t1 - t0, "startup/worker_init_s": time.perf_counter() - t1})
-        return infos
+        workers = start_training_workers(self.cfg, self.layout)
+        self.wg, self.critic_wg, self.reward_servers = workers.wg, workers.critic_wg, workers.reward_servers
+        self.startup.update(workers.timings)
+        return workers.infos
 
     @property
     def rollout_wg(self) -> RayWorkerGroup:
@@ -274,24 +241,8 @@ class RayTrainer:
         return apply_rm_scores(batch)
 
     def check_sp(self, batch: Batch) -> float:
-        """Stop the run if a sharded forward (Ulysses, ring, tensor parallel) disagrees with an unsharded
-        one on real rows: the actor, the reference where its layout differs, the critic, the reward model."""
-        tol = self.cfg.trainer.sp_self_check_tol
-        ref_differs = needs_reference(self.cfg) and self.layout.ref != self.layout.actor
-        worst = 0.0
-        # The reward loop's engine is served like a rollout engine: no sharded-vs-unsharded forward to compare.
-        scorer = self.wg if self.layout.reward_model is not None and not self.cfg.reward_model.use_reward_loop else None
-        for role, wg in (("actor", self.wg), ("ref", self.wg if ref_differs else None), ("critic", self.critic_wg),
-                         ("reward_model", scorer)):
-            degrees = self.layout.role(role) if wg is not None else None
-            if degrees is not None and (degrees.sp_size > 1 or degrees.tp > 1):
-                what = {"critic": "value", "reward_model": "score"}.get(role, "logprob")
-                diff = max(wg.call(role, "sp_self_check", batch))
-                assert_sp_matches(diff, tol, degrees.describe(), what=what)
-                log.info("sp self-check passed (%s): max |d%s| = %.2e (sp=%d) [%s]", role, what, diff,
-                         degrees.sp_size, degrees.describe())
-                worst = max(worst, diff)
-        return worst
+        """Stop the run if a sharded forward disagrees with an unsharded one (see check_sharded_forwards)."""
+        return check_sharded_forwards(self.cfg, self.layout, self.wg, self.critic_wg, batch)
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:

@@ -1,0 +1,96 @@
+"""The training side's processes, started together: the policy pool (actor, reference, and the
+rollout engines, critic and reward model where they are colocated), a critic pool of its own, and
+the reward loop's engines in processes beside the policy workers (rlsp.controller.reward_servers).
+Also the environment every worker process starts with, and the start-up check of sharded forwards.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from rlsp.config.layout import ParallelLayout
+from rlsp.controller.resource_pool import ResourcePool, default_cpus_per_worker
+from rlsp.controller.reward_servers import RewardServers, server_envs
+from rlsp.controller.worker_group import RayWorkerGroup
+from rlsp.data.batch import Batch
+from rlsp.engine.fsdp_engine import assert_sp_matches
+from rlsp.utils.device import resolve_device_type
+from rlsp.utils.logging import get_logger
+from rlsp.workers.worker import needs_reference
+
+log = get_logger("rlsp.trainer")
+
+
+def worker_env(cfg: DictConfig) -> dict[str, str]:
+    """The environment of every worker process (and of the processes beside them)."""
+    return {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": str(cfg.actor_rollout_ref.rollout.cpu_kvcache_space_gib),
+        "TOKENIZERS_PARALLELISM": "false",
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
+        "RLSP_LOG_LEVEL": os.environ.get("RLSP_LOG_LEVEL", "INFO"),
+    }
+
+
+@dataclass
+class TrainingWorkers:
+    wg: RayWorkerGroup  # the policy workers
+    critic_wg: RayWorkerGroup | None  # the policy workers when the critic is colocated; None without a critic
+    reward_servers: RewardServers | None  # the reward loop's engines beside the policy workers
+    infos: list[dict[str, Any]] = field(default_factory=list)  # each worker's init_worker result
+    timings: dict[str, float] = field(default_factory=dict)  # startup/* seconds
+
+
+def start_training_workers(cfg: DictConfig, layout: ParallelLayout) -> TrainingWorkers:
+    """Reserve the pools, start every process, and initialise the workers (each world collectively)."""
+    t0 = time.perf_counter()
+    device_type = resolve_device_type(cfg.trainer.device)
+    separate = layout.has_critic and not layout.critic_colocated
+    cpus = 1 if device_type == "cuda" else default_cpus_per_worker(layout.total_workers)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    env = worker_env(cfg)
+    pool = ResourcePool(layout.policy.nnodes, layout.policy.procs_per_node, device_type, cpus, name="policy")
+    wg = RayWorkerGroup(pool, config, layout, "policy", env_vars=env)
+    critic_wg = wg if layout.has_critic and layout.critic_colocated else None
+    if separate:
+        c = layout.role("critic").world
+        critic_pool = ResourcePool(c.nnodes, c.procs_per_node, device_type, cpus, name="critic")
+        critic_wg = RayWorkerGroup(critic_pool, config, layout, "critic", env_vars=env)
+    groups = [wg] + ([critic_wg] if separate else [])
+    for g in groups:  # processes up, worker module imported (all groups start at once)
+        g.wait_started()
+    t1 = time.perf_counter()
+    infos = [info for g in groups for info in g.init_workers()]  # each world initialises collectively
+    servers = None
+    if layout.reward_servers:  # the reward loop beside a rollout engine of another tp degree
+        servers = RewardServers(pool, config, server_envs(wg, env, infos))
+    return TrainingWorkers(wg, critic_wg, servers, infos, {"startup/worker_processes_s": t1 - t0,
+                                                           "startup/worker_init_s": time.perf_counter() - t1})
+
+
+def check_sharded_forwards(cfg: DictConfig, layout: ParallelLayout, wg: RayWorkerGroup,
+                           critic_wg: RayWorkerGroup | None, batch: Batch) -> float:
+    """Stop the run if a sharded forward (Ulysses, ring, tensor parallel) disagrees with an unsharded
+    one on real rows: the actor, the reference where its layout differs, the critic, the reward model.
+    Returns the largest difference seen."""
+    tol = cfg.trainer.sp_self_check_tol
+    ref_differs = needs_reference(cfg) and layout.ref != layout.actor
+    # The reward loop's engine is served like a rollout engine: no sharded-vs-unsharded forward to compare.
+    scorer = wg if layout.reward_model is not None and not cfg.reward_model.use_reward_loop else None
+    worst = 0.0
+    for role, group in (("actor", wg), ("ref", wg if ref_differs else None), ("critic", critic_wg),
+                        ("reward_model", scorer)):
+        degrees = layout.role(role) if group is not None else None
+        if degrees is not None and (degrees.sp_size > 1 or degrees.tp > 1):
+            what = {"critic": "value", "reward_model": "score"}.get(role, "logprob")
+            diff = max(group.call(role, "sp_self_check", batch))
+            assert_sp_matches(diff, tol, degrees.describe(), what=what)
+            log.info("sp self-check passed (%s): max |d%s| = %.2e (sp=%d) [%s]", role, what, diff,
+                     degrees.sp_size, degrees.describe())
+            worst = max(worst, diff)
+    return worst
