@@ -14,9 +14,59 @@ from typing import Any
 
 from omegaconf import II
 
+from rlsp.config.schema_engine import FSDPConfig, FusedKernelOptions, OptimConfig, TiledMLPConfig
+from rlsp.config.schema_reward import (
+    CustomRewardFunctionConfig,
+    RewardConfig,
+    RewardModelConfig,
+    RewardModelModelConfig,
+    RewardModelRolloutConfig,
+)
+from rlsp.config.schema_rollout import (
+    AsyncTrainingConfig,
+    MultiTurnConfig,
+    RolloutConfig,
+    RolloutCorrectionConfig,
+    RolloutPoolConfig,
+    ValKwargsConfig,
+)
+
 TINY_MODEL = "builtin://tiny-qwen2"
 ARITH_TRAIN = "builtin://arithmetic/train"
 ARITH_TEST = "builtin://arithmetic/test"
+
+__all__ = [
+    "TINY_MODEL",
+    "ARITH_TRAIN",
+    "ARITH_TEST",
+    "DataConfig",
+    "TiledMLPConfig",
+    "FusedKernelOptions",
+    "ModelConfig",
+    "FSDPConfig",
+    "OptimConfig",
+    "ActorConfig",
+    "RefConfig",
+    "ValKwargsConfig",
+    "MultiTurnConfig",
+    "RolloutConfig",
+    "ActorRolloutRefConfig",
+    "CriticModelConfig",
+    "CriticOptimConfig",
+    "CriticConfig",
+    "KLControlConfig",
+    "RolloutCorrectionConfig",
+    "AlgorithmConfig",
+    "AsyncTrainingConfig",
+    "RolloutPoolConfig",
+    "RewardConfig",
+    "CustomRewardFunctionConfig",
+    "RewardModelModelConfig",
+    "RewardModelRolloutConfig",
+    "RewardModelConfig",
+    "TrainerConfig",
+    "RLSPConfig",
+]
 
 
 @dataclass
@@ -36,17 +86,6 @@ class DataConfig:
 
 
 @dataclass
-class TiledMLPConfig:
-    enabled: bool = False  # each layer's MLP runs over sequence tiles: its [tokens, intermediate] activations exist one tile at a time; +1 MLP forward per layer in backward; not with tp > 1
-    num_shards: int = 4  # tiles per MLP call (>= 1)
-
-
-@dataclass
-class FusedKernelOptions:
-    impl_backend: str = "torch"  # torch | triton (verl's); rlsp's logprob/entropy head is its own vocab-chunked torch code for both
-
-
-@dataclass
 class ModelConfig:
     path: str = TINY_MODEL
     dtype: str = "float32"  # parameter/compute dtype of the trainer: float32 | bfloat16
@@ -63,31 +102,6 @@ class ModelConfig:
     target_modules: Any = "all-linear"  # "all-linear" or a list of linear-layer names (e.g. [q_proj, v_proj])
     exclude_modules: Any = None  # None, or layer names (a list) / a regex (a string) to leave unadapted
     lora_adapter_path: str | None = None  # start from a saved PEFT adapter (its config sets rank and targets)
-
-
-@dataclass
-class FSDPConfig:
-    # Ranks one copy of the weights (and optimizer state) is sharded over. -1 = every rank of the role
-    # but its tensor-parallel dimension (FSDP); a divisor of those shards within groups of that many
-    # ranks and replicates across groups (HSDP); 1 = every rank holds everything (its tp share) and only
-    # gradients are reduced (DDP-like: least communication, fastest for models that fit one device).
-    fsdp_size: int = -1
-    # Offload (verl's keys): FSDP2 keeps parameters, gradients and optimizer state in host memory together
-    # (CPUOffloadPolicy; the optimizer step runs on the CPU). Accepted on cpu, where it saves nothing.
-    param_offload: bool = False  # true: that policy (the optimizer state follows its parameters, whatever optimizer_offload says)
-    optimizer_offload: bool = False  # true needs param_offload=true (FSDP2 cannot offload the state alone); frozen roles: false
-    offload_policy: bool = False  # true: the same policy whatever the two above say (verl's FSDP2 switch)
-
-
-@dataclass
-class OptimConfig:
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    betas: list = field(default_factory=lambda: [0.9, 0.999])
-    lr_warmup_steps: int = -1  # linear learning-rate warm-up over this many training steps; < 0: lr_warmup_steps_ratio decides
-    lr_warmup_steps_ratio: float = 0.0  # warm-up over this fraction of trainer.total_training_steps (when lr_warmup_steps < 0)
-    grad_clip: float = 1.0  # max global gradient norm; <= 0 disables clipping
-    clip_grad: float | None = None  # verl's spelling of grad_clip: mapped onto it when the config is composed
 
 
 @dataclass
@@ -139,47 +153,6 @@ class RefConfig:
     log_prob_max_token_len_per_gpu: int = II("actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
     strategy: str = "fsdp2"  # fsdp | fsdp2: both run rlsp's FSDP2 engine
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
-
-
-@dataclass
-class ValKwargsConfig:
-    """Sampling of validation rollouts (verl's rollout.val_kwargs)."""
-
-    n: int = 1  # samples per validation prompt (val metrics average over all of them)
-    do_sample: bool = False  # false: greedy (temperature, top_p and top_k must stay at their defaults)
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = -1
-
-
-@dataclass
-class MultiTurnConfig:
-    enable: bool = False  # multi-turn tool rollouts: not implemented (true is refused)
-    format: str = "hermes"  # tool-call format of multi-turn rollouts (read only with enable=true)
-
-
-@dataclass
-class RolloutConfig:
-    name: str = "vllm"  # vllm | hf
-    n: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    dtype: str = "float32"  # weights dtype of the rollout engine
-    enforce_eager: bool = True
-    gpu_memory_utilization: float = 0.5
-    cpu_kvcache_space_gib: int = 1
-    log_prob_micro_batch_size_per_gpu: int = 64
-    log_prob_use_dynamic_bsz: bool = II("actor_rollout_ref.actor.use_dynamic_bsz")  # old-logprob pass: token-budget micro-batches (the actor's setting unless set)
-    log_prob_max_token_len_per_gpu: int = II("actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
-    val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
-    mode: str = "sync"  # sync | async (verl's serving mode); rlsp's engine runs in-process in each worker and generates the same single-turn samples in both
-    free_cache_engine: bool = True  # free the engine's KV cache and weights while training (GPU); rlsp always does: true only
-    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
-    ignore_eos: bool = False  # sample max_response_length tokens even past EOS (fixed-length benchmarks; vllm only)
-    load_format: str = "auto"  # vLLM's first weights: auto | safetensors (read model.path) | dummy (random; synced from the actor before generating)
-    layered_summon: bool = True  # weight sync gathers one parameter at a time (finer than per layer); false (whole-model gather) is refused
-    tensor_model_parallel_size: int = 1  # vLLM TP: k consecutive workers (one node) run one engine, each holding 1/k of the weights; vllm only
 
 
 @dataclass
@@ -243,17 +216,6 @@ class KLControlConfig:
 
 
 @dataclass
-class RolloutCorrectionConfig:
-    """Off-policy correction between the rollout engine's logprobs and the trainer's (verl's keys; docs/async.md)."""
-
-    rollout_is: str | None = None  # importance weights pi_old / pi_rollout: null | token | sequence
-    rollout_is_threshold: float = 2.0  # truncate the weights above this
-    rollout_is_batch_normalize: bool = False  # divide the truncated weights by their batch mean
-    rollout_rs: str | None = None  # rejection: null or comma-separated token_k1..k3, seq_sum_k1..k3, seq_mean_k1..k3, seq_max_k2/k3
-    rollout_rs_threshold: Any = None  # per option: an upper bound, or "lower_upper" ratio bounds for *_k1
-
-
-@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     norm_adv_by_std_in_grpo: bool = True
@@ -263,99 +225,6 @@ class AlgorithmConfig:
     kl_penalty: str = "kl"  # estimator of that KL: kl | abs | mse | low_var_kl
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
-
-
-@dataclass
-class AsyncTrainingConfig:
-    """Generation on a rollout pool of its own, overlapped with training (verl's keys; docs/async.md)."""
-
-    staleness_threshold: float = 0.0  # 0: synchronous; s > 0: up to floor(s x trigger x require_batches) mini-batches ahead
-    trigger_parameter_sync_step: int = 1  # trainer updates between weight syncs to the rollout pool
-    require_batches: int = 1  # ppo mini-batches per trainer step (x ppo_mini_batch_size = data.train_batch_size)
-    partial_rollout: bool = False  # generate in segments; between them pick up newer weights and continue with them
-    partial_rollout_segment_tokens: int = 64  # rlsp's: new tokens per sample between weight pick-ups (partial_rollout)
-    use_rollout_log_probs: bool = False  # true: the rollout engine's logprobs are the behaviour policy of the loss
-    compute_prox_log_prob: bool = False  # with use_rollout_log_probs: recompute the proximal policy (decoupled PPO)
-
-
-@dataclass
-class RolloutPoolConfig:
-    """Workers that only generate, each with its own engine (verl's `rollout.*`); 0 = on the policy workers."""
-
-    nnodes: int = 1
-    n_gpus_per_node: int = 0  # > 0: a rollout pool of nnodes x n_gpus_per_node workers (needs async_training)
-
-
-@dataclass
-class RewardConfig:
-    """Rule rewards are looked up by each row's data_source; a custom function overrides them."""
-
-    custom_function_path: str | None = None  # a Python file with the reward function
-    custom_function_name: str = "compute_score"
-    on_error: str = "raise"  # a reward fn that raises or returns a non-finite/non-number: raise | zero (counted)
-
-
-@dataclass
-class CustomRewardFunctionConfig:
-    """verl's spelling of reward.custom_function_path / _name: mapped onto them when the config is composed."""
-
-    path: str | None = None
-    name: str | None = None
-
-
-@dataclass
-class RewardModelModelConfig:
-    path: str | None = None  # a local HF *ForSequenceClassification checkpoint with one label (required with enable)
-    input_tokenizer: str | None = "${actor_rollout_ref.model.path}"  # the rows' tokenizer: if the RM's tokenizer/template differs, samples are re-rendered in its format; null: rows fed as they are (tokenizers must match)
-    use_remove_padding: bool = True  # true only: rlsp always scores packed sequences without padding
-    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
-
-
-@dataclass
-class RewardModelRolloutConfig:
-    """The reward loop's inference engine (use_reward_loop=true): verl's reward_model.rollout keys."""
-
-    name: str = "vllm"  # vllm only (an in-process pooling engine); sglang and trtllm are not implemented
-    dtype: str = "bfloat16"  # the engine's compute dtype
-    gpu_memory_utilization: float = 0.5  # GPU memory fraction of the engine (colocated with training)
-    enforce_eager: bool = True  # no CUDA graphs
-    cudagraph_capture_sizes: Any = None  # null only (eager)
-    free_cache_engine: bool = True  # sleep the engine between scoring calls on GPU (no-op on CPU)
-    data_parallel_size: int = 1  # 1 only: one engine per tensor-parallel group
-    expert_parallel_size: int = 1  # 1 only
-    tensor_model_parallel_size: int = 1  # policy workers per engine (verl's default: 2); 1 beside a vLLM rollout of another tp: own processes
-    max_num_batched_tokens: int = 8192  # tokens per engine step (raised to max_model_len: a sequence is scored whole)
-    max_model_len: int | None = None  # longest input scored; null: the reward model's max_position_embeddings
-    max_num_seqs: int = 1024  # sequences per engine step
-    load_format: str = "auto"  # vLLM's weight loader (auto | safetensors | pt | dummy ...)
-    engine_kwargs: Any = field(default_factory=dict)  # empty only
-    limit_images: Any = None  # null only (text reward models)
-    enable_chunked_prefill: bool = True  # accepted; rlsp scores each sequence in one step (no chunking)
-    enable_prefix_caching: bool = True  # accepted; the engine's own cache policy
-    disable_log_stats: bool = True
-    skip_tokenizer_init: bool = False  # false only (verl asserts it)
-    prompt_length: int = 2048  # verl's key; the bound on an input is max_model_len
-    response_length: int = 2048  # verl's key; the bound on an input is max_model_len
-    cpu_kvcache_space_gib: int = 1  # CPU only: the engine's KV cache (VLLM_CPU_KVCACHE_SPACE)
-
-
-@dataclass
-class RewardModelConfig:
-    """A frozen sequence-classification reward model on the policy workers: verl's legacy RM worker (FSDP) or, with
-    use_reward_loop, verl's reward loop (a vLLM pooling engine). Its score at the last response token is the
-    token-level score; rule rewards then score validation only (verl's rule)."""
-
-    enable: bool = False  # false: this section is not read (verl's rule)
-    strategy: str = "fsdp2"  # fsdp or fsdp2: both run rlsp's FSDP2 engine
-    model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
-    micro_batch_size_per_gpu: int = 64  # sequences per forward on one worker
-    use_dynamic_bsz: bool = False  # micro-batches filled to a token budget instead of a fixed row count
-    forward_max_token_len_per_gpu: int = 32768  # that budget, tokens per rank
-    ulysses_sequence_parallel_size: int = 1  # Ulysses degree of the reward model's forward
-    reward_manager: str = "naive"  # naive only: per-row rule rewards for validation
-    num_workers: int = 1  # reward-loop processes scoring rule rewards concurrently (Ray actors over chunks of the batch)
-    use_reward_loop: bool = False  # true: the reward model served by an in-process vLLM engine (reward_model.rollout)
-    rollout: RewardModelRolloutConfig = field(default_factory=RewardModelRolloutConfig)
 
 
 @dataclass

@@ -1,0 +1,43 @@
+"""Config blocks shared by the roles that hold a model (actor, reference, critic, reward model): FSDP sharding and
+offload, optimizer, tiled MLP, fused-kernel options. Re-exported by rlsp/config/schema.py. No torch import here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TiledMLPConfig:
+    enabled: bool = False  # each layer's MLP runs over sequence tiles: its [tokens, intermediate] activations exist one tile at a time; +1 MLP forward per layer in backward; not with tp > 1
+    num_shards: int = 4  # tiles per MLP call (>= 1)
+
+
+@dataclass
+class FusedKernelOptions:
+    impl_backend: str = "torch"  # torch | triton (verl's); rlsp's logprob/entropy head is its own vocab-chunked torch code for both
+
+
+@dataclass
+class FSDPConfig:
+    # Ranks one copy of the weights (and optimizer state) is sharded over. -1 = every rank of the role
+    # but its tensor-parallel dimension (FSDP); a divisor of those shards within groups of that many
+    # ranks and replicates across groups (HSDP); 1 = every rank holds everything (its tp share) and only
+    # gradients are reduced (DDP-like: least communication, fastest for models that fit one device).
+    fsdp_size: int = -1
+    # Offload (verl's keys): FSDP2 keeps parameters, gradients and optimizer state in host memory together
+    # (CPUOffloadPolicy; the optimizer step runs on the CPU). Accepted on cpu, where it saves nothing.
+    param_offload: bool = False  # true: that policy (the optimizer state follows its parameters, whatever optimizer_offload says)
+    optimizer_offload: bool = False  # true needs param_offload=true (FSDP2 cannot offload the state alone); frozen roles: false
+    offload_policy: bool = False  # true: the same policy whatever the two above say (verl's FSDP2 switch)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: list = field(default_factory=lambda: [0.9, 0.999])
+    lr_warmup_steps: int = -1  # linear learning-rate warm-up over this many training steps; < 0: lr_warmup_steps_ratio decides
+    lr_warmup_steps_ratio: float = 0.0  # warm-up over this fraction of trainer.total_training_steps (when lr_warmup_steps < 0)
+    grad_clip: float = 1.0  # max global gradient norm; <= 0 disables clipping
+    clip_grad: float | None = None  # verl's spelling of grad_clip: mapped onto it when the config is composed
