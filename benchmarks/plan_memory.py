@@ -24,6 +24,7 @@ Prints ONE JSON line. Usage: python benchmarks/plan_memory.py [--only NAME ...] 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -104,7 +105,9 @@ def _batch(rows: int) -> Batch:
                             "returns": torch.randn(rows, ROW - PROMPT, generator=g), **fields})
 
 
-def _engines(case: Case, dims: Any) -> tuple[FSDPEngine, FSDPEngine | None]:
+def _engines(case: Case, dims: Any) -> tuple[FSDPEngine, FSDPEngine, FSDPEngine | None]:
+    """(actor, reference, value model or None): the caller holds all three for the whole measurement (a
+    reference nobody holds would be freed whenever the garbage collector next runs, mid-step or not)."""
     config = Qwen2Config(**{k: v for k, v in CONFIG.items() if k != "model_type"})
     compute = DTYPES[case.dtype]
     torch.manual_seed(0)
@@ -114,12 +117,12 @@ def _engines(case: Case, dims: Any) -> tuple[FSDPEngine, FSDPEngine | None]:
         if model is not None and case.checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref = build_causal_lm_from_config(config, dtype=compute)
-    FSDPEngine(TokenLogprobModel(ref), dims, torch.device("cpu"), compute_dtype=compute)  # resident, frozen
+    frozen = FSDPEngine(TokenLogprobModel(ref), dims, torch.device("cpu"), compute_dtype=compute)
     optim = OptimSettings(lr=1e-4, grad_clip=1.0)
     actor = FSDPEngine(TokenLogprobModel(lm), dims, torch.device("cpu"), compute_dtype=compute, optim=optim)
     value = None if critic is None else FSDPEngine(ValueModel(critic), dims, torch.device("cpu"),
                                                    compute_dtype=compute, optim=optim)
-    return actor, value
+    return actor, frozen, value
 
 
 def _steps(case: Case, dims: Any, actor: FSDPEngine, value: FSDPEngine | None) -> None:
@@ -157,9 +160,11 @@ def measure(rank: int, world: int, case: Case) -> dict[str, int]:
     dims = layout_dims(ulysses=case.ulysses, ring=case.ring, tp=case.tp, fsdp_size=case.fsdp_size,
                        sequence_parallel=case.sequence_parallel)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        actor, value = _engines(case, dims)
+        actor, frozen, value = _engines(case, dims)
+        gc.collect()  # garbage from the build goes now, not at a moment that depends on the parent process
         _steps(case, dims, actor, value)
     dist.barrier()
+    del frozen
     peak, at_start = _peak_in(prof, "step1")
     return {"peak": peak, "at_step_start": at_start}
 
