@@ -9,11 +9,9 @@ import re
 import sys
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
 from rlsp.config.choices import REFUSED_VALUES
 from rlsp.config.schema import RLSPConfig
-from rlsp.config.validate import _schema_keys
+from rlsp.config.validate_keys import schema_keys
 from rlsp.config.verl_compat import ALIASES, verl_status
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,7 +108,7 @@ def _verl_keys() -> tuple[dict[str, int], dict[str, object]]:
 def render_verl() -> str:
     """The "Coming from verl" section: rules, refused values, spellings and every key of verl's examples."""
     counts, source = _verl_keys()
-    declared = set(_schema_keys(OmegaConf.structured(RLSPConfig)))
+    declared = set(schema_keys())
     values = "\n".join(f"- `{key}={value}`: {why}" for (key, value), why in REFUSED_VALUES.items())
     aliases = "\n".join(f"- `{verl}` is `{ours}`" for verl, ours in ALIASES.items())
     status = {key: verl_status(key, declared).replace("|", "\\|") for key in counts}

@@ -17,11 +17,10 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from rlsp.config.schema import RLSPConfig
 from rlsp.config.store import register_schema
-from rlsp.config.validate import _nearest, _schema_keys
+from rlsp.config.validate_keys import schema_keys, unknown_key_error
 from rlsp.config.verl_compat import refusal
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
@@ -55,11 +54,6 @@ def parse_command_line(argv: list[str]) -> CommandLine:
     return line
 
 
-def schema_keys() -> list[str]:
-    """Every key the schema declares (sections included), dotted."""
-    return _schema_keys(OmegaConf.structured(RLSPConfig))
-
-
 def override_problems(overrides: list[str]) -> tuple[list[str], list[str]]:
     """(the overrides that can be composed, one message per override that cannot: a syntax error, a verl
     key rlsp refuses (with the reason) or a key the schema does not declare (with the nearest ones))."""
@@ -75,13 +69,10 @@ def override_problems(overrides: list[str]) -> tuple[list[str], list[str]]:
         key = parsed.key_or_group
         if key.startswith("hydra") or "/" in key or key in declared:
             keep.append(text)
-        elif refusal(key):
-            problems.append(refusal(key))
-        elif parsed.is_add() or parsed.is_force_add():
+        elif (parsed.is_add() or parsed.is_force_add()) and not refusal(key):
             keep.append(text)  # Hydra adds it; validate_config names it as an unknown key
         else:
-            near = ", ".join(_nearest(key, legal)) or "see docs/config.md for every key"
-            problems.append(f"unknown config key {key!r} ({text}); nearest legal keys: {near}")
+            problems.append(unknown_key_error(key, legal, text))
     return keep, problems
 
 

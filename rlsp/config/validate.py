@@ -6,7 +6,6 @@ Checks here are arithmetic on config values only; checks that need the model or 
 
 from __future__ import annotations
 
-import difflib
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -25,13 +24,14 @@ from rlsp.config.choices import (
 )
 from rlsp.config.layout import CRITIC_ESTIMATORS, ParallelLayout, RoleLayout, World
 from rlsp.config.validate_async import check_async, check_off_policy
+from rlsp.config.validate_keys import check_known_keys
 from rlsp.config.validate_lora import check_lora, check_rollout_loading
 from rlsp.config.validate_memory import check_memory_options
 from rlsp.config.validate_offload import check_offload
 from rlsp.config.validate_reward import check_reward_model
 from rlsp.config.validate_rollout_tp import check_rollout_tp
 from rlsp.config.validate_verl import check_verl_keys
-from rlsp.config.verl_compat import apply_verl_spellings, refusal
+from rlsp.config.verl_compat import apply_verl_spellings
 
 __all__ = ["DTYPE_NAMES", "LOGGERS", "validate_config"]  # the legal-value lists live in rlsp.config.choices
 
@@ -258,52 +258,10 @@ def _check_ranges(cfg: Any, errors: list[str]) -> None:
         )
 
 
-def _schema_keys(node: DictConfig, prefix: str = "") -> list[str]:
-    keys = []
-    for key in node.keys():
-        child = node._get_node(key)
-        keys.append(f"{prefix}{key}")
-        if isinstance(child, DictConfig):
-            keys += _schema_keys(child, f"{prefix}{key}.")
-    return keys
-
-
-def _unknown_keys(cfg: Any, schema: DictConfig, prefix: str = "") -> list[str]:
-    unknown = []
-    for key in cfg.keys():
-        if key not in schema:
-            unknown.append(f"{prefix}{key}")
-        elif isinstance(schema._get_node(key), DictConfig) and isinstance(cfg._get_node(key), DictConfig):
-            unknown += _unknown_keys(cfg._get_node(key), schema._get_node(key), f"{prefix}{key}.")
-    return unknown
-
-
-def _check_known_keys(cfg: Any, errors: list[str]) -> None:
-    """Every key must be declared in the schema, whatever its prefix (`+key` adds keys in Hydra)."""
-    if not isinstance(cfg, DictConfig):
-        return
-    from rlsp.config.schema import RLSPConfig  # noqa: PLC0415  (schema imports nothing from here)
-
-    schema = OmegaConf.structured(RLSPConfig)
-    legal = _schema_keys(schema)
-    for key in _unknown_keys(cfg, schema):
-        shown = ", ".join(_nearest(key, legal)) or "see docs/config.md for every key"
-        errors.append(refusal(key) or f"unknown config key {key!r}; nearest legal keys: {shown}")
-
-
-def _nearest(key: str, legal: list[str]) -> list[str]:
-    """Legal keys close to `key`: by full path, then by the last name component anywhere in the schema."""
-    near = difflib.get_close_matches(key, legal, n=3, cutoff=0.6)
-    leaf = key.rsplit(".", 1)[-1]
-    leaves = difflib.get_close_matches(leaf, sorted({k.rsplit(".", 1)[-1] for k in legal}), n=2, cutoff=0.75)
-    near += [k for k in legal if k.rsplit(".", 1)[-1] in leaves and k not in near]
-    return near[:4]
-
-
 def validate_config(cfg: Any) -> ParallelLayout:
     """Check `cfg` (RLSPConfig or an OmegaConf view of it); raise one ValueError listing every problem."""
     errors: list[str] = []
-    _check_known_keys(cfg, errors)
+    check_known_keys(cfg, errors)
     if errors:  # typos first: the other checks would trip over a misspelled section
         raise ValueError("invalid rlsp config:\n  - " + "\n  - ".join(errors))
     apply_verl_spellings(cfg, errors)  # verl's spellings onto rlsp's keys, as composed configs get them

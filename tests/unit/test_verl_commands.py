@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from rlsp.check import main as check_main
-from rlsp.config.compose import schema_keys
+from rlsp.config.validate_keys import schema_keys
 from rlsp.config.verl_compat import in_progress
 from rlsp.data.preprocess import preprocess
 from rlsp.models.tiny import TinyModelSpec, build_tiny_reward_model, ensure_tiny_model

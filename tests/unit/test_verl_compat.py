@@ -15,10 +15,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from rlsp.config.choices import KL_ESTIMATOR_NAMES
-from rlsp.config.compose import schema_keys
 from rlsp.config.run_length import resolve_total_steps, warmup_optimizer_steps
 from rlsp.config.schema import RLSPConfig
 from rlsp.config.validate import validate_config
+from rlsp.config.validate_keys import schema_keys
 from rlsp.config.verl_compat import verl_status
 from rlsp.data.dataset import iterate_batches, truncate
 
