@@ -27,16 +27,9 @@ from rlsp.config.store import register_schema
 from rlsp.config.validate import validate_config
 from rlsp.parallel.tensor_parallel import legal_tp_sizes
 
-SHAPES = {
-    "qwen2.5-0.5b": {"model_type": "qwen2", "num_hidden_layers": 24, "hidden_size": 896, "num_attention_heads": 14,
-                     "num_key_value_heads": 2, "intermediate_size": 4864, "vocab_size": 151936, "tie_word_embeddings": True},
-    "qwen2.5-7b": {"model_type": "qwen2", "num_hidden_layers": 28, "hidden_size": 3584, "num_attention_heads": 28,
-                   "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064, "tie_word_embeddings": False},
-    "qwen2.5-14b": {"model_type": "qwen2", "num_hidden_layers": 48, "hidden_size": 5120, "num_attention_heads": 40,
-                    "num_key_value_heads": 8, "intermediate_size": 13824, "vocab_size": 152064, "tie_word_embeddings": False},
-    "llama-3-70b": {"model_type": "llama", "num_hidden_layers": 80, "hidden_size": 8192, "num_attention_heads": 64,
-                    "num_key_value_heads": 8, "intermediate_size": 28672, "vocab_size": 128256, "tie_word_embeddings": False},
-}
+# Public model shapes (config.json fields), also used by scripts/gen_plan_doc.py for docs/plan.md.
+SHAPES = {name.lower(): cfg for name, cfg in
+          json.loads((Path(__file__).resolve().parents[1] / "data" / "public_model_shapes.json").read_text()).items()}
 CONFIGS = str(Path(__file__).resolve().parents[2] / "configs")
 PARAMS_B = {"qwen2.5-0.5b": 0.494, "qwen2.5-7b": 7.616, "qwen2.5-14b": 14.770, "llama-3-70b": 70.554}
 
