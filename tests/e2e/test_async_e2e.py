@@ -78,13 +78,21 @@ def test_staleness_zero_reproduces_the_synchronous_run(tmp_path):
         assert b["async/staleness_max"] == 0.0 and b["async/queue_depth"] == 0.0
 
 
+def _saved(run_dir: str) -> int:
+    """The step of the newest complete checkpoint (0: none yet)."""
+    pointer = os.path.join(run_dir, "latest_checkpointed_iteration.txt")
+    return int(open(pointer).read()) if os.path.exists(pointer) else 0
+
+
 def test_one_step_off_policy_stops_with_a_batch_in_flight_and_resumes_on_fresh_samples(tmp_path):
     marker, run_dir = uuid.uuid4().hex, str(tmp_path / "run")
     # Long enough that Ctrl-C lands mid-run however fast the steps are (tiny steps take < 0.1 s).
     settings = {**ONE_STEP_OFF, "trainer.total_training_steps": 200, "trainer.save_freq": 1}
     proc = _start(run_dir, settings, marker)
     try:
-        _wait_for(lambda: len(_metrics(run_dir)) >= 2, 300, "two training steps")
+        # step 2's checkpoint, not only its metrics: the metrics line is written before the checkpoint is
+        # complete, and a stop in between leaves step 1 as the last checkpoint
+        _wait_for(lambda: _saved(run_dir) >= 2, 300, "step 2's checkpoint")
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     finally:
@@ -95,7 +103,7 @@ def test_one_step_off_policy_stops_with_a_batch_in_flight_and_resumes_on_fresh_s
     assert first[0]["async/staleness_max"] == 0.0 and first[1]["async/staleness_max"] == 1.0
     assert first[1]["async/queue_depth"] == 1.0  # batch 3 was generated or in flight while step 2 trained
     assert 0.0 < first[1]["rollout_corr/rollout_is_mean"] and "rollout_corr/rollout_rs_masked_fraction" in first[1]
-    saved = int(open(os.path.join(run_dir, "latest_checkpointed_iteration.txt")).read())
+    saved = _saved(run_dir)
     assert 2 <= saved < 200
     _finish(_start(run_dir, {**settings, "trainer.total_training_steps": saved + 2}, marker))
     rows = {r["step"]: r for r in _metrics(run_dir)}
