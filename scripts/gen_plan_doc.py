@@ -104,7 +104,8 @@ def subsection(args: str, code: int, out: str, err: str) -> str:
     return "\n\n".join(parts)
 
 
-def main() -> None:
+def render() -> str:
+    """docs/plan.md with its last section generated from the planner's current output."""
     head, found, section = DOC.read_text().partition(HEADING)
     if not found or "\n## " in section:
         sys.exit(f"{DOC}: expected {HEADING.strip()!r} as the last section")
@@ -119,8 +120,12 @@ def main() -> None:
     table = "\n".join([TABLE_HEAD, *(table_row(args, code, out) for args, code, out, _ in results)])
     full = block(f"$ python -m rlsp.plan {FULL}", *full_out.splitlines())
     parts = [HEADING.strip(), intro, table, FULL_TITLE, full, columns, *(subsection(*r) for r in results)]
-    DOC.write_text(head + "\n\n".join(parts) + "\n")
-    print(f"rewrote {DOC.relative_to(ROOT)}: {len(results)} plans")
+    return head + "\n\n".join(parts) + "\n"
+
+
+def main() -> None:
+    DOC.write_text(render())
+    print(f"rewrote {DOC.relative_to(ROOT)}: {len(COMMANDS)} plans")
 
 
 if __name__ == "__main__":
