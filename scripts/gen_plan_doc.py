@@ -44,7 +44,7 @@ COMMANDS = [
     "--model Llama-3-70B --nodes 1 --gpus-per-node 8 --gpu-memory-gib 24 --seq-len 1048576 --overrides",
 ]
 FULL_TITLE = "### Full output: Qwen2.5-7B, 32k tokens, 8 GPUs of 80 GiB"
-FULL = "--model Qwen2.5-7B --gpus-per-node 8 --gpu-memory-gib 80 --seq-len 32768 --overrides"
+FULL = COMMANDS[3]  # shown whole: Qwen2.5-7B, 32k, 1 x 8
 TABLE_HEAD = ("| model | sequence | nodes x GPUs | algo | recommended | tokens/GPU | GiB/GPU | est. tokens/s/GPU |\n"
               "|---|---|---|---|---|---|---|---|")
 SEQ = {"32768": "32k", "131072": "128k", "1048576": "1M"}
@@ -116,8 +116,8 @@ def render() -> str:
             (Path(models) / name).mkdir()
             (Path(models) / name / "config.json").write_text(json.dumps(config))
         results = [(args, *run(models, args)) for args in COMMANDS]
-        _, full_out, _ = run(models, FULL)
     table = "\n".join([TABLE_HEAD, *(table_row(args, code, out) for args, code, out, _ in results)])
+    full_out = next(out for args, _, out, _ in results if args == FULL)
     full = block(f"$ python -m rlsp.plan {FULL}", *full_out.splitlines())
     parts = [HEADING.strip(), intro, table, FULL_TITLE, full, columns, *(subsection(*r) for r in results)]
     return head + "\n\n".join(parts) + "\n"
