@@ -24,6 +24,7 @@ from rlsp.config.choices import (
 )
 from rlsp.config.layout import CRITIC_ESTIMATORS, ParallelLayout, RoleLayout, World
 from rlsp.config.validate_async import check_async, check_off_policy
+from rlsp.config.validate_gpu_memory import check_gpu_memory
 from rlsp.config.validate_keys import check_known_keys
 from rlsp.config.validate_lora import check_lora, check_rollout_loading
 from rlsp.config.validate_memory import check_memory_options
@@ -278,6 +279,7 @@ def validate_config(cfg: Any) -> ParallelLayout:
     layout = check_async(cfg, layout, errors)
     layout = check_rollout_tp(cfg, layout, errors)
     layout = check_reward_model(cfg, layout, errors)
+    check_gpu_memory(cfg, layout, errors)
     check_offload(cfg, layout, errors)
     check_lora(cfg, layout, errors)
     check_rollout_loading(cfg, errors)
