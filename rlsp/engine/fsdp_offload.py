@@ -8,9 +8,10 @@ CPU. Device memory then holds only the weights of the layers in flight, activati
 cache. (verl's separate `optimizer_offload` cannot be had without the parameters under FSDP2: see
 rlsp/config/validate_offload.py for how the keys map.)
 
-Collectives of the process group run on device tensors (NCCL), so anything computed from offloaded
-shards — the gradient norm, full tensors for a weight sync — is moved to the device first
-(`to_device`); on a CPU run that is a no-op. On CPU everything already lives in host memory: the
+FSDP's collectives over parameters and gradients run on device tensors (NCCL: a DTensor's
+collectives follow the device its local shard is on), so anything computed from offloaded shards —
+the gradient norm, full tensors for a weight sync — is moved to the device first (`to_device`); on a
+CPU run that is a no-op. On CPU everything already lives in host memory: the
 policy is applied all the same (FSDP2 accepts it there and the tests exercise it) and the log says
 once per role that it saves nothing.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
+from rlsp.utils.device import same_device
 from rlsp.utils.logging import get_logger, log_once
 
 log = get_logger("rlsp.engine")
@@ -50,4 +52,4 @@ def log_offload(role: str, enabled: bool, device: torch.device) -> None:
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`tensor` (a DTensor shard or a plain tensor) on `device`, where its collectives can run; the
     tensor itself when it is there already."""
-    return tensor if tensor.device == device else tensor.to(device)
+    return tensor if same_device(tensor.device, device) else tensor.to(device)

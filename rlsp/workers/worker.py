@@ -23,7 +23,7 @@ from torch.distributed.constants import default_pg_timeout
 from transformers import AutoTokenizer
 
 from rlsp.config.layout import ParallelLayout
-from rlsp.utils.device import backend_for, resolve_device_type
+from rlsp.utils.device import backend_for, device_for, resolve_device_type
 from rlsp.utils.dtypes import resolve_dtype
 from rlsp.utils.logging import get_logger
 from rlsp.utils.seeding import seed_everything
@@ -110,7 +110,7 @@ class Worker:
         tokenizer = AutoTokenizer.from_pretrained(self.cfg.actor_rollout_ref.model.path)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self._init_process_group(backend_for(device_type), master_addr, master_port)
-        ctx = RoleContext(self.cfg, self.rank, self.layout, torch.device(device_type), int(pad))
+        ctx = RoleContext(self.cfg, self.rank, self.layout, device_for(device_type), int(pad))
         # The rollout engine first: vLLM re-seeds the global RNGs while it is built, so training
         # seeds are set after it; then every role in a fixed order (their meshes are collective).
         if "rollout" in self.placed:
