@@ -204,11 +204,13 @@ class FSDPEngine:
         sp_local = torch.zeros(4, dtype=torch.float64)  # local tokens, pad tokens, a2a seconds, total seconds
         timing = {"time_forward_s_max": torch.zeros((), dtype=torch.float64),
                   "time_backward_s_max": torch.zeros((), dtype=torch.float64)}
+        offloaded = 0  # the most bytes one micro-batch's forward moved to host memory
         for plan, rows in self._micro_batches(batch, micro_size, max_tokens):
             t0 = time.perf_counter()
             micro = self.prepare(rows, prompt_len, plan.degree)
-            with self.offload():  # the forward only: backward's recomputations keep their tensors
+            with self.offload() as stats:  # the forward only: backward's recomputations keep their tensors
                 loss, metrics = loss_fn(self.forward(micro, **head_kwargs), micro)
+            offloaded = max(offloaded, stats.bytes)
             t1 = time.perf_counter()
             loss.backward()
             timing["time_forward_s_max"] += t1 - t0
@@ -220,7 +222,10 @@ class FSDPEngine:
             pad = micro.packed.num_pad * micro.out_len / micro.packed.total_len
             sp_local += torch.tensor([micro.out_len, pad,
                                       micro.ctx.stats.a2a_seconds, time.perf_counter() - t0], dtype=torch.float64)
-        return {**self._reduce_metrics({**sums, **timing}), **self._sp_metrics(sp_local)}
+        out = {**self._reduce_metrics({**sums, **timing}), **self._sp_metrics(sp_local)}
+        if self.offload.enabled:  # device memory the offload freed at its peak, on the rank that freed most
+            out["perf/activation_offload_bytes"] = self._max_over_ranks(float(offloaded))
+        return out
 
     def _sp_metrics(self, local: torch.Tensor) -> dict[str, float]:
         """Rank averages of sequence-parallel load: tokens per rank, padding share, all-to-all time share."""

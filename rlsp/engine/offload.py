@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from rlsp.utils.device import same_device
 from rlsp.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -58,13 +59,14 @@ def _param_storages(model: nn.Module) -> set[int]:
 @contextlib.contextmanager
 def offload_saved_tensors(model: nn.Module, device: torch.device, stats: OffloadStats | None = None) -> Iterator[OffloadStats]:
     """Saved tensors on `device` that are not (views of) `model`'s parameters go to host memory
-    while this context is active, pinned when `device` is CUDA; backward brings them back."""
+    while this context is active, pinned when `device` is CUDA; backward brings them back. `device`
+    may name no index (`cuda` matches tensors on the current CUDA device)."""
     stats = stats if stats is not None else OffloadStats()
     stats.tensors = stats.bytes = stats.kept = 0
     pin = device.type == "cuda"
 
     def pack(t: torch.Tensor) -> torch.Tensor | tuple[torch.device, torch.Tensor]:
-        if (t.device != device or t.numel() == 0 or isinstance(t, nn.Parameter)
+        if (not same_device(t.device, device) or t.numel() == 0 or isinstance(t, nn.Parameter)
                 or t.untyped_storage().data_ptr() in _param_storages(model)):
             stats.kept += 1
             return t

@@ -31,10 +31,10 @@ def _model() -> Qwen2ForCausalLM:
     return model.train()
 
 
-def _grads(model: Qwen2ForCausalLM, ids: torch.Tensor, offload: bool) -> tuple[dict[str, torch.Tensor], OffloadStats]:
+def _grads(model: Qwen2ForCausalLM, ids: torch.Tensor, offload: torch.device | None) -> tuple[dict[str, torch.Tensor], OffloadStats]:
     model.zero_grad(set_to_none=True)
     stats = OffloadStats()
-    context = offload_saved_tensors(model, torch.device("cpu"), stats) if offload else contextlib.nullcontext()
+    context = offload_saved_tensors(model, offload, stats) if offload is not None else contextlib.nullcontext()
     with context:
         loss = model(input_ids=ids).logits.log_softmax(-1)[0, :-1].gather(-1, ids[0, 1:, None]).mean()
     loss.backward()
@@ -49,11 +49,13 @@ def _saved(model: Qwen2ForCausalLM, ids: torch.Tensor) -> list[torch.Tensor]:
     return saved
 
 
-def test_offloaded_activations_come_back_bit_for_bit_and_parameters_stay():
+# cpu:0 names an index the tensors' device (cpu) does not, as an engine's `cuda` does against `cuda:0`
+@pytest.mark.parametrize("device", [torch.device("cpu"), torch.device("cpu", 0)], ids=str)
+def test_offloaded_activations_come_back_bit_for_bit_and_parameters_stay(device):
     model = _model()
     ids = torch.randint(0, 40, (1, S), generator=torch.Generator().manual_seed(1))
-    reference, _ = _grads(model, ids, offload=False)
-    grads, stats = _grads(model, ids, offload=True)
+    reference, _ = _grads(model, ids, offload=None)
+    grads, stats = _grads(model, ids, offload=device)
     assert grads.keys() == reference.keys()
     for name in grads:  # copies out and back: bit-identical gradients
         assert torch.equal(grads[name], reference[name]), name
