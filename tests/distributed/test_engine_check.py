@@ -1,0 +1,71 @@
+"""The GPU check's engine path (benchmarks/engine_check.py, run by scripts/gpu_check.sh) on CPU.
+
+Every check of the script runs here as it runs on a GPU machine — the actor role built from a config,
+inference, one update, inference again — on one gloo rank, so the script cannot rot where CI has no
+GPU. And the class of bug that kept activation offload from offloading on CUDA (the engine's
+`cuda` against tensors on `cuda:0`) is reproduced on CPU: the engine gets `torch.device("cpu", 0)`,
+which names an index its tensors' device (`cpu`) does not, and the offload hooks are switched on
+(on a CPU run they are off by design); the forward must still move the saved activations to host
+memory, report their bytes, and leave the update bit for bit the same.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from _launch import run_distributed
+
+from rlsp.engine.offload import ActivationOffload
+
+pytestmark = pytest.mark.distributed
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "engine_check.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("engine_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> str:
+    from rlsp.models.tiny import build_tiny_model
+
+    return build_tiny_model(_script().SHAPES["tiny"][0], str(tmp_path_factory.mktemp("tiny")))
+
+
+def _all_checks(rank: int, world: int, path: str) -> list[dict]:
+    check = _script()
+    return check.run_checks(list(check.CHECKS), path, "tiny", torch.device("cpu"))
+
+
+def test_every_engine_option_passes_its_check_on_cpu(model_path):
+    records = run_distributed(_all_checks, 1, model_path)[0]
+    assert [r["check"] for r in records] == list(_script().CHECKS)
+    for rec in records:
+        assert rec["ok"], rec
+        assert rec["master_dtypes"] == ["torch.float32"] and rec["weights_moved"], rec
+    fp32 = [r for r in records if r["logprob_tol"] == 1e-4 and r["check"] != "baseline"]
+    assert len(fp32) >= 6 and all(r["logprob_max_abs_diff"] <= 1e-5 for r in fp32), fp32
+
+
+def _offload_step(rank: int, world: int, path: str, device: torch.device, hooks_on: bool) -> dict:
+    check = _script()
+    if hooks_on:  # what an accelerator run does: the hooks are active
+        ActivationOffload.active = property(lambda self: self.enabled)
+    return check.run_check("activation_offload", path, "tiny", device, None)[0]
+
+
+def test_offload_moves_activations_when_the_device_names_an_index(model_path):
+    spec = _script().SHAPES["tiny"][0]
+    plain = run_distributed(_offload_step, 1, model_path, torch.device("cpu"), False)[0]
+    assert plain["activation_offload_bytes"] == 0.0  # a CPU run: hooks off, nothing to move
+    got = run_distributed(_offload_step, 1, model_path, torch.device("cpu", 0), True)[0]
+    # the checkpointed decoder layers' inputs of the largest micro-batch, at least: [tokens, hidden] fp32 each
+    assert got["activation_offload_bytes"] >= spec.num_hidden_layers * 2 * spec.hidden_size * 4, got
+    for key in ("pg_loss", "grad_norm", "policy_changed"):  # copies out and back: the same update
+        assert got[key] == plain[key], (key, got[key], plain[key])
