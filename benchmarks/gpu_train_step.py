@@ -43,6 +43,7 @@ from rlsp.models.lm import TokenLogprobModel  # noqa: E402
 from rlsp.models.loading import build_causal_lm_from_config  # noqa: E402
 from rlsp.parallel.mesh import build_parallel_dims  # noqa: E402
 from rlsp.parallel.ulysses import build_sp_context, shard_for_rank  # noqa: E402
+from rlsp.utils.device import backend_for  # noqa: E402
 
 MODELS = {
     "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -75,8 +76,7 @@ def _args() -> argparse.Namespace:
 
 def _init_world(world: int, device: str) -> None:
     if world == 1:
-        backend = "nccl" if device == "cuda" else "gloo"
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend_for(device), store=dist.HashStore(), rank=0, world_size=1)
     else:
         from torch.testing._internal.distributed.fake_pg import FakeStore
 

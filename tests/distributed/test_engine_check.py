@@ -1,6 +1,6 @@
 """The GPU check's engine path (benchmarks/engine_check.py, run by scripts/gpu_check.sh) on CPU.
 
-Every check of the script runs here as it runs on a GPU machine — the actor role built from a config,
+`scripts/gpu_check.sh --cpu` runs here: every check of the engine script runs as it runs on a GPU machine — the actor role built from a config,
 inference, one update, inference again — on one gloo rank, so the script cannot rot where CI has no
 GPU. And the class of bug that kept activation offload from offloading on CUDA (the engine's
 `cuda` against tensors on `cuda:0`) is reproduced on CPU: the engine gets `torch.device("cpu", 0)`,
@@ -12,6 +12,10 @@ memory, report their bytes, and leave the update bit for bit the same.
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +25,8 @@ from _launch import run_distributed
 from rlsp.engine.offload import ActivationOffload
 
 pytestmark = pytest.mark.distributed
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "engine_check.py"
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "engine_check.py"
 
 
 def _script():
@@ -38,19 +43,23 @@ def model_path(tmp_path_factory) -> str:
     return build_tiny_model(_script().SHAPES["tiny"][0], str(tmp_path_factory.mktemp("tiny")))
 
 
-def _all_checks(rank: int, world: int, path: str) -> list[dict]:
-    check = _script()
-    return check.run_checks(list(check.CHECKS), path, "tiny", torch.device("cpu"))
-
-
-def test_every_engine_option_passes_its_check_on_cpu(model_path):
-    records = run_distributed(_all_checks, 1, model_path)[0]
+def test_gpu_check_script_runs_every_engine_check_on_cpu(tmp_path):
+    """`bash scripts/gpu_check.sh --cpu`: every engine option passes, and the results are recorded."""
+    doc = tmp_path / "benchmarks.md"
+    env = {**os.environ, "PYTHON": sys.executable, "RLSP_BENCH_DOC": str(doc)}
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--cpu"], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert [r["check"] for r in records] == list(_script().CHECKS)
     for rec in records:
         assert rec["ok"], rec
         assert rec["master_dtypes"] == ["torch.float32"] and rec["weights_moved"], rec
     fp32 = [r for r in records if r["logprob_tol"] == 1e-4 and r["check"] != "baseline"]
     assert len(fp32) >= 6 and all(r["logprob_max_abs_diff"] <= 1e-5 for r in fp32), fp32
+    text = doc.read_text()
+    assert "`bash scripts/gpu_check.sh --cpu`" in text and "0 failing line(s)." in text
+    assert text.count('{"check": ') == len(records)
 
 
 def _offload_step(rank: int, world: int, path: str, device: torch.device, hooks_on: bool) -> dict:

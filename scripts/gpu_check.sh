@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# Every GPU check of rlsp in one command (about 10 minutes on one H100), on a bare GPU machine: torch,
+# transformers and peft are enough (no Ray, vLLM or Hydra); omegaconf and tensordict are needed too
+# and, when missing, are installed from the wheels in $RLSP_WHEELS (a directory) if given.
+#
+#   bash scripts/gpu_check.sh            # on a CUDA machine: every check, appended to docs/benchmarks.md
+#   bash scripts/gpu_check.sh --cpu      # the parts that run without a GPU (what CI runs)
+#
+# Checks, one JSON line each:
+#   engine     benchmarks/engine_check.py: the actor role's inference and update on one rank of a real
+#              process group (cpu:gloo,cuda:nccl) with every engine option (checkpointing, tiled MLP,
+#              activation offload with bytes really on the host, LoRA, chunked logprob head, token
+#              budgets, bf16 compute over fp32 masters, FSDP parameter offload)
+#   attention  packed attention (SDPA, flash-attn when installed) against exact fp32 attention
+#   logprob    the vocab-chunked logprob head against full logits
+#   train      the 0.5B-shape step: time, memory, MFU at 4k-32k tokens, checkpointing on and off
+# The results go to $RLSP_BENCH_DOC (default docs/benchmarks.md) under a dated heading naming the device;
+# --no-record prints them only. Exit status: 0 when every check passed, 1 otherwise, 2 on a set-up error.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+DOC=${RLSP_BENCH_DOC:-docs/benchmarks.md}
+MODE=cuda RECORD=1
+for arg in "$@"; do
+  case "$arg" in
+    --cpu) MODE=cpu ;;
+    --no-record) RECORD=0 ;;
+    *) echo "gpu_check.sh: unknown argument '$arg'; legal: --cpu, --no-record" >&2; exit 2 ;;
+  esac
+done
+
+missing=$("$PY" - <<'EOF'
+import importlib.util
+print(" ".join(m for m in ("torch", "transformers", "peft", "omegaconf", "tensordict") if importlib.util.find_spec(m) is None))
+EOF
+)
+if [ -n "$missing" ] && [ -n "${RLSP_WHEELS:-}" ]; then
+  site=${TMPDIR:-/tmp}/rlsp_gpu_check_site
+  "$PY" -m pip install -q --no-index --no-deps --target "$site" "$RLSP_WHEELS"/*.whl || exit 2
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+  missing=$("$PY" -c "import importlib.util as u; print(' '.join(m for m in '$missing'.split() if u.find_spec(m) is None))")
+fi
+if [ -n "$missing" ]; then
+  echo "gpu_check.sh: missing Python packages: $missing (pip install $missing, or RLSP_WHEELS=<dir of wheels>)" >&2
+  exit 2
+fi
+if [ "$MODE" = cuda ] && ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "gpu_check.sh: no CUDA device is visible; run with --cpu for the parts that need none" >&2
+  exit 2
+fi
+
+LINES=$(mktemp)
+ERR_LOG=$(mktemp)
+trap 'rm -f "$LINES" "$ERR_LOG"' EXIT
+run() {  # one benchmark: its JSON lines, or one line saying it failed
+  local out
+  out=$(timeout "${STEP_TIMEOUT:-300}" "$PY" "$@" 2>>"$ERR_LOG" | grep '^{')
+  local rc=${PIPESTATUS[0]}
+  [ -n "$out" ] && echo "$out"
+  [ "$rc" -eq 0 ] || echo "{\"check\": \"$*\", \"ok\": false, \"failures\": [\"exit status $rc\"]}"
+}
+
+{
+  if [ "$MODE" = cpu ]; then
+    run benchmarks/engine_check.py --device cpu --model tiny
+  else
+    run benchmarks/engine_check.py --device cuda --model small
+    for t in 8192 32768; do run benchmarks/gpu_attention.py --tokens $t --seq-len 3000 --impl rlsp; done
+    run benchmarks/gpu_attention.py --tokens 32768 --seq-len 3000 --impl rlsp --q-heads 7 --kv-heads 1
+    run benchmarks/gpu_logprob.py --tokens 32768 --vocab 151936 --hidden 896
+    for t in 4096 16384 32768; do run benchmarks/gpu_train_step.py --tokens $t --seq-len 4096; done
+    run benchmarks/gpu_train_step.py --tokens 32768 --seq-len 32768 --grad-ckpt
+  fi
+} | tee "$LINES"
+
+# a line fails when it says ok=false or carries "failed"/"oom": true
+failed=$("$PY" - "$LINES" <<'EOF'
+import json, sys
+bad = 0
+for line in open(sys.argv[1]):
+    rec = json.loads(line)
+    bad += rec.get("ok") is False or "failed" in rec or rec.get("oom") is True
+print(bad)
+EOF
+)
+if [ "$RECORD" = 1 ]; then
+  device=$("$PY" -c "import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu')")
+  versions=$("$PY" -c "import torch, transformers; print(f'torch {torch.__version__}, transformers {transformers.__version__}')")
+  {
+    echo
+    echo "### \`bash scripts/gpu_check.sh$( [ "$MODE" = cpu ] && echo ' --cpu')\` — $(date -u +%Y-%m-%d), $device, $versions"
+    echo
+    echo "$failed failing line(s)."
+    echo
+    echo '```'
+    cat "$LINES"
+    echo '```'
+  } >>"$DOC"
+  echo "gpu_check.sh: results appended to $DOC" >&2
+fi
+if [ "$failed" != 0 ]; then
+  echo "gpu_check.sh: $failed check(s) failed; stderr of the runs:" >&2
+  tail -n 40 "$ERR_LOG" >&2
+  exit 1
+fi
