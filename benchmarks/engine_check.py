@@ -5,7 +5,8 @@ gives the layout, the process group is the one `rlsp.utils.device.backend_for` n
 `cpu:gloo,cuda:nccl` group of one rank: it rejects a host tensor on a device path as eight ranks
 would), the device is the one the worker resolves — then runs what a PPO step asks of it:
 `compute_log_prob` (inference), `update_actor` (one optimizer step through the token-budget or
-fixed micro-batches, metric reductions, gradient clipping) and `compute_log_prob` again. Prints one
+fixed micro-batches, metric reductions, gradient clipping) and `compute_log_prob` again; the
+`rollout_sync` check adds the rollout role (HF generate: vLLM is not needed) and the weight sync. Prints one
 JSON line per check:
 
     python benchmarks/engine_check.py                      # every check on this machine's device
@@ -19,7 +20,9 @@ What a line asserts (`ok`, with `failures` naming what did not hold):
   step moved the weights (sum |w| in fp64 changed);
 - activation offload: on CUDA the forward moved at least the checkpointed layers' inputs to host
   memory (`perf/activation_offload_bytes` >= layers x tokens x hidden x bytes), on CPU it reports 0;
-- FSDP parameter offload: on CUDA every parameter shard lives in host memory after the step.
+- FSDP parameter offload: on CUDA every parameter shard lives in host memory after the step;
+- rollout_sync: after an update and the sync, the engine's logprobs of its greedy tokens equal the
+  actor's (fp32, <= 1e-4), and on CUDA the sleeping engine has given its weights' memory back.
 
 bf16 tolerance: bf16 keeps 8 significant bits (unit roundoff 2^-9 ~ 2e-3). A logprob is
 logit - logsumexp(logits); with the tiny model's near-uniform logits (|logit| < 1) each of the two
@@ -53,6 +56,7 @@ from rlsp.models.tiny import TinyModelSpec, build_tiny_model  # noqa: E402
 from rlsp.utils.device import backend_for, device_for, resolve_device_type  # noqa: E402
 from rlsp.workers.context import RoleContext  # noqa: E402
 from rlsp.workers.roles.actor import ActorRole  # noqa: E402
+from rlsp.workers.roles.rollout import RolloutRole  # noqa: E402
 
 M, A = "actor_rollout_ref.model.", "actor_rollout_ref.actor."
 FP32_LOGPROB_TOL = 1e-4
@@ -69,6 +73,7 @@ CHECKS: dict[str, dict[str, Any]] = {
     "logprob_chunk": {A + "logprob_chunk_size": 7},
     "token_budget": {A + "use_dynamic_bsz": True, A + "ppo_max_token_len_per_gpu": "<3 rows>"},
     "param_offload": {A + "fsdp_config.param_offload": True, "actor_rollout_ref.ref.fsdp_config.param_offload": True},
+    "rollout_sync": {"actor_rollout_ref.rollout.name": "hf"},  # run_rollout_check
     "everything_bf16": {M + "dtype": "bfloat16", M + "enable_gradient_checkpointing": True,
                         M + "enable_activation_offload": True, M + "tiled_mlp.enabled": True,
                         A + "logprob_chunk_size": 7, A + "use_dynamic_bsz": True,
@@ -159,6 +164,37 @@ def run_check(name: str, model_path: str, shape: str, device: torch.device,
     return rec, first
 
 
+def run_rollout_check(model_path: str, shape: str, device: torch.device) -> dict[str, Any]:
+    """The rollout role beside the actor, as on a policy worker: one update, the weight sync into the
+    (HF) rollout engine, a greedy generation (the engine wakes, then sleeps: on CUDA its weights leave
+    the device), and the actor's logprobs of what it generated against the engine's own."""
+    spec, (prompt, response) = SHAPES[shape]
+    cfg = build_config(model_path, device.type, prompt, response, CHECKS["rollout_sync"])
+    ctx = RoleContext(cfg, 0, validate_config(cfg), device, pad_token_id=0)
+    rollout, actor = RolloutRole(ctx), ActorRole(ctx)
+    batch = rollout_batch(_vocab(model_path), prompt, response)
+    actor.update_actor(batch)  # the actor now differs from the weights the engine was built from
+    rollout.load_weights(actor.rollout_weights(torch.float32))
+    prompts = [row[row != 0].tolist()[-prompt:] for row in batch["input_ids"][:4, :prompt]]
+    awake = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    rows = rollout.generate(Batch.from_dict({"prompt_index": torch.arange(len(prompts))}, meta={"prompt_ids": prompts}),
+                            {"n": 1, "temperature": 0.0, "max_tokens": min(response, 8)})
+    asleep = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    mask = rows["response_mask"]
+    diff = float(((actor.compute_log_prob(rows)["old_logprobs"] - rows["rollout_logprobs"]).abs() * mask).max())
+    rec = {"check": "rollout_sync", "device": _device_name(device), "model": shape, "generated": int(mask.sum()),
+           "logprob_max_abs_diff_actor_vs_engine": diff, "logprob_tol": FP32_LOGPROB_TOL,
+           "engine_sleep_freed_gib": round((awake - asleep) / 2**30, 3) if device.type == "cuda" else None}
+    weights = sum(p.numel() * p.element_size() for p in rollout.engine.model.parameters())
+    rec["failures"] = [f for f, bad in (
+        (f"actor vs engine logprobs differ by {diff:.3g} > {FP32_LOGPROB_TOL} after the sync", not diff <= FP32_LOGPROB_TOL),
+        ("nothing was generated", rec["generated"] == 0),
+        ("the sleeping engine still holds its weights on the device", device.type == "cuda" and awake - asleep < weights // 2),
+    ) if bad]
+    rec["ok"] = not rec["failures"]
+    return rec
+
+
 def _failures(rec: dict[str, Any], cfg: Any, spec: TinyModelSpec, first: torch.Tensor, device: torch.device) -> list[str]:
     out = []
     if not torch.isfinite(first).all():
@@ -199,7 +235,10 @@ def run_checks(names: list[str], model_path: str, shape: str, device: torch.devi
     records, baseline = [], None
     for name in ["baseline", *[n for n in names if n != "baseline"]]:
         try:
-            rec, first = run_check(name, model_path, shape, device, baseline)
+            if name == "rollout_sync":
+                rec, first = run_rollout_check(model_path, shape, device), None
+            else:
+                rec, first = run_check(name, model_path, shape, device, baseline)
         except Exception as exc:  # one broken option must not hide the others' results
             rec, first = {"check": name, "ok": False, "failures": [f"{type(exc).__name__}: {exc}"[:2000]]}, None
         if name == "baseline":

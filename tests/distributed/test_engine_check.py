@@ -52,14 +52,16 @@ def test_gpu_check_script_runs_every_engine_check_on_cpu(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert [r["check"] for r in records] == list(_script().CHECKS)
+    assert all(rec["ok"] for rec in records), [rec for rec in records if not rec["ok"]]
+    sync = records.pop([r["check"] for r in records].index("rollout_sync"))
+    assert sync["generated"] > 0 and sync["logprob_max_abs_diff_actor_vs_engine"] <= 1e-4, sync
     for rec in records:
-        assert rec["ok"], rec
         assert rec["master_dtypes"] == ["torch.float32"] and rec["weights_moved"], rec
     fp32 = [r for r in records if r["logprob_tol"] == 1e-4 and r["check"] != "baseline"]
     assert len(fp32) >= 6 and all(r["logprob_max_abs_diff"] <= 1e-5 for r in fp32), fp32
     text = doc.read_text()
     assert "`bash scripts/gpu_check.sh --cpu`" in text and "0 failing line(s)." in text
-    assert text.count('{"check": ') == len(records)
+    assert text.count('{"check": ') == len(records) + 1
 
 
 def _offload_step(rank: int, world: int, path: str, device: torch.device, hooks_on: bool) -> dict:

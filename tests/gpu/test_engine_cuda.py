@@ -32,6 +32,12 @@ def test_engine_option_on_cuda(records, check):
     assert rec["master_dtypes"] == ["torch.float32"] and rec["weights_moved"], rec
 
 
+def test_weight_sync_into_the_rollout_engine_and_its_sleep(records):
+    rec = records["rollout_sync"]
+    assert rec["ok"], rec
+    assert rec["logprob_max_abs_diff_actor_vs_engine"] <= 1e-4 and rec["engine_sleep_freed_gib"] > 0, rec
+
+
 def test_activation_offload_moves_bytes_to_host(records):
     for check in ("activation_offload", "everything_bf16"):
         assert records[check]["activation_offload_bytes"] > 0, records[check]

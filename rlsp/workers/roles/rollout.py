@@ -58,7 +58,7 @@ class RolloutRole:
             return {"enforce_eager": r.enforce_eager, "gpu_memory_utilization": r.gpu_memory_utilization,
                     "cpu_kvcache_space_gib": r.cpu_kvcache_space_gib, "distributed_executor_backend": "external_launcher",
                     "load_format": r.load_format, "tensor_parallel_size": r.tensor_model_parallel_size}
-        return {"device": self.ctx.device_type}
+        return {"device": str(self.ctx.device)}  # resolved (cuda:<i>), like the training engines' device
 
     @register(Dispatch.BY_DP)
     def generate(self, prompts: Batch, sampling: dict[str, Any]) -> Batch:
