@@ -6,6 +6,8 @@ layout's: (dp, ring, ulysses, tp), tp innermost.
 
 - `mesh` (dp, ring, ulysses, tp) gives the groups: `ulysses_group` (head all-to-all), `ring_group`
   (K/V passing), `tp_group`, and `dp_group` (ranks holding different rows, for global token counts);
+- `ring_dkv_group`: a second group over the ring group's ranks, for ring attention's dK/dV
+  accumulators in backward (their own NCCL communicator: see rlsp/parallel/ring.py);
 - `fsdp_mesh` is what FSDP2 shards parameters over: every rank but the tp dimension (1-D), or
   (replicate, shard) for HSDP; with tp > 1 it and `tp_mesh` are sub-meshes of one (replicate,
   shard, tp) mesh, as FSDP2 over tensor-parallel parameters requires.
@@ -30,6 +32,7 @@ class ParallelDims:
     tp_mesh: DeviceMesh | None  # None when tp == 1
     # adaptive Ulysses: degree -> this rank's group of that many consecutive Ulysses ranks (1 < d < ulysses)
     ulysses_subgroups: dict[int, dist.ProcessGroup] = field(default_factory=dict)
+    ring_dkv_group: dist.ProcessGroup | None = None  # the ring's ranks again (ring > 1): dK/dV accumulators
 
     @property
     def coords(self) -> Coords:
@@ -104,6 +107,20 @@ def _ulysses_subgroups(layout: RoleLayout, rank: int) -> dict[int, dist.ProcessG
     return mine
 
 
+def _ring_dkv_group(mesh: DeviceMesh, rank: int) -> dist.ProcessGroup | None:
+    """A second group over this rank's ring group (collective: every rank creates every ring's copy, in
+    mesh order), so ring attention's dK/dV accumulators get a communicator of their own."""
+    if mesh["ring"].size() == 1:
+        return None
+    mine = None
+    rings = mesh.mesh.movedim(1, -1).reshape(-1, mesh["ring"].size())  # (dp, ulysses, tp) x ring
+    for ranks in rings.tolist():
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
 def build_parallel_dims(layout: RoleLayout, device_type: str) -> ParallelDims:
     """Build the meshes of `layout` over the already-initialised default process group (collective)."""
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -115,4 +132,4 @@ def build_parallel_dims(layout: RoleLayout, device_type: str) -> ParallelDims:
     fsdp_mesh, tp_mesh = _param_meshes(layout, device_type)
     subgroups = _ulysses_subgroups(layout, rank) if layout.adaptive else {}
     return ParallelDims(layout=layout, rank=rank, mesh=mesh, fsdp_mesh=fsdp_mesh, tp_mesh=tp_mesh,
-                        ulysses_subgroups=subgroups)
+                        ulysses_subgroups=subgroups, ring_dkv_group=_ring_dkv_group(mesh, rank))

@@ -19,6 +19,26 @@ e_acc = 4 (8 for fp64 inputs):
   backward: (r-1) * 2*Tr*hkv*D * (e_in + e_acc)        (K/V again, plus the dK/dV accumulators)
 The dK/dV accumulator of block j starts at rank j+1 and ends at j (r-1 hops); j adds its own part.
 
+Why sends and receives match on NCCL. NCCL ignores tags: between two ranks of one communicator the
+k-th send of i to j meets the k-th receive of j from i, whatever their sizes. Two guarantees:
+- Separate communicators. The dK/dV accumulators travel on `plan.grad_group`: the plan's `dkv_group`
+  when it was built with one (`build_ring_plan(..., dkv_group=ParallelDims.ring_dkv_group)`, a second
+  group over the ring's ranks created once with the meshes), so K/V blocks and accumulators never
+  share a communicator's queue, whatever order they are issued in; else the ring group itself.
+- The same program on every rank. Each communicator's ops are issued by a loop whose shape depends
+  only on the ring size, never on the data, the plan's boxes or the rank: forward, steps 0..r-2 each
+  post one batch (send to i+1, receive from i-1) of the same [2, Tr, hkv, D] K/V buffer; backward,
+  the same K/V batches at steps 0..r-2 and, at steps 1..r-1, one batch of the [2, Tr, hkv, D]
+  accumulator in fp32 (fp64). A step without a visible box still posts its batches, and a rank whose
+  ring group has no heads returns before any (every rank of a ring group holds the same heads). So
+  i's sends to j and j's receives from i are the same sequence, in order and shape, on each group,
+  and also when both passes share one group (`dkv_group=None`: K/V then accumulator within a step on
+  every rank); every rank of the group posts every batch, the first one included, as NCCL requires of
+  a group's first batched call. tests/distributed/test_ring_order.py records each rank's ops on
+  gloo at ring 2 and 4 and checks exactly this.
+Both communicators issue in the same order on every rank (K/V first in each step), so concurrent
+kernels of the two cannot wait on each other in opposite orders.
+
 The block math (`block_attention`, `block_attention_backward`) is kept apart so a fused kernel can
 replace it. Here it materialises the scores of ROW_CHUNK query rows of one box at a time in fp32
 (peak about 3 * hq * ROW_CHUNK * K * 4 bytes: scores, probabilities, their gradient); the plan keeps
@@ -112,10 +132,11 @@ def _merge(out_QHD: torch.Tensor, lse_HQ: torch.Tensor, o_QHD: torch.Tensor, blk
     lse_HQ.copy_(new_HQ)
 
 
-def _pass_on(plan: RingPlan, send: torch.Tensor, recv: torch.Tensor, tag: int) -> list[dist.Work]:
-    """Send `send` to ring rank i+1 and receive `recv` from i-1 (asynchronous; wait on the result)."""
-    ops = [dist.P2POp(dist.isend, send, plan.next_peer, plan.group, tag),
-           dist.P2POp(dist.irecv, recv, plan.prev_peer, plan.group, tag)]
+def _pass_on(plan: RingPlan, send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup | None,
+             tag: int) -> list[dist.Work]:
+    """Send `send` to ring rank i+1 and receive `recv` from i-1 on `group` (asynchronous; wait on the result)."""
+    ops = [dist.P2POp(dist.isend, send, plan.next_peer, group, tag),
+           dist.P2POp(dist.irecv, recv, plan.prev_peer, group, tag)]
     return dist.batch_isend_irecv(ops)
 
 
@@ -124,7 +145,7 @@ def _pass_kv(plan: RingPlan, step: int, kv_2THD: torch.Tensor) -> tuple[list[dis
     if step == plan.ring_size - 1:
         return [], kv_2THD, 0
     next_2THD = torch.empty_like(kv_2THD)
-    return _pass_on(plan, kv_2THD, next_2THD, _KV_TAG), next_2THD, kv_2THD.numel() * kv_2THD.element_size()
+    return _pass_on(plan, kv_2THD, next_2THD, plan.group, _KV_TAG), next_2THD, kv_2THD.numel() * kv_2THD.element_size()
 
 
 def _wait(works: list[dist.Work]) -> None:
@@ -207,7 +228,7 @@ def _ring_backward(do_THD: torch.Tensor, q_THD: torch.Tensor, k_THD: torch.Tenso
                 _wait(dkv_works)
                 dkv_2THD += dkv_recv
             dkv_recv = torch.empty_like(dkv_2THD)
-            dkv_works = _pass_on(plan, dkv_2THD, dkv_recv, _DKV_TAG)
+            dkv_works = _pass_on(plan, dkv_2THD, dkv_recv, plan.grad_group, _DKV_TAG)
             sent += dkv_2THD.numel() * dkv_2THD.element_size()
         _wait(kv_works)
         kv_2THD = next_2THD

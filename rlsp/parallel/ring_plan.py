@@ -77,7 +77,7 @@ class StepBlock:
 class RingPlan:
     """Ring group and stream metadata of one micro-batch, shared by every layer (no communication)."""
 
-    group: dist.ProcessGroup | None
+    group: dist.ProcessGroup | None  # the K/V blocks travel on it
     ring_size: int
     ring_rank: int
     cu_seqlens: torch.Tensor
@@ -87,6 +87,13 @@ class RingPlan:
     next_peer: int = 0  # global ranks of ring rank i+1 and i-1
     prev_peer: int = 0
     cache: dict[str, list[list[StepBlock]]] = field(default_factory=dict, repr=False)
+    # the dK/dV accumulators' communicator: the same ranks as `group`, its own NCCL communicator (None: `group`)
+    dkv_group: dist.ProcessGroup | None = None
+
+    @property
+    def grad_group(self) -> dist.ProcessGroup | None:
+        """The group the dK/dV accumulators travel on in backward (see rlsp/parallel/ring.py)."""
+        return self.group if self.dkv_group is None else self.dkv_group
 
     @property
     def local_len(self) -> int:
@@ -133,8 +140,22 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, total_len: int) -> list[int]:
     return cu
 
 
-def build_ring_plan(group: dist.ProcessGroup | None, cu_seqlens: torch.Tensor, total_len: int) -> RingPlan:
-    """Plan for one packed micro-batch; `group=None` means ring_size 1 (one local block, no communication)."""
+def _check_dkv_group(group: dist.ProcessGroup | None, dkv_group: dist.ProcessGroup | None) -> None:
+    """`dkv_group` must hold the ring's ranks in the ring's order (peers are global ranks of both)."""
+    if dkv_group is None:
+        return
+    ring = [] if group is None else dist.get_process_group_ranks(group)
+    other = dist.get_process_group_ranks(dkv_group)
+    if group is None or other != ring or dkv_group is group:
+        raise ValueError(f"dkv_group has global ranks {other}, the ring group {ring or None}: it must be a second "
+                         "group over the same ranks in the same order (rlsp.parallel.mesh.ParallelDims.ring_dkv_group)")
+
+
+def build_ring_plan(group: dist.ProcessGroup | None, cu_seqlens: torch.Tensor, total_len: int,
+                    dkv_group: dist.ProcessGroup | None = None) -> RingPlan:
+    """Plan for one packed micro-batch; `group=None` means ring_size 1 (one local block, no communication).
+    `dkv_group` (optional) carries the backward's dK/dV accumulators on a communicator of their own."""
+    _check_dkv_group(group, dkv_group)
     ring_size = 1 if group is None else dist.get_world_size(group)
     ring_rank = 0 if group is None else dist.get_rank(group)
     cu = _check_cu_seqlens(cu_seqlens, total_len)
@@ -146,4 +167,4 @@ def build_ring_plan(group: dist.ProcessGroup | None, cu_seqlens: torch.Tensor, t
         peers = tuple(dist.get_global_rank(group, (ring_rank + d) % ring_size) for d in (1, -1))
     return RingPlan(group=group, ring_size=ring_size, ring_rank=ring_rank, cu_seqlens=cu_seqlens,
                     total_len=total_len, positions_RT=positions_RT, segment_T=segment_T,
-                    next_peer=peers[0], prev_peer=peers[1])
+                    next_peer=peers[0], prev_peer=peers[1], dkv_group=dkv_group)
