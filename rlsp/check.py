@@ -72,18 +72,17 @@ def _target_device(cfg: DictConfig) -> str:
 
 def _model(cfg: DictConfig, report: Report) -> Any:
     """The model's architecture line and its tokenizer (None when there is none to read)."""
-    from transformers import AutoConfig  # noqa: PLC0415
-
+    from rlsp.models.loading import read_model_config, tokenizer_problem  # noqa: PLC0415
     from rlsp.trainer.resume_check import arch, describe  # noqa: PLC0415
 
-    path = cfg.actor_rollout_ref.model.path
-    if not os.path.isfile(os.path.join(str(path), "config.json")):
-        return None  # preflight names the missing model
+    key, path = "actor_rollout_ref.model.path", cfg.actor_rollout_ref.model.path
     try:
-        report.add("model", f"{path}: {describe(arch(AutoConfig.from_pretrained(path)))}")
-    except (OSError, ValueError) as exc:
-        report.problems.append(f"actor_rollout_ref.model.path={path!r}: unreadable config.json ({exc})")
-        return None
+        config = read_model_config(key, path)
+    except ValueError:
+        return None  # preflight_errors names what is missing
+    report.add("model", f"{path}: {describe(arch(config))}")
+    if tokenizer_problem(key, path):
+        return None  # likewise
     try:
         return _tokenizer(os.path.abspath(path), os.path.getmtime(path))
     except (OSError, ValueError) as exc:

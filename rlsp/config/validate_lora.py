@@ -18,11 +18,25 @@ LORA_ALL_LINEAR = "all-linear"
 # adapter there would be bypassed) and embeddings are not linear layers.
 LORA_REFUSED_TARGETS = ("lm_head", "embed_tokens")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")  # what peft's from_pretrained reads
 
 
 def lora_enabled(model: Any) -> bool:
     """LoRA is on with a rank > 0 or an adapter to continue from (verl's rule)."""
     return bool(model.lora_rank) or bool(model.lora_adapter_path)
+
+
+def adapter_dir_problem(path: str) -> str | None:
+    """What a PEFT adapter directory lacks (its config or its weights), or None when both are there."""
+    if not os.path.isdir(path):
+        return f"is not a PEFT adapter directory: no such directory (expected {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS[0]} in it)"
+    if not os.path.isfile(os.path.join(path, ADAPTER_CONFIG)):
+        return f"has no {ADAPTER_CONFIG}; a PEFT adapter directory holds it and {' or '.join(ADAPTER_WEIGHTS)}"
+    if not any(os.path.isfile(os.path.join(path, name)) for name in ADAPTER_WEIGHTS):
+        return (f"has {ADAPTER_CONFIG} but no adapter weights ({' or '.join(ADAPTER_WEIGHTS)}); point it at a "
+                "directory written by peft's save_pretrained (or rlsp.export's lora_adapter/)")
+    return None
 
 
 def _names(value: Any) -> list[Any] | None:
@@ -62,9 +76,8 @@ def check_lora(cfg: Any, layout: ParallelLayout | None, errors: list[str]) -> No
     if not isinstance(alpha, int | float) or alpha <= 0:
         errors.append(f"actor_rollout_ref.model.lora_alpha={alpha!r} must be a number > 0 (scale = alpha / rank)")
     _check_targets(model, errors)
-    if path and not os.path.isfile(os.path.join(str(path), "adapter_config.json")):
-        errors.append(f"actor_rollout_ref.model.lora_adapter_path={path!r} is not a PEFT adapter directory "
-                      "(expected adapter_config.json and adapter_model.safetensors in it)")
+    if path and (problem := adapter_dir_problem(str(path))):
+        errors.append(f"actor_rollout_ref.model.lora_adapter_path={path!r} {problem}")
     if layout is None:
         return
     if layout.actor.tp > 1:

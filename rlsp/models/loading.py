@@ -7,15 +7,22 @@ layers, multi-latent attention, encoder-decoders, logit soft-capping or scaling 
 logprobs compute plain `hidden @ lm_head.weight.T`). An architecture that passes these checks but
 routes some layer around the attention interface is caught at runtime by the layer-count check of
 `rlsp.models.lm.TokenLogprobModel`.
+
+`read_model_config(key, path)` and `tokenizer_problem(key, path)` check a model directory named by a config
+key before anything loads it (preflight and rlsp.check): one message naming the key, the path and what
+is missing, instead of transformers' traceback (or, for a missing tokenizer, its silently empty one).
 """
 
 from __future__ import annotations
 
 import copy
+import json
+import os
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+import transformers
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from rlsp.models.attention import ULYSSES_ATTN_IMPL, register_ulysses_attention
 
@@ -27,6 +34,50 @@ _UNSUPPORTED_ATTRS = {
     "attn_logit_softcapping": "attention logit soft-capping is not supported by rlsp_ulysses",
     "logit_scale": "scaled output logits are not applied by the vocab-chunked logprobs",
 }
+
+# A tokenizer's vocabulary is in one of these files (fast tokenizers, BPE, WordPiece), or in a
+# sentencepiece `*.model` / tiktoken `*.tiktoken` file. Without any, transformers 5 builds an empty
+# tokenizer (one token) from the model's config instead of failing.
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt")
+TOKENIZER_SUFFIXES = (".model", ".tiktoken")
+
+
+def read_model_config(key: str, path: str) -> PretrainedConfig:
+    """The config of the Hugging Face model directory `path` (the value of config key `key`); ValueError
+    naming the key, the path and what is missing: the directory, config.json, a model_type transformers knows."""
+    where = f"{key}={path!r}"
+    if not os.path.isdir(path):
+        raise ValueError(f"{where} is not a local directory with a Hugging Face model")
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        raise ValueError(f"{where} has no config.json; a Hugging Face model directory holds config.json, the "
+                         "weights (*.safetensors) and the tokenizer files")
+    try:
+        with open(file) as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ValueError(f"{where}: its config.json is not a readable JSON object ({exc})") from None
+    if not model_type:
+        raise ValueError(f"{where}: its config.json has no model_type; legal: a model type transformers "
+                         f"{transformers.__version__} knows (e.g. llama, qwen2, qwen3, mistral)")
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(f"{where}: its config.json has model_type={model_type!r}, which transformers "
+                         f"{transformers.__version__} does not know (rlsp loads models without remote code); legal: "
+                         "a model type transformers knows (e.g. llama, qwen2, qwen3, mistral)")
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{where}: its config.json is unreadable ({exc})") from None
+
+
+def tokenizer_problem(key: str, path: str) -> str | None:
+    """Why the directory `path` (the value of config key `key`) holds no tokenizer, or None when it has one."""
+    names = os.listdir(path) if os.path.isdir(path) else []
+    if any(n in TOKENIZER_FILES or n.endswith(TOKENIZER_SUFFIXES) for n in names):
+        return None
+    return (f"{key}={path!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)} or a "
+            f"{' / '.join('*' + s for s in TOKENIZER_SUFFIXES)} file is in it; transformers would build an empty "
+            "one); copy the tokenizer files of the model it was trained from into it")
 
 
 def num_heads(config: PretrainedConfig) -> tuple[int, int]:

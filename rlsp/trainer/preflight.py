@@ -11,12 +11,11 @@ import os
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
-from transformers import AutoConfig
 
 from rlsp.algos.registry import ESTIMATOR_DEFAULTS, list_adv_estimators, list_policy_losses, unused_settings, users_of
 from rlsp.config.layout import CRITIC_ESTIMATORS, ParallelLayout
 from rlsp.config.validate import validate_config
-from rlsp.models.loading import check_sp_support
+from rlsp.models.loading import check_sp_support, read_model_config, tokenizer_problem
 from rlsp.parallel.tensor_parallel import check_tp_support
 from rlsp.rewards.loader import load_custom_reward_fn
 from rlsp.rollout.support import check_rollout_support
@@ -70,12 +69,18 @@ def _check_degrees(config: Any, layout: ParallelLayout, errors: list[str]) -> No
 
 
 def _check_model(cfg: DictConfig, layout: ParallelLayout | None, device_type: str, errors: list[str]) -> None:
-    path = cfg.actor_rollout_ref.model.path
+    key, path = "actor_rollout_ref.model.path", cfg.actor_rollout_ref.model.path
     if not os.path.isdir(path):
-        errors.append(f"actor_rollout_ref.model.path={path!r} is not a local directory with a Hugging Face model "
+        errors.append(f"{key}={path!r} is not a local directory with a Hugging Face model "
                       "(nor a .gguf file or a directory holding one)")
         return
-    config = AutoConfig.from_pretrained(path)
+    try:
+        config = read_model_config(key, path)
+    except ValueError as exc:
+        errors.append(str(exc))
+        return
+    if missing := tokenizer_problem(key, path):  # the trainer tokenizes prompts and decodes responses with it
+        errors.append(missing)
     if layout is not None:  # None: the config's degrees are invalid (validate_config names them)
         _check_degrees(config, layout, errors)
     rollout_error = check_rollout_support(config, cfg.actor_rollout_ref.rollout.name, device_type,
@@ -87,6 +92,21 @@ def _check_model(cfg: DictConfig, layout: ParallelLayout | None, device_type: st
     if limit is not None and need > limit:
         errors.append(f"data.max_prompt_length + data.max_response_length = {need} exceeds the model's "
                       f"max_position_embeddings={limit}")
+
+
+def _check_critic(cfg: DictConfig, errors: list[str]) -> None:
+    """A critic with a model of its own (critic.model.path) needs a readable model directory there."""
+    path = cfg.critic.model.path
+    if cfg.algorithm.adv_estimator not in CRITIC_ESTIMATORS or not path:
+        return
+    if not os.path.isdir(path):
+        errors.append(f"critic.model.path={path!r} is not a local directory with a Hugging Face model "
+                      "(leave it unset to initialise the critic from the actor's checkpoint)")
+        return
+    try:
+        read_model_config("critic.model.path", path)
+    except ValueError as exc:
+        errors.append(str(exc))
 
 
 def resolve_assets(cfg: DictConfig) -> None:
@@ -121,10 +141,7 @@ def preflight_errors(cfg: DictConfig, layout: ParallelLayout | None, device_type
         errors.append("data.train_files is empty; give at least one parquet file")
     _check_names(cfg, errors)
     _check_model(cfg, layout, device_type, errors)
-    critic_path = cfg.critic.model.path
-    if cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS and critic_path and not os.path.isdir(critic_path):
-        errors.append(f"critic.model.path={critic_path!r} is not a local directory with a Hugging Face model "
-                      "(leave it unset to initialise the critic from the actor's checkpoint)")
+    _check_critic(cfg, errors)
     if cfg.reward.custom_function_path:
         try:
             load_custom_reward_fn(cfg.reward.custom_function_path, cfg.reward.custom_function_name)

@@ -1,6 +1,7 @@
 """Preflight of the reward model (`reward_model.enable=true`): what needs its files, checked before workers start.
 
-The checkpoint must be a one-label *ForSequenceClassification model whose attention rlsp can shard at
+The directory must hold a config.json of a model type transformers knows and the reward model's own
+tokenizer (both paths render or compare with it). The checkpoint must be a one-label *ForSequenceClassification model whose attention rlsp can shard at
 the configured Ulysses degree; its tokenizer must match the policy's when `model.input_tokenizer` is
 null (the rollout ids are then fed as they are); and rows fed as they are must fit its position range.
 With the reward loop (use_reward_loop=true) samples are always re-rendered, and the engine's
@@ -12,10 +13,10 @@ from __future__ import annotations
 import os
 
 from omegaconf import DictConfig
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoTokenizer
 
 from rlsp.data.rm_inputs import same_tokenizer
-from rlsp.models.loading import check_sp_support
+from rlsp.models.loading import check_sp_support, read_model_config, tokenizer_problem
 from rlsp.models.reward import check_reward_config
 
 P = "reward_model."
@@ -43,25 +44,39 @@ def reward_model_errors(cfg: DictConfig) -> list[str]:
     path = rm.model.path
     if not os.path.isdir(path):
         return [f"{P}model.path={path!r} is not a local directory with a Hugging Face model"]
-    config = AutoConfig.from_pretrained(path)
+    try:
+        config = read_model_config(f"{P}model.path", path)
+    except ValueError as exc:
+        return [str(exc)]
+    # Both paths need the reward model's own tokenizer: the reward loop's engine renders with it, the
+    # legacy worker compares it with the rows' tokenizer.
+    missing = tokenizer_problem(f"{P}model.path", path)
+    errors = [missing] if missing else []
     if rm.use_reward_loop:
-        return _reward_loop_errors(rm, config)
-    errors = []
+        return errors + _reward_loop_errors(rm, config)
     for check, key in ((check_reward_config, "model.path"), (lambda c: check_sp_support(c, rm.ulysses_sequence_parallel_size),
                                                               "ulysses_sequence_parallel_size")):
         try:
             check(config)
         except ValueError as exc:
             errors.append(f"{P}{key}: {exc}")
+    return errors if missing else errors + _tokenizer_errors(cfg, config)
+
+
+def _tokenizer_errors(cfg: DictConfig, config: object) -> list[str]:
+    """The legacy worker feeds rows tokenized by model.input_tokenizer (null: the policy's ids as they are)."""
+    rm, policy = cfg.reward_model, cfg.actor_rollout_ref.model.path
     source = rm.model.input_tokenizer
     if source and not os.path.isdir(source):
-        return errors + [f"{P}model.input_tokenizer={source!r} is not a local directory with a tokenizer"]
-    same = same_tokenizer(AutoTokenizer.from_pretrained(source or cfg.actor_rollout_ref.model.path),
-                          AutoTokenizer.from_pretrained(path))
+        return [f"{P}model.input_tokenizer={source!r} is not a local directory with a tokenizer"]
+    if source and source != policy and (missing := tokenizer_problem(f"{P}model.input_tokenizer", source)):
+        return [missing]  # the policy's own is checked with actor_rollout_ref.model.path
+    errors = []
+    same = same_tokenizer(AutoTokenizer.from_pretrained(source or policy), AutoTokenizer.from_pretrained(rm.model.path))
     if not source and not same:
         errors.append(f"{P}model.input_tokenizer=null feeds the policy's token ids to the reward model, but its tokenizer "
                       f"or chat template differs from the policy's; set it to the policy's tokenizer "
-                      f"({cfg.actor_rollout_ref.model.path}) to re-render each sample in the reward model's format")
+                      f"({policy}) to re-render each sample in the reward model's format")
     need, limit = cfg.data.max_prompt_length + cfg.data.max_response_length, getattr(config, "max_position_embeddings", None)
     if same and limit is not None and need > limit:
         errors.append(f"data.max_prompt_length + data.max_response_length = {need} exceeds the reward model's "

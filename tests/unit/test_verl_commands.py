@@ -56,6 +56,7 @@ def local(tmp_path_factory) -> dict[str, str]:
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16,
                                                               "target_modules": ["q_proj", "v_proj"]}))
+    (adapter / "adapter_model.safetensors").write_bytes(b"")  # present: its contents are read by the workers
     files = {}
     for task, rows in (("gsm8k", 4096), ("math", 64)):
         lines = (DATA / f"{task}_sample.jsonl").read_text().splitlines()
