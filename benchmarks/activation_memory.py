@@ -110,7 +110,8 @@ def _measure(rank: int, world: int, ulysses: int, ring: int, tp: int, seq_par: b
     mask_BL = (torch.arange(width)[None, :] < torch.tensor(ROW_LENS)[:, None]).long()
     packed = pack_sequences(ids_BL, mask_BL, pad_to_multiple=dims.layout.stream_multiple)
     hq, hkv = local_head_counts(model.decoder.config, tp)
-    ctx = build_sp_context(dims.ulysses_group, packed, hq, hkv, ring_group=dims.ring_group)
+    ctx = build_sp_context(dims.ulysses_group, packed, hq, hkv, ring_group=dims.ring_group,
+                           ring_dkv_group=dims.ring_dkv_group)
     param_storages = {_storage(p).data_ptr() for p in model.parameters()}
     saved: dict[int, tuple[str, int]] = {}
 

@@ -168,7 +168,8 @@ def _worker(rank: int, world: int, ulysses: int, ring: int, tp: int, seq_par: bo
     ids_BL = torch.randint(1, 64, (len(ROW_LENS), width), generator=torch.Generator().manual_seed(0))
     mask_BL = (torch.arange(width)[None, :] < torch.tensor(ROW_LENS)[:, None]).long()
     packed = pack_sequences(ids_BL, mask_BL, pad_to_multiple=dims.layout.stream_multiple)
-    ctx = build_sp_context(dims.ulysses_group, packed, *local_head_counts(config, tp), ring_group=dims.ring_group)
+    ctx = build_sp_context(dims.ulysses_group, packed, *local_head_counts(config, tp), ring_group=dims.ring_group,
+                           ring_dkv_group=dims.ring_dkv_group)
     elem = torch.empty((), dtype=dtype).element_size()
     start = time.perf_counter()
     phase[0] = "fwd"

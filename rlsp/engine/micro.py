@@ -70,13 +70,13 @@ def prepare_micro_batch(rows: Batch, prompt_len: int, dims: ParallelDims | None,
     counts are those one rank's attention sees (a tp rank's share under tensor parallelism). With
     adaptive sequence parallelism `degree` is this micro-batch's Ulysses degree (ring and tp are 1)."""
     if dims is None:
-        multiple, groups = 1, (None, None)
+        multiple, groups = 1, (None, None, None)
     elif degree is not None:
-        multiple, groups = degree, (dims.ulysses_group_of(degree), None)
+        multiple, groups = degree, (dims.ulysses_group_of(degree), None, None)
     else:
-        multiple, groups = dims.layout.stream_multiple, (dims.ulysses_group, dims.ring_group)
+        multiple, groups = dims.layout.stream_multiple, (dims.ulysses_group, dims.ring_group, dims.ring_dkv_group)
     packed = pack_sequences(rows["input_ids"], rows["attention_mask"], pad_to_multiple=multiple)
-    ctx = build_sp_context(groups[0], packed, num_q_heads, num_kv_heads, ring_group=groups[1])
+    ctx = build_sp_context(groups[0], packed, num_q_heads, num_kv_heads, ring_group=groups[1], ring_dkv_group=groups[2])
     response_len = rows["input_ids"].shape[1] - prompt_len
     return MicroBatch(rows=rows, packed=packed, ctx=ctx, prompt_len=prompt_len, response_len=response_len, tp=tp)
 

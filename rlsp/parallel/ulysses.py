@@ -107,11 +107,12 @@ def _group_size_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
 
 def build_sp_context(
     group: dist.ProcessGroup | None, packed: PackedBatch, num_q_heads: int, num_kv_heads: int,
-    ring_group: dist.ProcessGroup | None = None,
+    ring_group: dist.ProcessGroup | None = None, ring_dkv_group: dist.ProcessGroup | None = None,
 ) -> SPContext:
     """Context for one packed micro-batch over a Ulysses `group` and a `ring_group` (None: degree 1, same
     code path without collectives). `num_q_heads`/`num_kv_heads` are the heads the model's attention
-    sees (all of them, or one tensor-parallel rank's share)."""
+    sees (all of them, or one tensor-parallel rank's share). `ring_dkv_group`: the ring's ranks again,
+    the communicator of ring attention's dK/dV accumulators (rlsp.parallel.ring)."""
     uly_size, uly_rank = _group_size_rank(group)
     ring_size, _ = _group_size_rank(ring_group)
     total = packed.total_len
@@ -130,7 +131,7 @@ def build_sp_context(
         max_seqlen=packed.max_seqlen,
         total_len=total,
         layout=plan_head_layout(num_q_heads, num_kv_heads, uly_size),
-        ring=None if ring_group is None else build_ring_plan(ring_group, cu, total),
+        ring=None if ring_group is None else build_ring_plan(ring_group, cu, total, dkv_group=ring_dkv_group),
     )
 
 
