@@ -20,8 +20,8 @@ When both are awake on one device:
   `reward_model.rollout.free_cache_engine=true` the reward engine sleeps once built. Reward servers start
   after every worker's `init_worker`, which ends with the rollout engine asleep again (after a first
   weight sync, if any). A start needs only its own fraction beside the training state.
-  NOTE: this relies on rlsp/workers/worker.py putting the rollout engine to sleep after building it and
-  at the end of init_worker; an engine left awake there makes every reward start need the sum.
+  rlsp/workers/worker.py does that: it puts the rollout engine to sleep right after building it and
+  again after the start-up weight sync (an engine left awake would make every reward start need the sum).
 - A step: `generate` wakes the rollout engine and puts it to sleep when done; scoring comes after it
   and wakes the reward engine, which sleeps again after each call with free_cache_engine=true; the
   weight sync at the end of the step wakes the rollout engine until the next `generate`, with the

@@ -115,6 +115,9 @@ class Worker:
         # seeds are set after it; then every role in a fixed order (their meshes are collective).
         if "rollout" in self.placed:
             self.roles["rollout"] = ROLE_CLASSES["rollout"](ctx)
+            # asleep while the training roles and a reward engine start beside it: on a GPU each vLLM
+            # engine's start-up needs its gpu_memory_utilization free (rlsp.config.validate_gpu_memory)
+            self.roles["rollout"].sleep()
         seed_everything(self.cfg.trainer.seed)
         for role in ("actor", "ref", "critic", "reward_model"):
             if role in self.placed:
@@ -123,6 +126,7 @@ class Worker:
                 self.roles[role] = ROLE_CLASSES[role](ctx, *extra)
         if "rollout" in self.roles and "actor" in self.roles and self._rollout_starts_stale():
             self.sync_weights()
+            self.roles["rollout"].sleep()  # reward servers start after this: the engine wakes to generate
         log.info("worker ready in %.1fs (roles %s)", time.perf_counter() - t0, ", ".join(self.roles))
         return {"rank": self.rank, "roles": list(self.roles), "init_s": time.perf_counter() - t0,
                 "torch_threads": torch.get_num_threads(),

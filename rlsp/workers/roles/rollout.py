@@ -105,6 +105,10 @@ class RolloutRole:
         """Partial rollouts: pick up weights from `feed` before and during every generation."""
         self.feed = feed
 
+    def sleep(self) -> None:
+        """Give the engine's accelerator memory back (no-op on CPU); generation and weight loads wake it."""
+        self.engine.sleep()
+
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.engine.wake_up()
         self.engine.update_weights(named_tensors)
