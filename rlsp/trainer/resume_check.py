@@ -8,7 +8,8 @@
   to the newest whole checkpoint before it, resume_mode=resume_path refuses;
 * whether it loads under this command: the model architecture it was trained with (its
   actor/huggingface/config.json; for checkpoints without one, the model its config.yaml names), the
-  critic (an algorithm that adds or drops it), and keys that change the saved tensors (LoRA);
+  critic (an algorithm that adds or drops it), and the LoRA keys that change the saved tensors (LoRA
+  switched on or off, another rank, adapted layers or starting adapter);
 * the settings that differ from its config.yaml and change the run's course (learning rate, batch
   sizes, ...): listed in one warning; layout and bookkeeping keys (COURSE_NEUTRAL) are not;
 * whether anything is left to do: a checkpoint at or past trainer.total_training_steps.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import fnmatch
 import os
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -26,6 +28,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from rlsp.config.layout import CRITIC_ESTIMATORS
 from rlsp.config.schema import RLSPConfig
+from rlsp.config.validate_lora import lora_enabled
 from rlsp.trainer.checkpoint import STEP_DIR, TrainerState, complete_steps, damaged_file, resolve_resume, step_dir
 from rlsp.utils.dicts import flatten
 from rlsp.utils.logging import get_logger
@@ -34,10 +37,17 @@ log = get_logger("rlsp.resume")
 # The fields that decide whether saved weights load into a model built from a config.
 ARCH_FIELDS = ("model_type", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
                "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")
-# Keys that change the shape or set of saved tensors: a change is refused (verl's spelling; absent keys
-# compare equal, so these apply from the day the key exists).
-LOAD_DECIDING = ("actor_rollout_ref.model.lora_rank", "actor_rollout_ref.model.target_modules",
-                 "critic.model.lora_rank", "critic.model.target_modules")
+# The LoRA keys decide which tensors a checkpoint holds: with LoRA on (validate_lora.lora_enabled) only the
+# adapters are saved, the frozen base is re-read from model.path; a change of them is refused (absent
+# keys compare equal). LORA_SWITCHES turn LoRA on and decide its rank: refused whenever LoRA is on before or
+# after. lora_adapter_path belongs here because it is where the adapters *start*, and its
+# adapter_config.json sets their rank and targets; a resume continues the checkpoint's own adapters, so
+# another starting adapter would either be overwritten by the checkpoint's weights without a word (same
+# layout) or fail to load in the workers (another one). Starting from another adapter is a new run.
+LORA_SWITCHES = ("actor_rollout_ref.model.lora_rank", "actor_rollout_ref.model.lora_adapter_path")
+# Which layers carry adapters: refused while LoRA stays on; without LoRA they are unused.
+LORA_LAYERS = ("actor_rollout_ref.model.target_modules", "actor_rollout_ref.model.exclude_modules")
+LOAD_DECIDING = LORA_SWITCHES + LORA_LAYERS
 # Keys that do not change what is trained: layout, micro-batching (the loss is exact whatever they are),
 # memory and bookkeeping. Everything else that differs from the checkpoint's config.yaml is listed.
 COURSE_NEUTRAL = (
@@ -146,10 +156,26 @@ def incompatibilities(cfg: DictConfig, path: str, saved: dict[str, Any]) -> list
         old = _read_config(saved_critic) if saved_critic else recorded
         if old is not None:
             problems += _arch_problem("critic", saved_critic or "(the actor's)", old, cfg.critic.model.path or actor_path)
-    for key in LOAD_DECIDING:
-        if _get(saved, key) != _get(current, key):
-            problems.append(f"{key} was {_get(saved, key)!r}; this command sets {_get(current, key)!r}")
-    return problems
+    return problems + _lora_problems(saved, current)
+
+
+def _lora_problems(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """The LoRA keys whose change changes what the checkpoint holds (see LORA_SWITCHES)."""
+    was, now = (lora_enabled(SimpleNamespace(**{k.rpartition(".")[2]: _get(c, k) for k in LORA_SWITCHES}))
+                for c in (saved, current))
+    if not was and not now:
+        return []  # full fine-tuning both times: the adapter keys are unused
+    def why(key: str) -> str:
+        if was != now:
+            return ("the checkpoint holds only LoRA adapters (its base is model.path); this command trains the whole "
+                    "model" if was else "the checkpoint holds the whole model's weights; this command trains LoRA adapters")
+        if key == LORA_SWITCHES[1]:
+            return "a resume continues the checkpoint's adapters; another starting adapter is a new run"
+        return "the checkpoint holds the adapters these keys laid out; adapters laid out otherwise do not load from it"
+
+    keys = LOAD_DECIDING if was and now else LORA_SWITCHES
+    return [f"{key} was {_get(saved, key)!r}; this command sets {_get(current, key)!r} ({why(key)})"
+            for key in keys if _get(saved, key) != _get(current, key)]
 
 
 def _arch_problem(role: str, old_name: str | None, old: PretrainedConfig, new_path: str) -> list[str]:

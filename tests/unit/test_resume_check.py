@@ -4,6 +4,8 @@ DCP shards written by torch.distributed.checkpoint, a model config, the trainer'
 * a truncated shard, a missing .metadata or a garbled trainer file is named; resume_mode=auto then
   takes the newest whole checkpoint before it, resume_mode=resume_path refuses;
 * another architecture or a critic added/dropped is refused with both models described;
+* a LoRA change that changes what the checkpoint holds (on/off, rank, adapted layers, starting adapter) is
+  refused naming the key and both values; unused LoRA keys (LoRA off) may change;
 * settings that change the course are listed, layout and bookkeeping keys are not;
 * a checkpoint at trainer.total_training_steps is reported complete.
 """
@@ -167,3 +169,53 @@ def test_changed_settings_are_listed_and_a_finished_run_is_complete(tmp_path, ca
     assert changed_settings(cfg, saved) == []
     assert changed_settings(_cfg(tmp_path / "run", model, **{"actor_rollout_ref.actor.entropy_coeff": 0.01}),
                             saved) == ["actor_rollout_ref.actor.entropy_coeff: 0.0 -> 0.01"]
+
+
+LORA = "actor_rollout_ref.model."
+
+
+def _refusals(cfg) -> list[str]:
+    with pytest.raises(ValueError) as info:
+        check_resume(cfg)
+    return [line for line in str(info.value).splitlines() if line.startswith("  - ")]
+
+
+def test_lora_changes_that_change_what_the_checkpoint_holds_are_refused(tmp_path, capsys):
+    model = _model(tmp_path, "m")
+    lora = {f"{LORA}lora_rank": 8, f"{LORA}target_modules": "all-linear"}
+    _save(_cfg(tmp_path / "run", model, **lora), 2)
+    for key, value, old in ((f"{LORA}exclude_modules", ["o_proj"], None), (f"{LORA}target_modules", ["q_proj"], "all-linear"),
+                            (f"{LORA}lora_rank", 16, 8), (f"{LORA}lora_rank", 0, 8),
+                            (f"{LORA}lora_adapter_path", "/adapters/a", None)):
+        problems = _refusals(_cfg(tmp_path / "run", model, **{**lora, key: value}))
+        assert len(problems) == 1 and problems[0].startswith(f"  - {key} was {old!r}; this command sets {value!r}"), \
+            (key, problems)
+    # LoRA's scale changes the course, not the saved tensors: listed, not refused.
+    assert check_resume(_cfg(tmp_path / "run", model, **lora, **{f"{LORA}lora_alpha": 32})).step == 2
+    assert f"{LORA}lora_alpha: 16.0 -> 32.0" in capsys.readouterr().err
+
+
+def test_a_full_checkpoint_refuses_lora_and_ignores_unused_lora_keys(tmp_path):
+    model = _model(tmp_path, "m")
+    _save(_cfg(tmp_path / "run", model), 2)
+    problems = _refusals(_cfg(tmp_path / "run", model, **{f"{LORA}lora_rank": 8}))
+    assert len(problems) == 1 and problems[0].startswith(f"  - {LORA}lora_rank was 0; this command sets 8")
+    problems = _refusals(_cfg(tmp_path / "run", model, **{f"{LORA}lora_adapter_path": "/adapters/a"}))
+    assert len(problems) == 1 and problems[0].startswith(f"  - {LORA}lora_adapter_path was None; this command sets "
+                                                         "'/adapters/a'")
+    # Without LoRA the adapter keys are unused: changing them changes nothing that was saved.
+    unused = {f"{LORA}target_modules": ["q_proj"], f"{LORA}exclude_modules": "o_proj"}
+    assert check_resume(_cfg(tmp_path / "run", model, **unused)).step == 2
+
+
+def test_another_starting_adapter_is_refused(tmp_path):
+    model = _model(tmp_path, "m")
+    _save(_cfg(tmp_path / "run", model, **{f"{LORA}lora_adapter_path": "/adapters/a"}), 2)
+    assert check_resume(_cfg(tmp_path / "run", model, **{f"{LORA}lora_adapter_path": "/adapters/a"})).step == 2
+    problems = _refusals(_cfg(tmp_path / "run", model, **{f"{LORA}lora_adapter_path": "/adapters/b"}))
+    assert len(problems) == 1 and problems[0].startswith(f"  - {LORA}lora_adapter_path was '/adapters/a'; this "
+                                                         "command sets '/adapters/b'")
+    # Dropping the adapter path with a rank keeps LoRA on, but the adapters' layout no longer comes from it.
+    problems = _refusals(_cfg(tmp_path / "run", model, **{f"{LORA}lora_rank": 8}))
+    assert [p[:60] for p in problems] == [f"  - {LORA}lora_rank was 0; this command sets 8"[:60],
+                                          f"  - {LORA}lora_adapter_path was '/adapters/a'; this command "[:60]]
