@@ -46,7 +46,14 @@ from rlsp.config.layout import ParallelLayout
 from rlsp.config.store import register_schema
 from rlsp.config.validate import validate_config
 from rlsp.trainer.checkpoint import finished_step, latest_checkpoint
-from rlsp.trainer.stopping import SIGTERM_EXIT_CODE, Terminated, catch_sigterm
+from rlsp.trainer.stopping import (
+    SIGTERM_EXIT_CODE,
+    Terminated,
+    catch_sigterm,
+    kill_ray_sessions,
+    ray_in_own_session,
+    ray_sigterm_as_terminated,
+)
 from rlsp.utils.logging import RUN_LOG_NAME, get_logger, log_to_run_file
 
 if TYPE_CHECKING:  # imported where a run starts (see the module docstring)
@@ -92,9 +99,12 @@ def _init_ray(cfg: DictConfig, world_size: int) -> bool:
         # address="local" makes Ray start a new instance even if it could find another one.
         # No pre-started idle workers: each rlsp worker carries its own runtime env (rank, threads), so
         # Ray could never hand one of them out; they only took CPU while the real workers imported torch.
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, world_size), include_dashboard=False,
-                 log_to_driver=True, object_store_memory=512 * 1024**2,
-                 _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False})
+        # In a session of its own, Ray outlives a signal to this job's whole process group (Slurm's
+        # scancel) long enough for the driver to stop the run cleanly (see rlsp.trainer.stopping).
+        with ray_in_own_session():
+            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, world_size), include_dashboard=False,
+                     log_to_driver=True, object_store_memory=512 * 1024**2,
+                     _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False})
         log.info("started a private local Ray (%s)", ray.get_runtime_context().gcs_address)
         return True
     try:
@@ -143,11 +153,13 @@ def train(cfg: DictConfig, layout: ParallelLayout, prepared: tuple[RayTrainer, s
     trainer, resume = prepared or prepare(cfg, layout)
     log.info("run dir: %s | %s", cfg.trainer.default_local_dir, layout.describe())
     t0 = time.perf_counter()
-    connected_here = _init_ray(cfg, layout.total_workers)
-    catch_sigterm(trainer)  # again: ray.init replaced the handler with a silent sys.exit(15)
-    trainer.startup["startup/ray_init_s"] = time.perf_counter() - t0
+    connected_here = not ray.is_initialized()  # else the caller's Ray (tests): left as it is
     clean = False
     try:
+        with ray_sigterm_as_terminated():  # SIGTERM while Ray starts: exit 143 with its line, as later on
+            _init_ray(cfg, layout.total_workers)
+            catch_sigterm(trainer)  # again: ray.init replaced the handler with a silent sys.exit(15)
+        trainer.startup["startup/ray_init_s"] = time.perf_counter() - t0
         trainer.start_workers()
         if resume:
             trainer.load_checkpoint(resume)
@@ -159,6 +171,7 @@ def train(cfg: DictConfig, layout: ParallelLayout, prepared: tuple[RayTrainer, s
         trainer.shutdown(graceful=clean)
         if connected_here:  # stops a private Ray; from a cluster, only disconnects (flushing worker output)
             ray.shutdown()
+            kill_ray_sessions()  # a private Ray's stragglers (a run stopped while Ray started)
 
 
 def _run_logged(cfg: DictConfig, layout: ParallelLayout) -> None:

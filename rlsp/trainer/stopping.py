@@ -7,13 +7,27 @@ complete checkpoint) does the same for it; the entry point exits with 143 (128 +
 With `trainer.save_on_preempt=true` the first SIGTERM after this run's first step only asks the loop
 to stop: the step in flight finishes, is checkpointed, and then `Terminated` is raised. A second
 SIGTERM stops at once. Ray's `ray.init` installs its own SIGTERM handler (a bare `sys.exit(15)`), so
-call this again once Ray is up.
+call this again once Ray is up, and start Ray inside `ray_sigterm_as_terminated()`, which turns that
+exit into `Terminated` for a SIGTERM that arrives while Ray starts.
+
+A scheduler's stop (Slurm's `scancel`, a container runtime that signals every process) reaches every
+process of the job's process group, not only the driver. A private local Ray started
+inside `ray_in_own_session()` runs its processes (GCS, raylet, log monitor; the raylet forks the
+workers) in a session of their own, so such a signal reaches the driver alone and the run stops as for
+`kill <driver>` — the step in flight can be saved first, as the workers are still there. Left in the
+group, Ray died with the driver, which then waited 60 s for a GCS that was gone and exited 1 without
+naming a checkpoint. The processes still die with the driver, even on SIGKILL: Ray starts each one
+with PR_SET_PDEATHSIG (kernel fate-sharing), and the workers end when their raylet does. Ctrl-C in a
+terminal (SIGINT to the foreground group) reaches the driver alone in the same way.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import threading
+from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
@@ -21,6 +35,7 @@ from rlsp.utils.logging import get_logger
 
 log = get_logger("rlsp.trainer")
 SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
+_ray_sessions: set[int] = set()  # the sessions `ray_in_own_session` started (their leaders' PIDs)
 
 
 class Terminated(KeyboardInterrupt):
@@ -44,3 +59,57 @@ def catch_sigterm(trainer: Any | None = None) -> None:
         raise Terminated()
 
     signal.signal(signal.SIGTERM, on_sigterm)
+
+
+@contextlib.contextmanager
+def ray_sigterm_as_terminated() -> Iterator[None]:
+    """While Ray starts, its own SIGTERM handler ends the process with `sys.exit(15)`: raise `Terminated`
+    instead, so a SIGTERM during start-up exits 143 with its line like one at any other time."""
+    try:
+        yield
+    except SystemExit as exc:
+        if exc.code != signal.SIGTERM:
+            raise
+        raise Terminated() from None
+
+
+@contextlib.contextmanager
+def ray_in_own_session() -> Iterator[None]:
+    """Ray processes started in this block (by `ray.init(address="local")`) run in a new session, out of
+    the driver's process group (see the module docstring). Ray does the same on Windows, with a new
+    process group, wherever kernel fate-sharing makes the group unnecessary for cleaning up; without
+    fate-sharing Ray relies on the group (its reaper kills it), so nothing changes there."""
+    import ray
+    from ray._private import services, utils
+
+    popen = getattr(services, "ConsolePopen", None)
+    if popen is None or not utils.detect_fate_sharing_support():
+        log.warning("Ray's processes stay in this run's process group (ray %s: %s), so a signal to the whole "
+                    "group (Slurm's scancel) stops them with the driver", ray.__version__,
+                    "no kernel fate-sharing" if popen else "no ray._private.services.ConsolePopen")
+        yield
+        return
+
+    class SessionPopen(popen):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **{**kwargs, "start_new_session": True})
+            _ray_sessions.add(self.pid)
+
+    services.ConsolePopen = SessionPopen
+    try:
+        yield
+    finally:
+        services.ConsolePopen = popen
+
+
+
+def kill_ray_sessions() -> None:
+    """SIGKILL what is left in the sessions `ray_in_own_session` started, once `ray.shutdown()` is done:
+    a run stopped while Ray starts leaves the raylet's agents behind, which watch their raylet only once
+    up and wait 60 s for a GCS that is gone. (Linux never reuses a PID that is still a session's ID.)"""
+    for pid in (int(name) for name in os.listdir("/proc") if name.isdigit()):
+        try:
+            if os.getsid(pid) in _ray_sessions:
+                os.kill(pid, signal.SIGKILL)
+        except OSError:  # gone meanwhile
+            continue
