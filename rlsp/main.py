@@ -52,7 +52,7 @@ from rlsp.trainer.stopping import (
     catch_sigterm,
     kill_ray_sessions,
     ray_in_own_session,
-    ray_sigterm_as_terminated,
+    ray_start_signals,
 )
 from rlsp.utils.logging import RUN_LOG_NAME, get_logger, log_to_run_file
 
@@ -156,7 +156,7 @@ def train(cfg: DictConfig, layout: ParallelLayout, prepared: tuple[RayTrainer, s
     connected_here = not ray.is_initialized()  # else the caller's Ray (tests): left as it is
     clean = False
     try:
-        with ray_sigterm_as_terminated():  # SIGTERM while Ray starts: exit 143 with its line, as later on
+        with ray_start_signals():  # SIGTERM while Ray starts: exit 143 with its line, as later on
             _init_ray(cfg, layout.total_workers)
             catch_sigterm(trainer)  # again: ray.init replaced the handler with a silent sys.exit(15)
         trainer.startup["startup/ray_init_s"] = time.perf_counter() - t0

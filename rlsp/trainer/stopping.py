@@ -7,8 +7,8 @@ complete checkpoint) does the same for it; the entry point exits with 143 (128 +
 With `trainer.save_on_preempt=true` the first SIGTERM after this run's first step only asks the loop
 to stop: the step in flight finishes, is checkpointed, and then `Terminated` is raised. A second
 SIGTERM stops at once. Ray's `ray.init` installs its own SIGTERM handler (a bare `sys.exit(15)`), so
-call this again once Ray is up, and start Ray inside `ray_sigterm_as_terminated()`, which turns that
-exit into `Terminated` for a SIGTERM that arrives while Ray starts.
+call this again once Ray is up, and start Ray inside `ray_start_signals()`, which stops the run for a
+SIGTERM or Ctrl-C that arrives while Ray starts.
 
 A scheduler's stop (Slurm's `scancel`, a container runtime that signals every process) reaches every
 process of the job's process group, not only the driver. A private local Ray started
@@ -62,15 +62,42 @@ def catch_sigterm(trainer: Any | None = None) -> None:
 
 
 @contextlib.contextmanager
-def ray_sigterm_as_terminated() -> Iterator[None]:
-    """While Ray starts, its own SIGTERM handler ends the process with `sys.exit(15)`: raise `Terminated`
-    instead, so a SIGTERM during start-up exits 143 with its line like one at any other time."""
+def ray_start_signals() -> Iterator[None]:
+    """A SIGTERM (or Ctrl-C) while Ray starts stops the run like one at any other time: `Terminated`
+    (exit 143 with its line) or KeyboardInterrupt. Ray's own SIGTERM handler ends the process with
+    `sys.exit(15)`, and Python drops an exception raised where it cannot propagate — in an at-fork hook
+    while Ray spawns a process — and the run went on. So the signals that arrive in this block are also
+    read from Python's wakeup fd (each one a handler caught), and raised at its end if nothing did."""
+    if threading.current_thread() is not threading.main_thread():  # only there can the fd be set
+        yield
+        return
+    read_fd, write_fd = os.pipe()
+    for fd in (read_fd, write_fd):
+        os.set_blocking(fd, False)
+    previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
     try:
         yield
     except SystemExit as exc:
         if exc.code != signal.SIGTERM:
             raise
         raise Terminated() from None
+    finally:
+        signal.set_wakeup_fd(previous)
+        caught = _read_all(read_fd)
+        os.close(read_fd)
+        os.close(write_fd)
+    if signal.SIGTERM in caught:
+        raise Terminated()
+    if signal.SIGINT in caught:
+        raise KeyboardInterrupt()
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    with contextlib.suppress(BlockingIOError):
+        while chunk := os.read(fd, 4096):
+            chunks.append(chunk)
+    return b"".join(chunks)
 
 
 @contextlib.contextmanager
