@@ -11,14 +11,15 @@ call this again once Ray is up, and start Ray inside `ray_start_signals()`, whic
 SIGTERM or Ctrl-C that arrives while Ray starts.
 
 A scheduler's stop (Slurm's `scancel`, a container runtime that signals every process) reaches every
-process of the job's process group, not only the driver. A private local Ray started
-inside `ray_in_own_session()` runs its processes (GCS, raylet, log monitor; the raylet forks the
-workers) in a session of their own, so such a signal reaches the driver alone and the run stops as for
-`kill <driver>` — the step in flight can be saved first, as the workers are still there. Left in the
+process of the job's process group, not only the driver. A private local Ray started inside
+`ray_in_own_session()` runs its processes (GCS, raylet, log monitor; the raylet forks the workers) in
+sessions of their own, so such a signal reaches the driver alone and the run stops as for
+`kill <driver>`: the step in flight can be saved first, the workers are still there. Left in the
 group, Ray died with the driver, which then waited 60 s for a GCS that was gone and exited 1 without
 naming a checkpoint. The processes still die with the driver, even on SIGKILL: Ray starts each one
-with PR_SET_PDEATHSIG (kernel fate-sharing), and the workers end when their raylet does. Ctrl-C in a
-terminal (SIGINT to the foreground group) reaches the driver alone in the same way.
+with PR_SET_PDEATHSIG (kernel fate-sharing), and the workers end when their raylet does; after
+`ray.shutdown()`, `kill_ray_sessions()` ends what is left in those sessions. Ctrl-C in a terminal
+(SIGINT to the foreground group) reaches the driver alone in the same way.
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ def catch_sigterm(trainer: Any | None = None) -> None:
 def ray_start_signals() -> Iterator[None]:
     """A SIGTERM (or Ctrl-C) while Ray starts stops the run like one at any other time: `Terminated`
     (exit 143 with its line) or KeyboardInterrupt. Ray's own SIGTERM handler ends the process with
-    `sys.exit(15)`, and Python drops an exception raised where it cannot propagate — in an at-fork hook
-    while Ray spawns a process — and the run went on. So the signals that arrive in this block are also
+    `sys.exit(15)`, and Python drops an exception raised where it cannot propagate (in an at-fork hook
+    while Ray spawns a process): the run went on. So the signals that arrive in this block are also
     read from Python's wakeup fd (each one a handler caught), and raised at its end if nothing did."""
     if threading.current_thread() is not threading.main_thread():  # only there can the fd be set
         yield
@@ -129,11 +130,12 @@ def ray_in_own_session() -> Iterator[None]:
         services.ConsolePopen = popen
 
 
-
 def kill_ray_sessions() -> None:
     """SIGKILL what is left in the sessions `ray_in_own_session` started, once `ray.shutdown()` is done:
     a run stopped while Ray starts leaves the raylet's agents behind, which watch their raylet only once
     up and wait 60 s for a GCS that is gone. (Linux never reuses a PID that is still a session's ID.)"""
+    if not _ray_sessions:  # no private Ray was started here
+        return
     for pid in (int(name) for name in os.listdir("/proc") if name.isdigit()):
         try:
             if os.getsid(pid) in _ray_sessions:
