@@ -61,15 +61,6 @@ def _validate(cfg: DictConfig, report: Report) -> ParallelLayout | None:
         return None
 
 
-def _target_device(cfg: DictConfig) -> str:
-    """The device the run would use: trainer.device, or (auto) this machine's (no device is opened)."""
-    if cfg.trainer.device in ("cpu", "cuda"):
-        return cfg.trainer.device
-    import torch  # noqa: PLC0415
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def _model(cfg: DictConfig, report: Report) -> Any:
     """The model's architecture line and its tokenizer (None when there is none to read)."""
     from rlsp.models.loading import read_model_config, tokenizer_problem  # noqa: PLC0415
@@ -171,13 +162,17 @@ def _files(cfg: DictConfig, layout: ParallelLayout | None, report: Report) -> An
     """Assets, preflight's checks and the model; returns the tokenizer (or None)."""
     from rlsp.trainer.preflight import preflight_errors, resolve_assets  # noqa: PLC0415
     from rlsp.trainer.trackers import check_trackers  # noqa: PLC0415
+    from rlsp.utils.device import target_device_type  # noqa: PLC0415
 
     try:
         resolve_assets(cfg)
     except (ValueError, OSError) as exc:
         report.problems.append(str(exc))
         return None
-    device = _target_device(cfg)
+    try:
+        device = target_device_type(cfg.trainer.device)  # the run's device, not necessarily this machine's
+    except ValueError:  # an illegal trainer.device: validation has listed it; check the rest as on cpu
+        device = "cpu"
     report.add("cluster", f"device: {device} (trainer.device={cfg.trainer.device}; nothing is opened here)")
     report.problems += preflight_errors(cfg, layout, device)
     try:

@@ -26,15 +26,22 @@ HOST_BACKEND = "gloo"
 DEVICE_BACKENDS = {"cuda": "nccl"}
 
 
-def resolve_device_type(requested: str) -> str:
-    """trainer.device -> the device type this process computes on ('cpu' or 'cuda')."""
+def target_device_type(requested: str) -> str:
+    """trainer.device -> the device type a run asks for ('auto': this machine's), without requiring
+    that device here (`python -m rlsp.check` describes runs meant for other machines)."""
     if requested == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if requested not in DEVICE_TYPES:
         raise ValueError(f"trainer.device={requested!r}; legal values: {['auto', *DEVICE_TYPES]}")
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
     return requested
+
+
+def resolve_device_type(requested: str) -> str:
+    """trainer.device -> the device type this process computes on ('cpu' or 'cuda'); it must be here."""
+    device_type = target_device_type(requested)
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
+    return device_type
 
 
 def backend_for(device_type: str) -> str:
