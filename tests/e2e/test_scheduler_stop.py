@@ -22,7 +22,7 @@ import time
 import uuid
 
 import pytest
-from test_faults import _cmdline, _marked, _steps, _wait_for
+from test_faults import _assert_nothing_left, _cmdline, _marked, _steps, _wait_for
 
 from rlsp.trainer.checkpoint import damaged_file
 from rlsp.trainer.stopping import Terminated, ray_start_signals
@@ -54,18 +54,6 @@ def _signal_group(proc: subprocess.Popen, signum: int) -> tuple[str, float]:
     return err, time.monotonic() - t0
 
 
-def _assert_nothing_left(marker: str, grace: float = 5.0) -> None:
-    """No process of the run (driver, Ray's processes, workers: all carry the marker) outlives it by
-    more than `grace` seconds."""
-    try:
-        _wait_for(lambda: not _marked(marker), grace, "the run's processes to end")
-    except TimeoutError:
-        left = {p: _cmdline(p) for p in _marked(marker)}
-        for pid in left:
-            os.kill(pid, signal.SIGKILL)
-        raise AssertionError(f"processes left behind: {left}") from None
-
-
 def _saved(run_dir: str) -> int:
     pointer = os.path.join(run_dir, "latest_checkpointed_iteration.txt")
     return int(open(pointer).read()) if os.path.exists(pointer) else 0
@@ -93,7 +81,7 @@ def test_sigterm_to_the_process_group_ends_the_run_like_sigterm_to_the_driver(tm
         assert "SIGTERM: the step in flight finishes and is checkpointed" in err
         # the step in flight when the signal came (3, unless it came between step 2's save and its end)
         assert saved == _steps(run_dir) >= 2, (saved, _steps(run_dir))
-    _assert_nothing_left(marker)
+    _assert_nothing_left(marker, grace=5.0)
     print(f"SIGTERM to the group (save_on_preempt={save_on_preempt}): exit 143 after {elapsed:.2f}s, "
           f"checkpoint of step {saved}")
 
@@ -112,7 +100,7 @@ def test_a_group_signal_while_ray_starts_exits_with_its_line(tmp_path, signum, c
     assert proc.returncode == code, (proc.returncode, f"{elapsed:.1f}s", err[-3000:])
     assert f"{line}; no checkpoint was written" in err and "Traceback" not in err, err[-3000:]
     assert elapsed <= 15, f"took {elapsed:.1f}s to stop"
-    _assert_nothing_left(marker)
+    _assert_nothing_left(marker, grace=5.0)
     print(f"signal {signum} to the group while Ray starts: exit {code} after {elapsed:.2f}s")
 
 
