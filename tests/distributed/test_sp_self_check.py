@@ -21,8 +21,8 @@ def _install_broken_context() -> None:
     """Make rank 0 send rank 1 the wrong KV head: shapes still fit, numbers do not."""
     original = micro_module.build_sp_context
 
-    def broken(group, packed, num_q_heads, num_kv_heads, ring_group=None):
-        ctx = original(group, packed, num_q_heads, num_kv_heads, ring_group=ring_group)
+    def broken(group, packed, num_q_heads, num_kv_heads, **groups):
+        ctx = original(group, packed, num_q_heads, num_kv_heads, **groups)
         if group is not None and ctx.ulysses_rank == 0:
             kv = ctx.layout.kv_ranges
             ctx.layout = dataclasses.replace(ctx.layout, kv_ranges=(kv[0],) * len(kv))
