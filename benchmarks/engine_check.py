@@ -33,6 +33,7 @@ absolute holds with margin, while a wrong weight, head or mask moves logprobs by
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -119,13 +120,18 @@ def rollout_batch(vocab: int, prompt: int, response: int, seed: int = 0) -> Batc
                             "old_logprobs": old, "ref_logprobs": ref, "advantages": adv})
 
 
+def _master_params(role: ActorRole) -> list[torch.Tensor]:
+    """The sharded parameters the optimizer steps (the module's own list may hold the root's unsharded
+    compute-dtype views after a forward: FSDP keeps the root unsharded until backward)."""
+    return [p for group in role.engine.optimizer.param_groups for p in group["params"]]
+
+
 def _master_dtypes(role: ActorRole) -> list[str]:
-    """The dtypes of what the optimizer steps (the master weights)."""
-    return sorted({str(p.dtype) for group in role.engine.optimizer.param_groups for p in group["params"]})
+    return sorted({str(p.dtype) for p in _master_params(role)})
 
 
 def _shards_on_host(role: ActorRole) -> bool:
-    return all(getattr(p, "_local_tensor", p).device.type == "cpu" for p in role.engine.module.parameters())
+    return all(getattr(p, "_local_tensor", p).device.type == "cpu" for p in _master_params(role))
 
 
 def run_check(name: str, model_path: str, shape: str, device: torch.device,
@@ -135,7 +141,8 @@ def run_check(name: str, model_path: str, shape: str, device: torch.device,
     cfg = build_config(model_path, device.type, prompt, response, CHECKS[name])
     layout = validate_config(cfg)
     batch = rollout_batch(_vocab(model_path), prompt, response)
-    if device.type == "cuda":
+    if device.type == "cuda":  # the peak of this check alone (the previous check's role is gone)
+        gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     role = ActorRole(RoleContext(cfg, 0, layout, device, pad_token_id=0))
