@@ -31,6 +31,12 @@ REWARD_ON_ERROR = ("raise", "zero")
 TRUNCATIONS = ("error", "left", "right", "middle")
 # actor_rollout_ref.rollout.mode: verl's serving mode of the rollout engine.
 ROLLOUT_MODES = ("sync", "async")
+# actor_rollout_ref.rollout.multi_turn.format: how tool calls are written in model text (rlsp.agent.parsing).
+TOOL_CALL_FORMATS = ("hermes",)
+# actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side (verl's values).
+TRUNCATE_SIDES = ("left", "middle", "right")
+# actor_rollout_ref.rollout.agent.default_agent_loop: the built-in agent loops (more via agent_loop_config_path).
+AGENT_LOOPS = ("single_turn_agent", "tool_agent")
 # trainer.use_legacy_worker_impl: verl's choice between its two worker implementations.
 LEGACY_WORKER_IMPL = ("auto", "enable", "disable")
 # reward_model.reward_manager: rlsp's Scorer calls a reward function per row (verl's "naive").
