@@ -89,19 +89,23 @@ def _tokenizer(path: str, mtime: float) -> Any:
 
 
 @functools.lru_cache(maxsize=16)
-def _prompt_report(files: tuple[tuple[str, float], ...], tokenizer: Any, prompt_key: str, chat_template: bool) -> Any:
+def _prompt_report(files: tuple[tuple[str, float], ...], tokenizer: Any, prompt_key: str, chat_template: bool,
+                   agent: Any = None) -> Any:
     """Prompt lengths of `files` (paths with their mtimes), cached: repeated checks in one process (a
     notebook, the test of verl's commands) tokenize each dataset once."""
     from rlsp.data.dataset import prompt_report  # noqa: PLC0415
 
-    return prompt_report([f for f, _ in files], tokenizer, prompt_key, chat_template)
+    return prompt_report([f for f, _ in files], tokenizer, prompt_key, chat_template, agent)
 
 
-def _split(cfg: DictConfig, name: str, files: list[str], tokenizer: Any, report: Report) -> int | None:
+def _split(cfg: DictConfig, name: str, files: list[str], tokenizer: Any, report: Report,
+           agent: Any = None) -> int | None:
     """Report one data split; returns how many prompts training would keep (None: unknown)."""
     d, key = cfg.data, f"data.{name}_files"
     stamped = tuple((os.path.abspath(f), os.path.getmtime(f)) for f in files)
-    found = _prompt_report(stamped, tokenizer, d.prompt_key, bool(d.apply_chat_template))
+    found = _prompt_report(stamped, tokenizer, d.prompt_key, bool(d.apply_chat_template), agent)
+    if agent is not None:
+        _agent_section(cfg, name, found.agent_loops, tokenizer, report)
     report.problems += found.problems[:SHOWN_ROW_PROBLEMS]
     if len(found.problems) > SHOWN_ROW_PROBLEMS:
         report.problems.append(f"{key}: {len(found.problems) - SHOWN_ROW_PROBLEMS} more unreadable rows or files")
@@ -137,16 +141,35 @@ def _check_sources(cfg: DictConfig, key: str, sources: set[str], report: Report)
                                "reward.custom_function_path (verl: custom_reward_function.path)")
 
 
+def _agent_rows(cfg: DictConfig) -> Any:
+    """How rows render for agent loops (None: no agent loops, or tools that preflight reports as broken)."""
+    from rlsp.trainer.preflight_agent import agent_rows  # noqa: PLC0415
+
+    try:
+        return agent_rows(cfg)
+    except (ValueError, RuntimeError, TypeError):
+        return None
+
+
+def _agent_section(cfg: DictConfig, split: str, loops: dict[str, int], tokenizer: Any, report: Report) -> None:
+    from rlsp.trainer.preflight_agent import describe_agent, unknown_agent_loops  # noqa: PLC0415
+
+    report.problems += unknown_agent_loops(loops, f"data.{split}_files column agent_name")
+    if split == "train":
+        report.add("agent", *describe_agent(cfg, loops, tokenizer))
+
+
 def _data(cfg: DictConfig, tokenizer: Any, report: Report) -> int | None:
     """Both splits; returns the training prompts and writes the run length into cfg (verl's rule)."""
     if tokenizer is None:
         report.add("data", "not read: no tokenizer to count prompt tokens with")
         return None
+    agent = _agent_rows(cfg)
     train = [f for f in cfg.data.train_files if os.path.isfile(f)]
-    kept = _split(cfg, "train", train, tokenizer, report) if train else None
+    kept = _split(cfg, "train", train, tokenizer, report, agent) if train else None
     val = [f for f in cfg.data.val_files or [] if os.path.isfile(f)]
     if val:
-        _split(cfg, "val", val, tokenizer, report)
+        _split(cfg, "val", val, tokenizer, report, agent)
     if kept is None:
         return None
     errors = run_length_errors(cfg, kept)

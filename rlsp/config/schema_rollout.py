@@ -24,8 +24,40 @@ class ValKwargsConfig:
 
 @dataclass
 class MultiTurnConfig:
-    enable: bool = False  # multi-turn tool rollouts: not implemented (true is refused)
-    format: str = "hermes"  # tool-call format of multi-turn rollouts (read only with enable=true)
+    """Multi-turn rollouts through agent loops, with tools (verl's keys; docs/agents.md)."""
+
+    enable: bool = False  # rows run through agent loops (agent.default_agent_loop or the row's agent_name)
+    max_assistant_turns: int | None = None  # None: until the model stops calling tools or the budget ends
+    max_user_turns: int | None = None  # tool/observation turns; None: no limit
+    tool_config_path: str | None = None  # verl's tool YAML (tools: [{class_name, config, tool_schema}])
+    function_tool_path: str | None = None  # a Python file: every public typed function in it is a tool
+    max_parallel_calls: int = 1  # tool calls executed per assistant turn (more are answered with an error)
+    max_tool_response_length: int = 256  # characters of one tool response (verl's unit)
+    tool_response_truncate_side: str = "middle"  # left | middle | right: which part of a long response is cut
+    format: str = "hermes"  # how tool calls are written: hermes (<tool_call>{json}</tool_call>)
+    interaction_config_path: str | None = None  # verl's simulated-user interactions: null only (write an agent loop)
+    use_inference_chat_template: bool = False  # true or false: rlsp never re-renders a trajectory (the generated ids train)
+    tokenization_sanity_check_mode: str = "strict"  # strict | ignore_strippable | disable: nothing to check in rlsp (no re-tokenization)
+    num_repeat_rollouts: int | None = None  # verl's interaction repeats: null only
+    tool_timeout_s: float = 30.0  # rlsp's: seconds one tool call may take before it is answered with an error
+    max_tokens_per_turn: int | None = None  # rlsp's: new tokens per assistant turn; None = what is left of data.max_response_length
+    use_step_rewards: bool = False  # rlsp's: tool step rewards join the reward at the end of the turn that earned them
+
+
+@dataclass
+class CustomAsyncServerConfig:
+    path: str | None = None  # verl's own server class: null only (rlsp's engine runs in-process)
+    name: str | None = None
+
+
+@dataclass
+class AgentLoopConfig:
+    """Agent loops (verl's rollout.agent.*; docs/agents.md)."""
+
+    num_workers: int = 8  # verl's agent-loop workers; rlsp runs every trajectory of a worker concurrently on one event loop, so any value >= 1 behaves alike
+    default_agent_loop: str = "single_turn_agent"  # the loop of rows without agent_name: single_turn_agent | tool_agent | a registered name
+    agent_loop_config_path: str | None = None  # YAML list of {name, _target_} registering user loops
+    custom_async_server: CustomAsyncServerConfig = field(default_factory=CustomAsyncServerConfig)
 
 
 @dataclass
@@ -43,9 +75,10 @@ class RolloutConfig:
     log_prob_use_dynamic_bsz: bool = II("actor_rollout_ref.actor.use_dynamic_bsz")  # old-logprob pass: token-budget micro-batches (the actor's setting unless set)
     log_prob_max_token_len_per_gpu: int = II("actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
-    mode: str = "sync"  # sync | async (verl's serving mode); rlsp's engine runs in-process in each worker and generates the same single-turn samples in both
+    mode: str = "sync"  # sync | async (verl's serving mode); rlsp's engine runs in-process in each worker and generates the same samples in both (multi-turn too)
     free_cache_engine: bool = True  # free the engine's KV cache and weights while training (GPU); rlsp always does: true only
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    agent: AgentLoopConfig = field(default_factory=AgentLoopConfig)
     ignore_eos: bool = False  # sample max_response_length tokens even past EOS (fixed-length benchmarks; vllm only)
     load_format: str = "auto"  # vLLM's first weights: auto | safetensors (read model.path) | dummy (random; synced from the actor before generating)
     layered_summon: bool = True  # weight sync gathers one parameter at a time (finer than per layer); false (whole-model gather) is refused

@@ -23,6 +23,7 @@ from rlsp.config.choices import (
     choice_error,
 )
 from rlsp.config.layout import CRITIC_ESTIMATORS, ParallelLayout, RoleLayout, World
+from rlsp.config.validate_agent import check_multi_turn
 from rlsp.config.validate_async import check_async, check_off_policy
 from rlsp.config.validate_gpu_memory import check_gpu_memory
 from rlsp.config.validate_keys import check_known_keys
@@ -284,6 +285,7 @@ def validate_config(cfg: Any) -> ParallelLayout:
     check_lora(cfg, layout, errors)
     check_rollout_loading(cfg, errors)
     check_verl_keys(cfg, errors)
+    check_multi_turn(cfg, errors)
     if errors:
         raise ValueError("invalid rlsp config:\n  - " + "\n  - ".join(errors))
     assert layout is not None

@@ -62,9 +62,6 @@ def _check_fixed(cfg: Any, errors: list[str]) -> None:
     if not arr.rollout.free_cache_engine:
         errors.append("actor_rollout_ref.rollout.free_cache_engine=false is not supported: rlsp always frees the rollout "
                       "engine's KV cache and weights while the colocated trainer runs; legal values: [true]")
-    if arr.rollout.multi_turn.enable:
-        errors.append("actor_rollout_ref.rollout.multi_turn.enable=true is not supported: multi-turn (tool) rollouts are "
-                      "not implemented in rlsp; legal values: [false]")
     if arr.model.use_shm and cfg.trainer.nnodes > 1:
         errors.append(f"actor_rollout_ref.model.use_shm=true with trainer.nnodes={cfg.trainer.nnodes}: rlsp copies the "
                       "model into the driver node's /dev/shm, which other nodes cannot read; legal: use_shm=false, or "

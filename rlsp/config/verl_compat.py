@@ -72,7 +72,7 @@ VERL_NOTES = {
                                        "there (one node; refused with trainer.nnodes > 1)",
     "*.strategy": "fsdp or fsdp2: both run rlsp's FSDP2 engine (megatron is refused)",
     "actor_rollout_ref.rollout.mode": "sync or async: rlsp's engine runs in-process in every worker and generates "
-                                      "the same single-turn samples either way",
+                                      "the same samples either way (agent loops too)",
     "actor_rollout_ref.ref.fsdp_config.param_offload": "the reference's FSDP2 CPUOffloadPolicy (no effect on cpu); with "
                                                        "LoRA no effect at all: the reference is the actor's engine with "
                                                        "the adapters off, sharing the base weights that "
@@ -87,8 +87,15 @@ VERL_NOTES = {
                                     "optimizer_offload say",
     "actor_rollout_ref.rollout.free_cache_engine": "true only: rlsp always frees the engine's KV cache and weights "
                                                    "while training (GPU)",
-    "actor_rollout_ref.rollout.multi_turn.*": "multi_turn.enable=false only (multi-turn tool rollouts are not "
-                                              "implemented); format is read only when enabled",
+    "actor_rollout_ref.rollout.multi_turn.*": "verl's meaning: multi-turn rollouts through agent loops with tools "
+                                              "(tool YAML, function tools, hermes calls, turn limits, tool response "
+                                              "truncation); interaction_config_path and num_repeat_rollouts null "
+                                              "only; use_inference_chat_template and tokenization_sanity_check_mode "
+                                              "any legal value (rlsp never re-renders a trajectory: the generated "
+                                              "ids train); docs/agents.md",
+    "actor_rollout_ref.rollout.agent.*": "verl's meaning: default_agent_loop, agent_loop_config_path ({name, "
+                                         "_target_} entries); num_workers any value >= 1 (every trajectory of a "
+                                         "worker runs concurrently on one event loop); custom_async_server null only",
     "actor_rollout_ref.rollout.val_kwargs.*": "validation sampling, verl's meaning (n samples per prompt, greedy "
                                               "unless do_sample)",
     "*.optim.lr_warmup_steps*": "verl's rule: lr_warmup_steps training steps, else ratio x total_training_steps; "

@@ -83,3 +83,18 @@ class Batch:
         self.meta.update(other.meta)
         self.info.update(other.info)
         return self
+
+
+def response_lengths(batch: Batch) -> list[int]:
+    """Tokens after the prompt of every row: the whole trajectory, tool output included (multi-turn rows
+    have zeros in `response_mask` where the policy did not write)."""
+    width = batch["response_mask"].shape[1]
+    return batch["attention_mask"][:, -width:].sum(-1).long().tolist()
+
+
+def last_policy_token(response_mask_BR: torch.Tensor) -> torch.Tensor:
+    """[B] index of each row's last token with mask 1 (0 for a row without any): where outcome rewards go."""
+    R = response_mask_BR.shape[1]
+    positions_BR = torch.arange(R, device=response_mask_BR.device).expand_as(response_mask_BR)
+    return torch.where(response_mask_BR > 0, positions_BR, torch.full_like(positions_BR, -1)).max(-1).values.clamp_min(0)
+

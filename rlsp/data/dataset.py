@@ -67,11 +67,23 @@ def _messages(prompt: Any, chat_template: bool = True) -> list[dict[str, Any]] |
     raise ValueError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}: {prompt!r}")
 
 
-def _render(prompt: Any, tokenizer: Any, chat_template: bool = True) -> str:
+@dataclass(frozen=True)
+class AgentRows:
+    """Rows run through agent loops: the loop of rows without an `agent_name` column value, and the tools'
+    schemas, which the chat template renders into the prompts of rows whose loop is not single_turn_agent."""
+
+    default_loop: str
+    tools: tuple[dict[str, Any], ...] = field(default=(), hash=False)  # dicts: compared, not hashed
+
+    def loop_of(self, row: dict[str, Any]) -> str:
+        return str(row.get("agent_name") or self.default_loop)
+
+
+def _render(prompt: Any, tokenizer: Any, chat_template: bool = True, tools: list[dict[str, Any]] | None = None) -> str:
     messages = _messages(prompt, chat_template)
     if messages is None:
         return prompt  # a completion prompt, tokenized as written
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
 
 
 class PromptDataset:
@@ -86,6 +98,7 @@ class PromptDataset:
         filter_overlong: bool = True,
         chat_template: bool = True,
         truncation: str = "error",
+        agent: AgentRows | None = None,
     ) -> None:
         if truncation not in TRUNCATIONS:
             raise ValueError(f"truncation={truncation!r} is not supported; legal values: {list(TRUNCATIONS)}")
@@ -95,7 +108,7 @@ class PromptDataset:
         self.items: list[dict[str, Any]] = []
         dropped = 0
         for row_index, row in enumerate(frame.to_dict(orient="records")):
-            item = self._make_item(_plain(row), row_index, prompt_key, tokenizer, chat_template)
+            item = self._make_item(_plain(row), row_index, prompt_key, tokenizer, chat_template, agent)
             if len(item["prompt_ids"]) > max_prompt_length:
                 if filter_overlong:
                     dropped += 1
@@ -112,15 +125,17 @@ class PromptDataset:
             log.warning("dropped %d of %d prompts longer than %d tokens (%s)", dropped, len(frame), max_prompt_length, paths)
         self.num_filtered = dropped
         if not self.items:
-            longest = max(len(self._make_item(_plain(r), 0, prompt_key, tokenizer, chat_template)["prompt_ids"])
+            longest = max(len(self._make_item(_plain(r), 0, prompt_key, tokenizer, chat_template, agent)["prompt_ids"])
                           for r in frame.head(64).to_dict(orient="records"))
             raise ValueError(f"none of the {len(frame)} prompts of {paths} fits data.max_prompt_length="
                              f"{max_prompt_length} (the first ones are up to {longest} tokens); raise it")
 
     @staticmethod
     def _make_item(row: dict[str, Any], row_index: int, prompt_key: str, tokenizer: Any,
-                   chat_template: bool = True) -> dict[str, Any]:
-        text = _render(row[prompt_key], tokenizer, chat_template)
+                   chat_template: bool = True, agent: AgentRows | None = None) -> dict[str, Any]:
+        loop = agent.loop_of(row) if agent is not None else None
+        tools = list(agent.tools) if agent is not None and loop != "single_turn_agent" else None
+        text = _render(row[prompt_key], tokenizer, chat_template, tools)
         reward_model = row.get("reward_model") or {}
         extra_info = row.get("extra_info") or {}
         return {
@@ -131,6 +146,7 @@ class PromptDataset:
             "ground_truth": str(reward_model.get("ground_truth", "")),
             "extra_info": extra_info,
             "index": int(extra_info.get("index", row_index)),
+            "agent_name": loop,  # the agent loop of the row (None: no agent loops in this run)
         }
 
     def __len__(self) -> int:
@@ -179,13 +195,14 @@ class PromptReport:
     missing_columns: list[str] = field(default_factory=list)  # optional verl columns no file has
     sources: set[str] = field(default_factory=set)  # data_source values (they pick the rule reward)
     problems: list[str] = field(default_factory=list)  # unreadable files, rows that cannot be rendered
+    agent_loops: dict[str, int] = field(default_factory=dict)  # rows per agent loop (runs with agent loops)
 
     def overlong(self, limit: int) -> int:
         return sum(n > limit for n in self.lengths)
 
 
 def prompt_report(files: Sequence[str], tokenizer: Any, prompt_key: str = "prompt",
-                  chat_template: bool = True) -> PromptReport:
+                  chat_template: bool = True, agent: AgentRows | None = None) -> PromptReport:
     """Rows, prompt token lengths and missing columns of `files`, collecting every problem."""
     report, seen = PromptReport(), set()
     for path in files:
@@ -197,12 +214,14 @@ def prompt_report(files: Sequence[str], tokenizer: Any, prompt_key: str = "promp
         seen.update(frame.columns)
         for row_index, row in enumerate(frame.to_dict(orient="records")):
             try:
-                item = PromptDataset._make_item(_plain(row), row_index, prompt_key, tokenizer, chat_template)
+                item = PromptDataset._make_item(_plain(row), row_index, prompt_key, tokenizer, chat_template, agent)
             except (ValueError, TypeError, AttributeError) as exc:
                 report.problems.append(f"{path} row {row_index}: {exc}")
                 continue
             report.lengths.append(len(item["prompt_ids"]))
             report.sources.add(item["data_source"])
+            if item["agent_name"] is not None:
+                report.agent_loops[item["agent_name"]] = report.agent_loops.get(item["agent_name"], 0) + 1
         report.rows += len(frame)
     report.missing_columns = [c for c in OPTIONAL_COLUMNS if seen and c not in seen]
     return report

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from rlsp.data.batch import Batch
+from rlsp.data.batch import Batch, response_lengths
 
 
 def same_tokenizer(a: Any, b: Any) -> bool:
@@ -30,7 +30,7 @@ def _texts(batch: Batch, prompt_len: int, policy_tok: Any, rm_tok: Any) -> list[
     """Each sample in the reward model's format: its chat template over messages + response, or the
     decoded prompt and response text of a completion prompt."""
     ids_BL, mask_BL = batch["input_ids"], batch["attention_mask"]
-    lengths = batch["response_mask"].sum(-1).long().tolist()
+    lengths = response_lengths(batch)
     messages = batch.meta.get("messages") or [None] * len(batch)
     texts = []
     for b in range(len(batch)):

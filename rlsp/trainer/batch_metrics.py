@@ -9,7 +9,7 @@ import torch
 
 from rlsp.algos.aggregation import masked_mean
 from rlsp.algos.value_loss import explained_variance
-from rlsp.data.batch import Batch
+from rlsp.data.batch import Batch, response_lengths
 
 
 def _mean(x: torch.Tensor, mask: torch.Tensor) -> float:
@@ -18,7 +18,7 @@ def _mean(x: torch.Tensor, mask: torch.Tensor) -> float:
 
 def compute_batch_metrics(batch: Batch, scores: np.ndarray, step_s: float) -> dict[str, float]:
     mask = batch["response_mask"]
-    lengths = mask.sum(-1)
+    lengths = torch.tensor(response_lengths(batch), dtype=torch.float32)  # whole trajectories (multi-turn too)
     tokens = float(batch["attention_mask"].sum())
     metrics = {
         "reward/mean": float(scores.mean()), "reward/max": float(scores.max()), "reward/min": float(scores.min()),
@@ -34,7 +34,37 @@ def compute_batch_metrics(batch: Batch, scores: np.ndarray, step_s: float) -> di
         metrics.update({"rollout/logprob_diff": _mean(diff, mask), "rollout/logprob_diff_max": float(diff.max())})
     if "values" in batch:
         metrics.update(_critic_metrics(batch, mask))
+    metrics.update(compute_agent_metrics(batch))
     return metrics
+
+
+AGENT_MAX_KEYS = ("agent/num_turns", "agent/tool_turns", "agent/tool_calls", "agent/tool_latency_s")
+
+
+def compute_agent_metrics(batch: Batch) -> dict[str, float]:
+    """Agent-loop rollouts: per-trajectory counts as mean/max, the engine's busy/idle seconds summed over
+    workers (each row carries an even share of its worker's), rates of tool errors and parse failures."""
+    rows = batch.meta.get("agent_metrics")
+    if not rows:
+        return {}
+    out: dict[str, float] = {}
+    for key in sorted(set().union(*rows)):
+        values = np.asarray([float(r.get(key, 0.0)) for r in rows])
+        if key.startswith("agent/engine_"):
+            out[key] = float(values.sum())
+        else:
+            out[f"{key}/mean"] = float(values.mean())
+            if key in AGENT_MAX_KEYS:
+                out[f"{key}/max"] = float(values.max())
+    busy, idle = out.get("agent/engine_busy_s", 0.0), out.get("agent/engine_idle_s", 0.0)
+    out["agent/engine_idle_frac"] = idle / (busy + idle) if busy + idle > 0 else 0.0
+    calls = out.get("agent/tool_calls/mean", 0.0)
+    if calls > 0:
+        out["agent/tool_error_rate"] = out.get("agent/tool_errors/mean", 0.0) / calls
+    out["agent/parse_error_rate"] = out.get("agent/parse_errors/mean", 0.0) / max(out["agent/num_turns/mean"], 1e-9)
+    if "step_rewards" in batch:
+        out["agent/step_reward/mean"] = float(batch["step_rewards"].sum(-1).mean())
+    return out
 
 
 def _critic_metrics(batch: Batch, mask: torch.Tensor) -> dict[str, float]:

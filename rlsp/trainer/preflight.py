@@ -21,6 +21,7 @@ from rlsp.rewards.loader import load_custom_reward_fn
 from rlsp.rollout.support import check_rollout_support
 from rlsp.trainer.assets import copy_to_shm, resolve_data_files, resolve_model_path
 from rlsp.trainer.off_policy import check_rollout_correction_names
+from rlsp.trainer.preflight_agent import agent_errors
 from rlsp.trainer.preflight_reward import reward_model_errors
 from rlsp.utils.device import resolve_device_type
 from rlsp.utils.logging import get_logger
@@ -148,4 +149,12 @@ def preflight_errors(cfg: DictConfig, layout: ParallelLayout | None, device_type
         except (ValueError, RuntimeError, FileNotFoundError, AttributeError, TypeError) as exc:
             errors.append(str(exc))
     errors += reward_model_errors(cfg)
+    if os.path.isdir(cfg.actor_rollout_ref.model.path):  # else _check_model named the missing model
+        errors += agent_errors(cfg, _policy_tokenizer(cfg))
     return errors
+
+
+def _policy_tokenizer(cfg: DictConfig) -> Any:
+    from transformers import AutoTokenizer  # noqa: PLC0415 -- only runs with agent loops need it here
+
+    return AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.path)

@@ -27,10 +27,11 @@ from rlsp.data.balance import balanced_order
 from rlsp.data.batch import Batch
 from rlsp.data.dataset import PromptDataset, iterate_batches
 from rlsp.engine.export import export_hf
-from rlsp.trainer.batch_metrics import check_finite, compute_batch_metrics
+from rlsp.trainer.batch_metrics import check_finite, compute_agent_metrics, compute_batch_metrics
 from rlsp.trainer.checkpoint import CheckpointWriter, TrainerState, latest_checkpoint, read_metrics_lines
 from rlsp.trainer.metrics import MetricsLogger
 from rlsp.trainer.off_policy import apply_rollout_correction, rollout_correction_settings, uses_rollout_logprobs
+from rlsp.trainer.preflight_agent import agent_rows, check_agent_names
 from rlsp.trainer.progress import RunProgress
 from rlsp.trainer.reward_workers import build_scorer
 from rlsp.trainer.scoring import apply_rm_scores
@@ -54,6 +55,7 @@ def _prompt_batch(items: list[dict[str, Any]], uids: list[str] | None = None) ->
             "extra_info": [it.get("extra_info") for it in items],
             "index": [it.get("index") for it in items],
             "messages": [it.get("messages") for it in items],  # chat turns, for a reward model's own template
+            "agent_name": [it.get("agent_name") for it in items],  # the agent loop of each row (None: single turn)
         },
     )
 
@@ -63,13 +65,15 @@ class RayTrainer:
         self.cfg, self.layout = cfg, layout
         self.run_dir = cfg.trainer.default_local_dir
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.path)
-        d = cfg.data
+        d, agent = cfg.data, agent_rows(cfg)
         def dataset(files: Any) -> PromptDataset:
             return PromptDataset(files, self.tokenizer, d.max_prompt_length, d.prompt_key, d.filter_overlong_prompts,
-                                 chat_template=d.apply_chat_template, truncation=d.truncation)
+                                 chat_template=d.apply_chat_template, truncation=d.truncation, agent=agent)
 
         self.train_set = dataset(d.train_files)
         self.val_set = dataset(d.val_files) if d.val_files else None
+        if agent is not None:
+            check_agent_names(cfg, [self.train_set, self.val_set])
         resolve_total_steps(cfg, len(self.train_set))  # verl's rule; from here on the config holds the run length
         # reward_model.num_workers > 1: rule scoring in that many Ray actors (verl's reward-loop workers).
         self.scorer = build_scorer(cfg.reward_model.num_workers, self.tokenizer, cfg.actor_rollout_ref.model.path,
@@ -234,7 +238,11 @@ class RayTrainer:
         """token_level_scores of the rows: the reward model's scores with reward_model.enable (verl's rule: they
         replace the rule rewards in training), else each row's rule/custom reward; returns the per-row scores."""
         if self.layout.reward_model is None:
-            return self.scorer.score_rows(batch)
+            scores = self.scorer.score_rows(batch)
+            if self.cfg.actor_rollout_ref.rollout.multi_turn.use_step_rewards and "step_rewards" in batch:
+                # Tool step rewards at the end of the turn that earned them (rlsp/workers/agent_rollout.py).
+                batch.set("token_level_scores", batch["token_level_scores"] + batch["step_rewards"] * batch["response_mask"])
+            return scores
         rm = self.reward_servers
         batch.update(rm.compute_rm_score(batch) if rm is not None else self.wg.call("reward_model", "compute_rm_score", batch))
         self.scorer.last_errors = 0
@@ -253,8 +261,9 @@ class RayTrainer:
         batch = self.rollout_wg.call("rollout", "generate", _prompt_batch(padded), sampling)
         batch = batch.select_rows(slice(0, len(items) * sampling["n"]))  # each prompt's samples are contiguous
         scores = self.scorer.score_rows(batch)
+        agent = {f"val/{k}": v for k, v in compute_agent_metrics(batch).items()}
         return {"val/accuracy": float((scores >= 1.0).mean()), "val/reward_mean": float(scores.mean()),
-                "val/num_prompts": float(len(items)), "val/num_samples": float(len(scores))}
+                "val/num_prompts": float(len(items)), "val/num_samples": float(len(scores)), **agent}
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> list[dict[str, Any]]:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlsp.data.batch import Batch
+from rlsp.data.batch import Batch, last_policy_token, response_lengths
 from rlsp.rewards.loader import load_custom_reward_fn
 from rlsp.rewards.registry import get_reward_fn
 from rlsp.utils.logging import get_logger
@@ -40,7 +40,7 @@ class Scorer:
 
     def decode_responses(self, batch: Batch) -> list[str]:
         P = batch["input_ids"].shape[1] - batch["response_mask"].shape[1]
-        lengths = batch["response_mask"].sum(-1).long().tolist()
+        lengths = response_lengths(batch)  # multi-turn: every turn, tool output included (as verl decodes)
         ids = batch["input_ids"][:, P:]
         return [self.tokenizer.decode(ids[i, : lengths[i]].tolist(), skip_special_tokens=True) for i in range(len(batch))]
 
@@ -75,8 +75,7 @@ class Scorer:
         scores = [self._score_one(*row) for row in zip(sources, texts, truths, extras, indices)]
         mask = batch["response_mask"]
         token_scores = torch.zeros_like(mask)
-        last = (mask.sum(-1).long() - 1).clamp_min(0)
-        token_scores[torch.arange(len(batch)), last] = torch.tensor(scores, dtype=mask.dtype)
+        token_scores[torch.arange(len(batch)), last_policy_token(mask)] = torch.tensor(scores, dtype=mask.dtype)
         batch.set("token_level_scores", token_scores * mask)
         return np.asarray(scores, dtype=np.float64)
 

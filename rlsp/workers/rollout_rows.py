@@ -19,8 +19,12 @@ def build_rollout_rows(
     pad_id: int,
     token_versions: list[list[int]] | None = None,
     version: int = 0,
+    response_masks: list[list[int]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Rows [N, P+R]: input_ids, attention_mask, position_ids; [N, R]: response_mask, rollout_logprobs.
+
+    `response_masks` (multi-turn: 1 on the policy's own tokens, 0 on tool output and template tokens)
+    default to 1 on every response token; attention covers every token either way.
 
     With `token_versions` (the policy version that generated each response token) also [N, R]
     token_version (NO_VERSION on padding) and [N] policy_version / policy_version_max: the oldest and
@@ -41,6 +45,12 @@ def build_rollout_rows(
             rollout_logprobs[i, : len(resp)] = torch.tensor(lps, dtype=torch.float32)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp_min(0)
     response_mask = attention_mask[:, P:].to(torch.float32)
+    if response_masks is not None:
+        for i, mask in enumerate(response_masks):
+            if len(mask) != len(response_ids[i]):
+                raise ValueError(f"sample {i}: {len(mask)} mask entries for {len(response_ids[i])} response tokens")
+            if mask:
+                response_mask[i, : len(mask)] = torch.tensor(mask, dtype=torch.float32)
     rows = {
         "input_ids": input_ids,
         "attention_mask": attention_mask,

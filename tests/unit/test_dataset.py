@@ -74,7 +74,9 @@ def test_dataset_reads_generated_parquet(tmp_path, tokenizer) -> None:
     ds = PromptDataset([train_path, test_path], tokenizer, max_prompt_length=64)
     assert len(ds) == 64 + 9
     item = ds[0]
-    assert set(item) == {"prompt_ids", "prompt_text", "messages", "data_source", "ground_truth", "extra_info", "index"}
+    assert set(item) == {"prompt_ids", "prompt_text", "messages", "data_source", "ground_truth", "extra_info", "index",
+                         "agent_name"}
+    assert item["agent_name"] is None  # no agent loops in this run
     frame = pd.read_parquet(train_path)
     content = frame.iloc[0]["prompt"][0]["content"]
     assert item["messages"] == [{"role": "user", "content": content}]  # for a reward model's own chat template

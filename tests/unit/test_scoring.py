@@ -25,7 +25,7 @@ def _reward_file(tmp_path, body: str) -> str:
 def _batch(n: int = 3) -> Batch:
     tok = build_char_tokenizer()
     ids = torch.tensor([tok.encode("12", add_special_tokens=False)] * n)
-    return Batch.from_dict({"input_ids": ids, "response_mask": torch.ones(n, ids.shape[1])},
+    return Batch.from_dict({"input_ids": ids, "attention_mask": torch.ones_like(ids), "response_mask": torch.ones(n, ids.shape[1])},
                            meta={"data_source": ["src"] * n, "ground_truth": ["3"] * n,
                                  "extra_info": [{"index": 10 + i} for i in range(n)], "index": [10 + i for i in range(n)]})
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoTokenizer
 
-from rlsp.data.batch import Batch
+from rlsp.data.batch import Batch, last_policy_token
 from rlsp.data.rm_inputs import render_for_reward_model, same_tokenizer
 from rlsp.engine.fsdp_engine import FSDPEngine
 from rlsp.models.reward import RewardModel, load_reward_model
@@ -38,9 +38,9 @@ def build_reward_engine(ctx: RoleContext) -> FSDPEngine:
 
 
 def place_on_last_token(scores_B: torch.Tensor, response_mask_BR: torch.Tensor) -> torch.Tensor:
-    """[B, R] zeros with each row's score on its last response token (none for an empty response)."""
+    """[B, R] zeros with each row's score on its last policy token (none for an empty response)."""
     out_BR = torch.zeros_like(response_mask_BR, dtype=torch.float32)
-    last_B = (response_mask_BR.sum(-1).long() - 1).clamp_min(0)
+    last_B = last_policy_token(response_mask_BR)
     out_BR[torch.arange(len(scores_B)), last_B] = scores_B.float()
     return out_BR * response_mask_BR
 

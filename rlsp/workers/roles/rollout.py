@@ -1,5 +1,8 @@
 """RolloutRole: this rank's in-process generation engine (vLLM, or HF generate as a fallback).
 
+With agent loops (`multi_turn.enable`, or a verl agent-loop command) every sample runs through its row's
+loop (rlsp.agent; rows built in rlsp/workers/agent_rollout.py); otherwise one generate call per batch.
+
 With rollout tensor parallelism (`actor_rollout_ref.rollout.tensor_model_parallel_size` = k) k
 consecutive ranks run one vLLM engine together, each holding 1/k of the weights: they get the same
 prompts (`generate` is dispatched by dp group of the rollout layout, one group per engine), the same
@@ -10,7 +13,7 @@ the role a weight feed (`follow_weights`), an object with `poll()` that returns 
 when the trainer has published weights newer than the ones this engine holds, else None. `generate`
 polls before it starts and between segments of `async_training.partial_rollout_segment_tokens` tokens
 (rlsp/rollout/segments.py), so a weight change reaches a running generation at the next segment
-boundary instead of queueing behind it. Every sample records the oldest (`policy_version`) and newest
+boundary instead of queueing behind it (with agent loops: at the next turn boundary). Every sample records the oldest (`policy_version`) and newest
 (`policy_version_max`) version among its tokens, and `token_version` the version of each token.
 """
 
@@ -22,9 +25,12 @@ from typing import Any, Protocol
 
 import torch
 
+from rlsp.agent.runner import AgentRunner
+from rlsp.config.validate_agent import agent_loops_enabled
 from rlsp.data.batch import Batch
 from rlsp.rollout import SamplingConfig, build_rollout_engine
 from rlsp.rollout.segments import SegmentedOutput, generate_in_segments
+from rlsp.workers.agent_rollout import agent_generate
 from rlsp.workers.context import RoleContext
 from rlsp.workers.dispatch import Dispatch, register
 from rlsp.workers.rollout_rows import build_rollout_rows
@@ -47,6 +53,13 @@ class RolloutRole:
             r.name, ctx.cfg.actor_rollout_ref.model.path, dtype=r.dtype, seed=ctx.cfg.trainer.seed + engine_rank,
             max_model_len=d.max_prompt_length + d.max_response_length, **self._engine_kwargs(),
         )
+        self.agent = self._agent_runner() if agent_loops_enabled(ctx.cfg) else None
+
+    def _agent_runner(self) -> AgentRunner:
+        from transformers import AutoTokenizer  # noqa: PLC0415 -- only agent loops decode and render turns here
+
+        tokenizer = AutoTokenizer.from_pretrained(self.cfg.actor_rollout_ref.model.path)
+        return AgentRunner(self.cfg.actor_rollout_ref.rollout, tokenizer)
 
     def _engine_kwargs(self) -> dict[str, Any]:
         r = self.cfg.actor_rollout_ref.rollout
@@ -72,16 +85,28 @@ class RolloutRole:
         prompt_ids: list[list[int]] = prompts.meta["prompt_ids"]
         t0 = time.perf_counter()
         self.engine.wake_up()
-        gen = self._generate(prompt_ids, cfg)
+        if self.agent is not None:
+            rows, meta = self._generate_agent(prompts, cfg)
+        else:
+            gen = self._generate(prompt_ids, cfg)
+            out = gen.out
+            rows = build_rollout_rows(
+                [prompt_ids[i] for i in out.prompt_index], out.response_ids, out.response_logprobs,
+                self.ctx.prompt_len, cfg.max_tokens, self.ctx.pad_token_id, gen.token_versions, self.version,
+            )
+            meta = {k: [v[i] for i in out.prompt_index] for k, v in prompts.meta.items() if k != "prompt_ids"}
         # Free the engine's accelerator memory for training (no-op on CPU); weight sync wakes it.
         self.engine.sleep()
-        out = gen.out
-        rows = build_rollout_rows(
-            [prompt_ids[i] for i in out.prompt_index], out.response_ids, out.response_logprobs,
-            self.ctx.prompt_len, cfg.max_tokens, self.ctx.pad_token_id, gen.token_versions, self.version,
-        )
-        meta = {k: [v[i] for i in out.prompt_index] for k, v in prompts.meta.items() if k != "prompt_ids"}
         return Batch.from_dict(rows, meta=meta, info={"gen_s": time.perf_counter() - t0})
+
+    def _generate_agent(self, prompts: Batch, cfg: SamplingConfig) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Agent loops (multi-turn): with a weight feed, newer weights are picked up at turn boundaries."""
+        on_boundary = None
+        if self.feed is not None:
+            self._pick_up_weights()
+            on_boundary = self._pick_up_weights
+        return agent_generate(self.agent, self.engine, prompts, cfg, (self.ctx.prompt_len, cfg.max_tokens),
+                              self.ctx.pad_token_id, self.version, on_boundary)
 
     def _generate(self, prompt_ids: list[list[int]], cfg: SamplingConfig) -> SegmentedOutput:
         """One-shot generation, or segment-wise with weight pick-ups when following a weight feed."""

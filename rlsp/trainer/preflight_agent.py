@@ -1,0 +1,102 @@
+"""Start-up checks of agent loops that need files: the tools (verl's tool YAML, function tools), the loops
+registered by `agent.agent_loop_config_path`, the chat template's turn structure, and the `agent_name`
+values of the data. Run in the driver before any worker starts (rlsp.main and rlsp.check).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from omegaconf import DictConfig
+
+from rlsp.agent.chat import ChatTokens
+from rlsp.agent.loop import registered_agent_loops
+from rlsp.agent.runner import load_agent_loop_config
+from rlsp.agent.tools.loading import load_tools, tool_schemas
+from rlsp.config.validate_agent import AGENT, agent_loops_enabled
+from rlsp.data.dataset import AgentRows
+from rlsp.utils.logging import get_logger
+
+log = get_logger("rlsp.preflight")
+
+
+def agent_rows(cfg: DictConfig) -> AgentRows | None:
+    """How the datasets render rows for agent loops (None: a run without them). Loads the tools."""
+    if not agent_loops_enabled(cfg):
+        return None
+    mt = cfg.actor_rollout_ref.rollout.multi_turn
+    tools = load_tools(mt.tool_config_path, mt.function_tool_path)
+    return AgentRows(str(cfg.actor_rollout_ref.rollout.agent.default_agent_loop), tuple(tool_schemas(tools)))
+
+
+def agent_errors(cfg: DictConfig, tokenizer: Any) -> list[str]:
+    """Every problem with the tools, the loop registry and the chat template of an agent-loop run."""
+    if not agent_loops_enabled(cfg):
+        return []
+    r, errors = cfg.actor_rollout_ref.rollout, []
+    tools: dict[str, Any] = {}
+    try:
+        tools = load_tools(r.multi_turn.tool_config_path, r.multi_turn.function_tool_path)
+    except (ValueError, RuntimeError, TypeError) as exc:
+        errors.append(str(exc))
+    if r.agent.agent_loop_config_path:
+        try:
+            load_agent_loop_config(r.agent.agent_loop_config_path)
+        except (ValueError, RuntimeError, TypeError) as exc:
+            errors.append(str(exc))
+    errors += unknown_agent_loops([r.agent.default_agent_loop], f"{AGENT}default_agent_loop")
+    try:
+        chat = ChatTokens(tokenizer, tool_schemas(tools) or None)
+        chat.end_of_turn_ids()
+        if tools and not chat.tools_rendered():
+            log.warning("the chat template of %s does not render tool schemas (tools=): describe the tools and the "
+                        "call format in the prompt yourself (docs/agents.md)", cfg.actor_rollout_ref.model.path)
+    except (ValueError, RuntimeError, TypeError, KeyError) as exc:
+        errors.append(f"multi-turn rollouts need a chat template with assistant turns: the tokenizer of "
+                      f"{cfg.actor_rollout_ref.model.path} gives {type(exc).__name__}: {exc}")
+    return errors
+
+
+def unknown_agent_loops(names: Iterable[str], where: str) -> list[str]:
+    """Errors for loop names nobody registered (`where` says whose names they are)."""
+    known = registered_agent_loops()
+    return [f"{where}: agent loop {name!r} is not registered; registered: {known} (register more with "
+            f"{AGENT}agent_loop_config_path)" for name in sorted(set(names)) if name not in known]
+
+
+def check_agent_names(cfg: DictConfig, datasets: Iterable[Any]) -> None:
+    """Refuse data rows whose `agent_name` no loop is registered under (loads agent_loop_config_path)."""
+    if cfg.actor_rollout_ref.rollout.agent.agent_loop_config_path:
+        load_agent_loop_config(cfg.actor_rollout_ref.rollout.agent.agent_loop_config_path)
+    names = {item["agent_name"] for data in datasets if data is not None for item in data.items}
+    errors = unknown_agent_loops(names, "data column agent_name")
+    if errors:
+        raise ValueError("invalid data:\n  - " + "\n  - ".join(errors))
+
+
+def describe_agent(cfg: DictConfig, rows_per_loop: dict[str, int], tokenizer: Any) -> list[str]:
+    """What an agent-loop run will do, for `python -m rlsp.check`."""
+    r, budget = cfg.actor_rollout_ref.rollout, cfg.data.max_response_length
+    mt = r.multi_turn
+    counts = ", ".join(f"{name}: {n}" for name, n in sorted(rows_per_loop.items())) or "unknown"
+    lines = [f"agent loops: every sample runs its row's loop (agent_name; default {r.agent.default_agent_loop}); "
+             f"train rows per loop: {counts}"]
+    try:
+        tools = load_tools(mt.tool_config_path, mt.function_tool_path)
+    except (ValueError, RuntimeError, TypeError):
+        tools = {}  # agent_errors names the problem
+    lines.append(f"tools: {', '.join(tools) or 'none'}"
+                 + (f" (chat template {'renders' if ChatTokens(tokenizer, tool_schemas(tools)).tools_rendered() else 'does NOT render'} "
+                    "their schemas)" if tools and tokenizer is not None else ""))
+    turns = lambda n: "no limit" if n is None else str(n)  # noqa: E731
+    lines.append(f"turns: assistant {turns(mt.max_assistant_turns)}, tool {turns(mt.max_user_turns)}; each turn up to "
+                 f"{mt.max_tokens_per_turn or 'what is left of the budget'} new tokens; data.max_response_length="
+                 f"{budget} bounds the whole trajectory (every turn and all tool output)")
+    lines.append(f"tool calls: {mt.format} format, {mt.max_parallel_calls} per turn, {mt.tool_timeout_s:g} s each, "
+                 f"responses cut to {mt.max_tool_response_length} characters ({mt.tool_response_truncate_side})")
+    steps = ("added at the end of the turn that earned them" if mt.use_step_rewards else
+             "logged as agent/step_reward/mean, not trained on (multi_turn.use_step_rewards=false)")
+    lines.append("rewards: the reward function sees the whole trajectory and extra_info num_turns, messages, "
+                 f"tool_calls, tool_rewards; tool step rewards are {steps}")
+    return lines
