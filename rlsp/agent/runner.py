@@ -57,10 +57,12 @@ def _import_target(target: str, where: str) -> Any:
         if not os.path.isfile(path):
             raise ValueError(f"{where}: _target_ {target!r}: no file {path!r}")
         module_name = f"rlsp_user_agent_{abs(hash(os.path.abspath(path)))}"
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        spec.loader.exec_module(module)
+        module = sys.modules.get(module_name)  # loaded once per process: its classes keep one identity
+        if module is None:
+            spec = importlib.util.spec_from_file_location(module_name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[module_name] = module
+            spec.loader.exec_module(module)
     else:
         module_name, _, name = target.rpartition(".")
         if not module_name:
