@@ -78,10 +78,14 @@ class ToolAgentLoop(AgentLoop):
                               truncate_side=s.tool_response_truncate_side, max_parallel_calls=s.max_parallel_calls)
         traj = _Trajectory(list(sample.prompt_ids), sample.max_response_tokens)
         log = _Log(messages=[dict(m) for m in (sample.messages or [])])
+        final = 0.0
         try:
             finish = await self._turns(traj, log, session)
         finally:
-            await session.close()
+            final = await session.close()  # each tool instance's calc_reward, then release
+        if final and 1 in traj.mask:  # the tools' final rewards join the last policy token's step reward
+            log.step_rewards.append((len(traj.mask) - 1 - traj.mask[::-1].index(1), final))
+            log.turn_rewards.append(final)
         return self._output(traj, log, session, finish)
 
     async def _turns(self, traj: _Trajectory, log: _Log, session: ToolSession) -> str:
@@ -132,9 +136,11 @@ class ToolAgentLoop(AgentLoop):
     def _output(self, traj: _Trajectory, log: _Log, session: ToolSession, finish: str) -> AgentLoopOutput:
         counts = session.counts
         errors = sum(v for k, v in counts.items() if k.startswith("errors/"))
-        metrics = {"agent/tool_errors": float(errors),"agent/assistant_turns": float(log.assistant_turns), "agent/tool_turns": float(log.tool_turns),
-                   "agent/parse_errors": float(log.parse_errors),
-                   **{f"agent/tool_{k}": float(v) for k, v in counts.items()}}
+        # Error kinds only where they happened: a trajectory without them counts 0 in the batch means.
+        metrics = {"agent/tool_errors": float(errors), "agent/assistant_turns": float(log.assistant_turns),
+                   "agent/tool_turns": float(log.tool_turns), "agent/parse_errors": float(log.parse_errors),
+                   **{f"agent/tool_{k}": float(v) for k, v in counts.items()
+                      if v or not (k.startswith("errors/") or k == "release_errors")}}
         extra = {"num_turns": log.assistant_turns, "messages": log.messages, "tool_calls": log.calls,
                  "tool_rewards": log.turn_rewards}
         return AgentLoopOutput(

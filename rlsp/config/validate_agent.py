@@ -78,12 +78,21 @@ def _check_combinations(cfg: Any, errors: list[str]) -> None:
                               f"(and {AGENT}default_agent_loop=tool_agent, or agent_name=tool_agent in the data)")
         return
     if r.tensor_model_parallel_size > 1:
-        errors.append(f"{MT}enable=true with actor_rollout_ref.rollout.tensor_model_parallel_size="
+        errors.append(f"agent loops ({_why(cfg)}) with actor_rollout_ref.rollout.tensor_model_parallel_size="
                       f"{r.tensor_model_parallel_size}: the ranks of one tp engine must issue identical generate "
                       "calls, and agent loops batch their turns as tools finish; legal: tensor_model_parallel_size=1")
     if r.ignore_eos:
-        errors.append(f"{MT}enable=true with actor_rollout_ref.rollout.ignore_eos=true: an assistant turn would never "
+        errors.append(f"agent loops ({_why(cfg)}) with actor_rollout_ref.rollout.ignore_eos=true: an assistant turn would never "
                       "end; legal: ignore_eos=false")
+
+
+def _why(cfg: Any) -> str:
+    r = cfg.actor_rollout_ref.rollout
+    if r.multi_turn.enable:
+        return f"{MT}enable=true"
+    if r.agent.default_agent_loop != "single_turn_agent":
+        return f"{AGENT}default_agent_loop={r.agent.default_agent_loop}"
+    return f"{AGENT}agent_loop_config_path={r.agent.agent_loop_config_path}"
 
 
 def check_multi_turn(cfg: Any, errors: list[str]) -> None:

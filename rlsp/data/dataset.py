@@ -76,7 +76,8 @@ class AgentRows:
     tools: tuple[dict[str, Any], ...] = field(default=(), hash=False)  # dicts: compared, not hashed
 
     def loop_of(self, row: dict[str, Any]) -> str:
-        return str(row.get("agent_name") or self.default_loop)
+        name = row.get("agent_name")  # absent, None, or NaN where a parquet column is set on some rows only
+        return name if isinstance(name, str) and name else self.default_loop
 
 
 def _render(prompt: Any, tokenizer: Any, chat_template: bool = True, tools: list[dict[str, Any]] | None = None) -> str:

@@ -46,16 +46,43 @@ def agent_errors(cfg: DictConfig, tokenizer: Any) -> list[str]:
         except (ValueError, RuntimeError, TypeError) as exc:
             errors.append(str(exc))
     errors += unknown_agent_loops([r.agent.default_agent_loop], f"{AGENT}default_agent_loop")
+    errors += _template_errors(cfg, tokenizer, tools)
+    return errors
+
+
+def _template_errors(cfg: DictConfig, tokenizer: Any, tools: dict[str, Any]) -> list[str]:
+    """The chat template must end assistant turns with a token the engine stops at, and render tool turns
+    after them without rewriting the history (what observation ids are cut from)."""
+    path = cfg.actor_rollout_ref.model.path
     try:
         chat = ChatTokens(tokenizer, tool_schemas(tools) or None)
-        chat.end_of_turn_ids()
-        if tools and not chat.tools_rendered():
-            log.warning("the chat template of %s does not render tool schemas (tools=): describe the tools and the "
-                        "call format in the prompt yourself (docs/agents.md)", cfg.actor_rollout_ref.model.path)
+        ends = chat.end_of_turn_ids()
+        chat.observation_ids([{"role": "tool", "content": "0"}])
     except (ValueError, RuntimeError, TypeError, KeyError) as exc:
-        errors.append(f"multi-turn rollouts need a chat template with assistant turns: the tokenizer of "
-                      f"{cfg.actor_rollout_ref.model.path} gives {type(exc).__name__}: {exc}")
-    return errors
+        return [f"multi-turn rollouts need a chat template with assistant and tool turns: the tokenizer of {path} "
+                f"gives {type(exc).__name__}: {exc}"]
+    if tools and not chat.tools_rendered():
+        log.warning("the chat template of %s does not render tool schemas (tools=): describe the tools and the "
+                    "call format in the prompt yourself (docs/agents.md)", path)
+    stops = _stop_ids(path, tokenizer)
+    if not ends & stops:
+        names = [tokenizer.convert_ids_to_tokens(i) for i in sorted(ends)]
+        return [f"the chat template of {path} ends assistant turns with {names} (ids {sorted(ends)}), which the model "
+                f"does not stop at (generation_config eos_token_id: {sorted(stops)}): every turn would run to its "
+                "token limit; add the id to eos_token_id in generation_config.json"]
+    return []
+
+
+def _stop_ids(path: str, tokenizer: Any) -> set[int]:
+    """The ids generation stops at: generation_config.json's eos_token_id, else the tokenizer's EOS."""
+    from transformers import GenerationConfig  # noqa: PLC0415
+
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:  # no generation_config.json
+        eos = None
+    eos = tokenizer.eos_token_id if eos is None else eos
+    return {eos} if isinstance(eos, int) else set(eos or [])
 
 
 def unknown_agent_loops(names: Iterable[str], where: str) -> list[str]:

@@ -239,14 +239,16 @@ class RayTrainer:
         replace the rule rewards in training), else each row's rule/custom reward; returns the per-row scores."""
         if self.layout.reward_model is None:
             scores = self.scorer.score_rows(batch)
-            if self.cfg.actor_rollout_ref.rollout.multi_turn.use_step_rewards and "step_rewards" in batch:
-                # Tool step rewards at the end of the turn that earned them (rlsp/workers/agent_rollout.py).
-                batch.set("token_level_scores", batch["token_level_scores"] + batch["step_rewards"] * batch["response_mask"])
-            return scores
-        rm = self.reward_servers
-        batch.update(rm.compute_rm_score(batch) if rm is not None else self.wg.call("reward_model", "compute_rm_score", batch))
-        self.scorer.last_errors = 0
-        return apply_rm_scores(batch)
+        else:
+            rm = self.reward_servers
+            batch.update(rm.compute_rm_score(batch) if rm is not None
+                         else self.wg.call("reward_model", "compute_rm_score", batch))
+            self.scorer.last_errors = 0
+            scores = apply_rm_scores(batch)
+        if self.cfg.actor_rollout_ref.rollout.multi_turn.use_step_rewards and "step_rewards" in batch:
+            # Tool step rewards at the end of the turn that earned them (rlsp/workers/agent_rollout.py).
+            batch.set("token_level_scores", batch["token_level_scores"] + batch["step_rewards"] * batch["response_mask"])
+        return scores
 
     def check_sp(self, batch: Batch) -> float:
         """Stop the run if a sharded forward disagrees with an unsharded one (see check_sharded_forwards)."""

@@ -327,6 +327,9 @@ class CounterTool(BaseTool):
             raise RuntimeError("kaput")
         return ToolResponse(text=str(self.state(instance_id)["n"]) + parameters.get("pad", "")), 0.0, {}
 
+    async def calc_reward(self, instance_id: str, **kwargs: Any) -> float:
+        return 0.5 * self.state(instance_id)["n"]  # asked once, before release
+
     async def release(self, instance_id: str, **kwargs: Any) -> None:
         self.log.append(("release", instance_id, kwargs))
         await super().release(instance_id)
@@ -345,11 +348,12 @@ def session(tools_kwargs: dict[str, dict] | None = None, counter_config: dict[st
 
 def test_truncate_text() -> None:
     text = "abcdefghijklmnopqrstuvwxyz0123456789"  # 36 characters; the marker is 17
-    assert truncate_text(text, 27, "right") == ("abcdefghij...(truncated)...", True)
-    assert truncate_text(text, 27, "left") == ("...(truncated)...0123456789", True)
+    # verl's sides: "left" keeps the left part (the start), "right" the right part (the end)
+    assert truncate_text(text, 27, "left") == ("abcdefghij...(truncated)...", True)
+    assert truncate_text(text, 27, "right") == ("...(truncated)...0123456789", True)
     assert truncate_text(text, 27, "middle") == ("abcde...(truncated)...56789", True)
     assert truncate_text(text, 30, "middle") == ("abcdefg...(truncated)...456789", True)
-    assert [truncate_text(text, 5, side) for side in ("right", "left", "middle")] == [
+    assert [truncate_text(text, 5, side) for side in ("left", "right", "middle")] == [
         ("abcde", True), ("56789", True), ("abc89", True)]  # no room for the marker
     assert truncate_text(text, 36, "middle") == (text, False)
     for limit, side, error in [(10, "top", "truncate side 'top' is not legal; legal sides: left, middle, right"),
@@ -423,7 +427,7 @@ async def call_and_close(tools: ToolSession, calls: list[ToolCall]) -> list[Tool
 
 
 def test_session_truncates_and_counts_release_errors() -> None:
-    for side, text in [("right", "1xxxxxxxxx...(truncated)..."), ("left", "...(truncated)...xxxxxxxxxy"),
+    for side, text in [("left", "1xxxxxxxxx...(truncated)..."), ("right", "...(truncated)...xxxxxxxxxy"),
                        ("middle", "1xxxx...(truncated)...xxxxy")]:
         tools, _ = session(counter_config={"fail_release": True}, max_response_chars=27, truncate_side=side)
         (result,) = asyncio.run(call_and_close(tools, [ToolCall("counter", {"pad": "x" * 40 + "y"})]))
@@ -441,3 +445,20 @@ def test_session_config_errors() -> None:
         with pytest.raises(ValueError) as err:
             session(**options)
         assert str(err.value) == error
+
+
+def test_final_rewards_tool_metrics_and_unnamed_malformed_calls() -> None:
+    tools, counter = session()
+
+    async def run() -> tuple[list[ToolResult], float]:
+        results = await tools.call([ToolCall("counter", {}), ToolCall("sleep", {"s": 0.01}),
+                                    ToolCall("", None, error="invalid JSON: Expecting value")])
+        results += await tools.call([ToolCall("counter", {})])
+        return results, await tools.close()
+
+    results, final = asyncio.run(run())
+    assert final == 0.5 * 2  # the counter instance's calc_reward after its two calls; sleep's default 0.0
+    assert (results[2].error, results[2].text) == ("bad_arguments",
+                                                   "Error: the tool call could not be used: invalid JSON: Expecting value")
+    assert tools.counts["metrics/slept"] == 0.01 and "metrics/note" not in tools.counts  # numbers only
+    assert [entry[0] for entry in counter.log] == ["create", "execute", "execute", "release"]

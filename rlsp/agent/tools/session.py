@@ -24,7 +24,7 @@ ERROR_KINDS = ("unknown_tool", "bad_arguments", "raised", "timeout", "too_many_c
 def truncate_text(text: str, limit: int, side: str) -> tuple[str, bool]:
     """Keep at most `limit` characters of `text`; returns (text, whether it was cut).
 
-    side "right" cuts the right end (keeps the start), "left" cuts the left end (keeps the end), "middle"
+    verl's sides: "left" keeps the left part (the start), "right" keeps the right part (the end), "middle"
     keeps both ends. A marker takes the place of what was cut, within the limit, when there is room for it.
     """
     if side not in TRUNCATE_SIDES:
@@ -35,9 +35,9 @@ def truncate_text(text: str, limit: int, side: str) -> tuple[str, bool]:
         return text, False
     marker = TRUNCATION_MARKER if limit > len(TRUNCATION_MARKER) else ""
     keep = limit - len(marker)
-    if side == "right":
-        return text[:keep] + marker, True
     if side == "left":
+        return text[:keep] + marker, True
+    if side == "right":
         return marker + text[len(text) - keep:], True
     head = (keep + 1) // 2
     return text[:head] + marker + text[len(text) - (keep - head):], True
@@ -75,7 +75,7 @@ def _unpack(name: str, out: Any) -> tuple[str, float, dict[str, float]]:
         raise RuntimeError(f"tool {name!r} returned {out!r}; execute must return (response, reward, metrics)")
     response, reward, metrics = out
     text = response.text if isinstance(response, ToolResponse) else str(response)
-    # Metrics are averaged in the logs, so only numbers are kept.
+    # Summed per trajectory (counts' metrics/<key>) and averaged over the batch in the logs: numbers only.
     numbers = {str(k): float(v) for k, v in metrics.items() if isinstance(v, int | float)}
     return text, float(reward), numbers
 
@@ -109,7 +109,8 @@ class ToolSession:
 
     @property
     def counts(self) -> dict[str, float]:
-        """Counters for the logs: calls, errors per kind, truncated responses, total latency, release errors."""
+        """Counters for the logs: calls, errors per kind, truncated responses, total latency, release errors
+        and the tools' own metrics summed over their calls (metrics/<key>)."""
         return dict(self._counts)
 
     async def call(self, calls: list[ToolCall]) -> list[ToolResult]:
@@ -124,24 +125,31 @@ class ToolSession:
             self._count(result)
         return results
 
-    async def close(self) -> None:
-        """Release every instance this trajectory created; a failing release is counted, not raised."""
+    async def close(self) -> float:
+        """Ask every instance this trajectory created for its final reward (`calc_reward`), then release it;
+        returns the sum of those rewards. A failing calc_reward or release is counted, not raised."""
         instances, self._instances = self._instances, {}
+        total = 0.0
         for name, instance_id in instances.items():
             try:
-                await asyncio.wait_for(self.tools[name].release(instance_id), self.timeout_s)
-            except Exception:  # a tool's cleanup fault must not fail the trajectory
+                total += float(await asyncio.wait_for(self.tools[name].calc_reward(instance_id), self.timeout_s))
+            except Exception:  # a tool's fault must not fail the trajectory
                 self._counts["release_errors"] += 1
+            try:
+                await asyncio.wait_for(self.tools[name].release(instance_id), self.timeout_s)
+            except Exception:
+                self._counts["release_errors"] += 1
+        return total
 
     async def _call_one(self, call: ToolCall) -> ToolResult:
         start = time.perf_counter()
-        if call.name not in self.tools:
+        if call.error is not None or call.arguments is None:  # unusable as written: say why, whatever the name
+            reason = call.error or "no arguments"
+            which = f"the call to {call.name!r}" if call.name else "the tool call"
+            result = self._error(call.name, "bad_arguments", f"Error: {which} could not be used: {reason}")
+        elif call.name not in self.tools:
             result = self._error(call.name, "unknown_tool", f"Error: unknown tool {call.name!r}; available: "
                                  f"{', '.join(self.tools) or '(none)'}")
-        elif call.error is not None or call.arguments is None:
-            reason = call.error or "no arguments"
-            result = self._error(call.name, "bad_arguments",
-                                 f"Error: the call to {call.name!r} could not be used: {reason}")
         else:
             try:
                 result = await asyncio.wait_for(self._run(call), self.timeout_s)
@@ -178,6 +186,8 @@ class ToolSession:
         return ToolResult(name=name, text=text, error=kind, truncated=truncated)
 
     def _count(self, result: ToolResult) -> None:
+        for key, value in result.metrics.items():  # the tool's own metrics, summed over its calls
+            self._counts[f"metrics/{key}"] = self._counts.get(f"metrics/{key}", 0.0) + float(value)
         self._counts["calls"] += 1
         self._counts["latency_s"] += result.latency_s
         self._counts["truncated"] += int(result.truncated)
