@@ -5,10 +5,12 @@ stays on the caller's thread (vLLM and CUDA are driven from there as in single-t
 `generate` request waits in a queue; when the engine is free, `serve` takes the waiting requests and
 generates them together (one engine call per distinct `max_tokens`), so while one trajectory waits for
 a slow tool the others keep the engine busy. A batch starts once every live trajectory is either
-waiting for the engine or inside a tool call (`tool_call()`) — TOOL_GRACE_S later if some are in tools,
-so that quick tools join — or GATHER_S after its first request, whichever comes first: large batches
-without waiting for slow tools. The engine is idle only when
-every live trajectory is inside a tool call at once; `ServeStats` measures that time.
+waiting for the engine or inside a tool call (`tool_call()`), or GATHER_S after its first request. When
+some are inside tools, the batch is held open a little longer for them: TOOL_GRACE_S, or HOLD_FRACTION
+of the last engine call's duration if that is longer. An engine call costs about the same for one
+request as for many (decoding is step-bound), so holding for part of a call costs at most that part
+and saves a whole call whenever a returning trajectory joins; a slow tool never holds a batch for
+longer. `ServeStats` measures the engine's busy time and its idle time (waiting or holding).
 
 Seeds: with a seeded sampling config, engine call k uses seed + k x SEED_STRIDE. Which requests share a
 call depends on when tools finish, so seeded multi-turn sampling is reproducible only when tool timing
@@ -28,6 +30,7 @@ from rlsp.rollout.base import RolloutEngine, SamplingConfig
 SEED_STRIDE = 1_000_003  # far apart: the requests of one call use seed .. seed + requests - 1
 GATHER_S = 0.05  # the longest a waiting request holds the engine back for others still being prepared
 TOOL_GRACE_S = 0.005  # ... and for tool calls that may return at once (a calculator takes microseconds)
+HOLD_FRACTION = 0.5  # ... and up to this fraction of the last engine call for trajectories still in tools
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,7 @@ class ServeStats:
     calls: int = 0  # engine generate calls
     requests: int = 0  # continuations served
     busy_s: float = 0.0  # time inside engine calls
-    idle_s: float = 0.0  # time with trajectories alive but none waiting for the engine (all in tools)
+    idle_s: float = 0.0  # time between engine calls: no request waiting (all in tools), or a batch held open
     batch_sizes: list[int] = field(default_factory=list)
 
 
@@ -66,6 +69,7 @@ class GenerationServer:
         self._finished = False
         self._live = 0  # trajectories started and not yet returned
         self._in_tools = 0  # of them, inside a tool call
+        self._last_call_s = 0.0  # duration of the last engine call
 
     def started(self, n: int = 1) -> None:
         with self._cond:
@@ -130,12 +134,13 @@ class GenerationServer:
         with self._cond:
             while not self._pending and not self._finished:
                 self._cond.wait()
-            stats.idle_s += time.perf_counter() - t0
             if not self._pending:
+                stats.idle_s += time.perf_counter() - t0
                 return None
             start = time.perf_counter()
             while (left := self._gather_left(time.perf_counter() - start)) > 0:
                 self._cond.wait(left)
+            stats.idle_s += time.perf_counter() - t0  # waiting for requests, and holding a batch open
             batch, self._pending = self._pending, []
             return batch
 
@@ -144,7 +149,10 @@ class GenerationServer:
         if len(self._pending) + self._in_tools < self._live:
             return GATHER_S - waited  # some trajectory is still being prepared
         if self._in_tools:
-            return TOOL_GRACE_S - waited  # all accounted for, but a quick tool may be about to return
+            # All accounted for, some in tools. A call costs about the same for one request as for many
+            # (decoding is step-bound), so holding the batch for part of a call's time to let returning
+            # trajectories join costs at most that part, and saves a whole call when they come.
+            return max(TOOL_GRACE_S, HOLD_FRACTION * self._last_call_s) - waited
         return 0.0
 
     def _take_all(self) -> list[_Request]:
@@ -158,7 +166,9 @@ class GenerationServer:
         for max_tokens in sorted({r.max_tokens for r in batch}):
             group = [r for r in batch if r.max_tokens == max_tokens]
             seed = None if self.sampling.seed is None else self.sampling.seed + stats.calls * SEED_STRIDE
+            t0 = time.perf_counter()
             out = engine.generate([r.ids for r in group], replace(self.sampling, max_tokens=max_tokens, seed=seed))
+            self._last_call_s = time.perf_counter() - t0
             stats.calls += 1
             stats.requests += len(group)
             stats.batch_sizes.append(len(group))
