@@ -33,7 +33,7 @@ class MultiTurnConfig:
     function_tool_path: str | None = None  # a Python file: every public typed function in it is a tool
     max_parallel_calls: int = 1  # tool calls executed per assistant turn (more are answered with an error)
     max_tool_response_length: int = 256  # characters of one tool response (verl's unit)
-    tool_response_truncate_side: str = "middle"  # left | middle | right: which part of a long response is cut
+    tool_response_truncate_side: str = "middle"  # left | middle | right: which part of a long response is kept (verl's meaning)
     format: str = "hermes"  # how tool calls are written: hermes (<tool_call>{json}</tool_call>)
     interaction_config_path: str | None = None  # verl's simulated-user interactions: null only (write an agent loop)
     use_inference_chat_template: bool = False  # true or false: rlsp never re-renders a trajectory (the generated ids train)
