@@ -11,7 +11,14 @@ with exactly verl's columns:
 - `extra_info`: {"split", "index", ...}: gsm8k adds the raw "question" and "answer", MATH "level"
   and "type".
 
-CLI: `python -m rlsp.data.preprocess {gsm8k,math} --input FILE --output DIR [--split train]`.
+`gsm8k_multiturn` writes the rows of verl's GSM8K multi-turn tool example (its
+gsm8k_multiturn_w_tool preprocessing) from the same gsm8k records: columns `data_source`, `agent_name`
+("tool_agent"), `prompt` (a system message asking the model to check its answer with the
+`calc_gsm8k_reward` tool, then the user message), `ability`, `reward_model`, `extra_info`; extra_info
+adds "need_tools_kwargs", "tools_kwargs" ({"calc_gsm8k_reward": {"create_kwargs": {"ground_truth"}}}: the
+tool's instance is created with the answer) and verl's "interaction_kwargs" (which rlsp does not use).
+
+CLI: `python -m rlsp.data.preprocess {gsm8k,gsm8k_multiturn,math} --input FILE --output DIR [--split train]`.
 """
 
 from __future__ import annotations
@@ -26,12 +33,20 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rlsp.agent.tools.gsm8k import TOOL_NAME as GSM8K_TOOL_NAME
 from rlsp.data.answers import hash_answers, last_boxed
 
 GSM8K_SOURCE = "openai/gsm8k"
 MATH_SOURCE = "DigitalLearningGmbH/MATH-lighteval"
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
+GSM8K_TOOL_AGENT = "tool_agent"
+GSM8K_TOOL_SYSTEM_PROMPT = (
+    "You are an expert at math word problems. Work through the question one step at a time, and do the "
+    "reasoning before you call any tool. Once you have solved it, call the `calc_gsm8k_reward` tool at least "
+    "once with your answer before you write the final answer, and revise the answer if the tool says so. "
+    "Write the final answer as `#### <answer>`."
+)
 
 
 def read_records(path: str) -> list[dict[str, Any]]:
@@ -67,6 +82,27 @@ def gsm8k_row(record: dict[str, Any], split: str, index: int) -> dict[str, Any]:
     }
 
 
+def gsm8k_multiturn_row(record: dict[str, Any], split: str, index: int) -> dict[str, Any]:
+    """A gsm8k record as a row of verl's multi-turn tool example (see the module docstring)."""
+    row = gsm8k_row(record, split, index)
+    truth = row["reward_model"]["ground_truth"]
+    user = row["prompt"][0]
+    extra = {
+        **row["extra_info"],
+        "need_tools_kwargs": True,
+        "tools_kwargs": {GSM8K_TOOL_NAME: {"create_kwargs": {"ground_truth": truth}}},
+        "interaction_kwargs": {"name": "gsm8k", "query": user["content"], "ground_truth": truth},
+    }
+    return {
+        "data_source": row["data_source"],
+        "agent_name": GSM8K_TOOL_AGENT,
+        "prompt": [{"role": "system", "content": GSM8K_TOOL_SYSTEM_PROMPT}, user],
+        "ability": row["ability"],
+        "reward_model": row["reward_model"],
+        "extra_info": extra,
+    }
+
+
 def math_row(record: dict[str, Any], split: str, index: int) -> dict[str, Any]:
     _require(record, ("problem", "solution"), index, "math")
     truth = last_boxed(record["solution"])
@@ -82,7 +118,8 @@ def math_row(record: dict[str, Any], split: str, index: int) -> dict[str, Any]:
     }
 
 
-TASKS: dict[str, Callable[[dict[str, Any], str, int], dict[str, Any]]] = {"gsm8k": gsm8k_row, "math": math_row}
+TASKS: dict[str, Callable[[dict[str, Any], str, int], dict[str, Any]]] = {
+    "gsm8k": gsm8k_row, "gsm8k_multiturn": gsm8k_multiturn_row, "math": math_row}
 
 
 def preprocess(task: str, input_path: str, output_dir: str, split: str = "train") -> str:
@@ -103,7 +140,8 @@ def preprocess(task: str, input_path: str, output_dir: str, split: str = "train"
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="Convert a Hub export of GSM8K or MATH into verl-layout parquet.")
+    p = argparse.ArgumentParser(description="Convert a Hub export of GSM8K or MATH into verl-layout parquet "
+                                "(gsm8k_multiturn: GSM8K rows for the calc_gsm8k_reward tool agent).")
     p.add_argument("task", choices=sorted(TASKS))
     p.add_argument("--input", required=True, help="a .jsonl/.json (JSON lines) or .parquet file")
     p.add_argument("--output", required=True, help="output directory; writes <split>.parquet there")

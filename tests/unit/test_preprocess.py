@@ -1,4 +1,5 @@
-"""verl-layout parquet from the shipped GSM8K/MATH samples and the word-problem generator.
+"""verl-layout parquet from the shipped GSM8K/MATH samples and the word-problem generator, and the rows of
+verl's GSM8K multi-turn tool example (`gsm8k_multiturn`).
 
 The written files are read back with pyarrow (column names and types) and pandas (values), and
 loaded by `PromptDataset` with a chat tokenizer, as a training run would.
@@ -13,8 +14,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rlsp.data.dataset import PromptDataset
-from rlsp.data.preprocess import GSM8K_INSTRUCTION, MATH_INSTRUCTION, main, preprocess, read_records
+from rlsp.agent.tools.gsm8k import GSM8K_TOOL_SCHEMA
+from rlsp.data.dataset import AgentRows, PromptDataset
+from rlsp.data.preprocess import (
+    GSM8K_INSTRUCTION,
+    GSM8K_TOOL_SYSTEM_PROMPT,
+    MATH_INSTRUCTION,
+    main,
+    preprocess,
+    read_records,
+)
 from rlsp.data.tasks.word_problems import INSTRUCTION, TEMPLATES, generate_word_problems, write_word_problems_parquet
 from rlsp.models.tokenizer import build_char_tokenizer
 from rlsp.rewards import score_batch
@@ -24,6 +33,8 @@ DATA = os.path.join(os.path.dirname(__file__), "..", "data")
 GSM8K_SAMPLE = os.path.join(DATA, "gsm8k_sample.jsonl")
 MATH_SAMPLE = os.path.join(DATA, "math_sample.jsonl")
 COLUMNS = ["data_source", "prompt", "ability", "reward_model", "extra_info"]
+MULTITURN_COLUMNS = ["data_source", "agent_name", "prompt", "ability", "reward_model", "extra_info"]
+MULTITURN_EXTRA = {"split", "index", "answer", "question", "need_tools_kwargs", "tools_kwargs", "interaction_kwargs"}
 
 
 def check_layout(path: str, data_source: str, extra_keys: set[str]) -> pd.DataFrame:
@@ -91,11 +102,52 @@ def test_bad_inputs_name_the_problem(tmp_path) -> None:
         preprocess("gsm8k", str(bad), str(tmp_path))
     with pytest.raises(ValueError, match=r"lacks \['problem', 'solution'\]"):
         preprocess("math", str(bad), str(tmp_path))
-    with pytest.raises(ValueError, match="legal: \\['gsm8k', 'math'\\]"):
+    with pytest.raises(ValueError, match="legal: \\['gsm8k', 'gsm8k_multiturn', 'math'\\]"):
         preprocess("mmlu", str(bad), str(tmp_path))
     (tmp_path / "x.csv").write_text("a\n")
     with pytest.raises(ValueError, match="unsupported extension"):
         read_records(str(tmp_path / "x.csv"))
+
+
+def test_gsm8k_multiturn_rows_are_verls_tool_example_rows(tmp_path) -> None:
+    path = preprocess("gsm8k_multiturn", GSM8K_SAMPLE, str(tmp_path), split="test")
+    schema = pq.read_schema(path)
+    assert schema.names == MULTITURN_COLUMNS and schema.field("agent_name").type == pa.string()
+    extra = schema.field("extra_info").type
+    assert {extra.field(i).name for i in range(extra.num_fields)} == MULTITURN_EXTRA
+    frame = pd.read_parquet(path)
+    single = pd.read_parquet(preprocess("gsm8k", GSM8K_SAMPLE, str(tmp_path / "single"), split="test"))
+    assert len(frame) == len(single) == 20 and (frame["agent_name"] == "tool_agent").all()
+    for row, plain in zip(frame.to_dict(orient="records"), single.to_dict(orient="records"), strict=True):
+        truth = plain["reward_model"]["ground_truth"]
+        assert row["data_source"] == "openai/gsm8k" and row["ability"] == "math"
+        assert row["reward_model"] == {"style": "rule", "ground_truth": truth}
+        assert [dict(m) for m in row["prompt"]] == [{"role": "system", "content": GSM8K_TOOL_SYSTEM_PROMPT},
+                                                    dict(plain["prompt"][0])]
+        info = row["extra_info"]
+        assert info["tools_kwargs"] == {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": truth}}}
+        assert info["interaction_kwargs"] == {"name": "gsm8k", "query": plain["prompt"][0]["content"],
+                                              "ground_truth": truth}
+        assert info["need_tools_kwargs"] is True
+        assert {k: info[k] for k in ("split", "index", "answer", "question")} == plain["extra_info"]
+    assert frame.iloc[2]["extra_info"]["tools_kwargs"]["calc_gsm8k_reward"]["create_kwargs"]["ground_truth"] == "1500"
+    assert "`calc_gsm8k_reward`" in GSM8K_TOOL_SYSTEM_PROMPT and "`#### <answer>`" in GSM8K_TOOL_SYSTEM_PROMPT
+
+
+def test_gsm8k_multiturn_cli_and_dataset_items(tmp_path, capsys) -> None:
+    main(["gsm8k_multiturn", "--input", GSM8K_SAMPLE, "--output", str(tmp_path)])
+    path = capsys.readouterr().out.strip()
+    assert path == str(tmp_path / "train.parquet")
+    tokenizer = build_char_tokenizer()
+    agent = AgentRows("single_turn_agent", (GSM8K_TOOL_SCHEMA,))
+    item = PromptDataset(path, tokenizer, max_prompt_length=2048, agent=agent)[0]
+    assert item["agent_name"] == "tool_agent" and item["ground_truth"] == "16"
+    assert item["messages"][0] == {"role": "system", "content": GSM8K_TOOL_SYSTEM_PROMPT}
+    assert item["extra_info"]["tools_kwargs"] == {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "16"}}}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "q", "answer": "no marker"}\n')
+    with pytest.raises(ValueError, match="gsm8k record 0: answer has no '#### <number>' line"):
+        preprocess("gsm8k_multiturn", str(bad), str(tmp_path))
 
 
 def test_prompt_dataset_reads_the_layout(tmp_path) -> None:

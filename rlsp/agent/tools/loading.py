@@ -2,8 +2,10 @@
 functions (`multi_turn.function_tool_path`), merged into one name -> tool mapping.
 
 verl's YAML is `tools: [{class_name, config, tool_schema}]`; `class_name` is a dotted import path
-("pkg.mod.Class") or a file path with the class after a colon ("path/to/tools.py:Class"). Every problem is
-a ValueError that starts with the config key and value it came from.
+("pkg.mod.Class") or a file path with the class after a colon ("path/to/tools.py:Class"). verl's own
+built-in class names that rlsp implements (`VERL_TOOL_CLASSES`) load rlsp's class instead; any other
+"verl." class name is refused. Every problem is a ValueError that starts with the config key and value it
+came from.
 """
 
 from __future__ import annotations
@@ -21,11 +23,19 @@ from typing import Any
 import yaml
 
 from rlsp.agent.tools.base import BaseTool, FunctionTool
+from rlsp.utils.logging import get_logger, log_once
 
 TOOL_CONFIG_KEY = "actor_rollout_ref.rollout.multi_turn.tool_config_path"
 FUNCTION_TOOL_KEY = "actor_rollout_ref.rollout.multi_turn.function_tool_path"
 # verl's tool `config.type`: native tools run in-process; MCP tools need an MCP client rlsp does not have.
 _NATIVE_TYPES = ("native",)
+# verl's built-in tool classes (both module layouts verl has used) -> the rlsp class that does the same.
+VERL_TOOL_CLASSES: dict[str, str] = {
+    "verl.tools.gsm8k_tool.Gsm8kTool": "rlsp.agent.tools.gsm8k.Gsm8kTool",
+    "verl.workers.tool.gsm8k_tool.Gsm8kTool": "rlsp.agent.tools.gsm8k.Gsm8kTool",
+}
+
+log = get_logger("rlsp.agent.tools")
 
 
 def import_file(path: str, where: str) -> ModuleType:
@@ -64,8 +74,25 @@ def _import_module(module_name: str, where: str) -> ModuleType:
                          "'path/to/file.py:ClassName')") from exc
 
 
+def _verl_builtin(class_name: str, where: str) -> str:
+    """`class_name`, or the rlsp class standing in for it when it names one of verl's built-in tools."""
+    if class_name in VERL_TOOL_CLASSES:
+        rlsp_name = VERL_TOOL_CLASSES[class_name]
+        log_once(log, f"verl-tool:{class_name}", "tool class_name %s is verl's built-in tool: using rlsp's %s",
+                 class_name, rlsp_name)
+        return rlsp_name
+    if class_name.startswith("verl."):
+        raise ValueError(f"{where}: class_name {class_name!r} names a verl tool that is not built into rlsp (of "
+                         f"verl's tools rlsp builds in only {', '.join(VERL_TOOL_CLASSES)}); point class_name at "
+                         "your own rlsp.agent.tools.base.BaseTool subclass ('package.module.ClassName' or "
+                         "'path/to/file.py:ClassName')")
+    return class_name
+
+
 def resolve_class(class_name: str, where: str) -> type[BaseTool]:
-    """The BaseTool subclass that `class_name` names ("pkg.mod.Class" or "path/to/file.py:Class")."""
+    """The BaseTool subclass that `class_name` names ("pkg.mod.Class" or "path/to/file.py:Class"); verl's
+    built-in names in VERL_TOOL_CLASSES resolve to rlsp's classes."""
+    class_name = _verl_builtin(class_name, where)
     if ":" in class_name:
         path, _, attr = class_name.rpartition(":")
         # "pkg.mod:Class" (entry-point style) names a module; anything with a path separator or .py, a file.
