@@ -14,6 +14,8 @@
 #   attention  packed attention (SDPA, flash-attn when installed) against exact fp32 attention
 #   logprob    the vocab-chunked logprob head against full logits
 #   train      the 0.5B-shape step: time, memory, MFU at 4k-32k tokens, checkpointing on and off
+#   agent      benchmarks/agent_rollout.py: multi-turn rollouts (agent loops on a helper thread, the HF engine
+#              on CUDA) under long-tailed tool latency, and the engine's logprobs against a full forward
 # The results go to $RLSP_BENCH_DOC (default docs/benchmarks.md) under a dated heading naming the device;
 # --no-record prints them only. Exit status: 0 when every check passed, 1 otherwise, 2 on a set-up error.
 set -uo pipefail
@@ -70,6 +72,7 @@ run() {  # one benchmark: its JSON lines, or one line saying it failed
     run benchmarks/gpu_logprob.py --tokens 32768 --vocab 151936 --hidden 896
     for t in 4096 16384 32768; do run benchmarks/gpu_train_step.py --tokens $t --seq-len 4096; done
     run benchmarks/gpu_train_step.py --tokens 32768 --seq-len 32768 --grad-ckpt
+    run benchmarks/agent_rollout.py --engine hf --device cuda --trajectories 64 --median-s 0.1
   fi
 } | tee "$LINES"
 
