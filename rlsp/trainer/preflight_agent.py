@@ -124,6 +124,6 @@ def describe_agent(cfg: DictConfig, rows_per_loop: dict[str, int], tokenizer: An
                  f"responses cut to {mt.max_tool_response_length} characters ({mt.tool_response_truncate_side})")
     steps = ("added at the end of the turn that earned them" if mt.use_step_rewards else
              "logged as agent/step_reward/mean, not trained on (multi_turn.use_step_rewards=false)")
-    lines.append("rewards: the reward function sees the whole trajectory and extra_info num_turns, messages, "
+    lines.append("rewards: the reward function sees the whole trajectory and extra_info num_turns, finish_reason, messages, "
                  f"tool_calls, tool_rewards; tool step rewards are {steps}")
     return lines

@@ -6,7 +6,7 @@ the whole trajectory) with `response_mask` 1 only on the policy's own tokens, `r
 and `step_rewards` [N, R] (tool step rewards at the last token of the turn that earned them). Per sample, meta
 gains `agent_metrics` (turns, tool calls and errors, latency, truncation, and an even share of the worker's
 engine busy/idle time) and `extra_info` gains what the loop reports for the reward function (num_turns,
-messages, tool_calls, tool_rewards).
+finish_reason, and tool_agent's messages, tool_calls, tool_rewards).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def agent_generate(runner: AgentRunner, engine: RolloutEngine, prompts: Batch, s
     share = 1.0 / max(len(outs), 1)
     meta = {k: [v[i] for i in source] for k, v in prompts.meta.items() if k != "prompt_ids"}
     extras = meta.get("extra_info", [None] * len(outs))
-    meta["extra_info"] = [{**(extra or {}), **out.extra, "num_turns": out.num_turns}
-                          for extra, out in zip(extras, outs)]
+    meta["extra_info"] = [{**(extra or {}), **out.extra, "num_turns": out.num_turns,
+                           "finish_reason": out.finish_reason} for extra, out in zip(extras, outs)]
     meta["agent_metrics"] = [_sample_metrics(o, stats.idle_s * share, stats.busy_s * share) for o in outs]
     return rows, meta

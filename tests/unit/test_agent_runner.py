@@ -157,6 +157,7 @@ def test_rows_from_trajectories(runner: AgentRunner, engine) -> None:
         assert torch.equal(rows["step_rewards"][i], expected)
     # echo_env rows (the first prompt's): 3 turns, its extra for the reward function; default rows: 1 turn
     assert [e["num_turns"] for e in meta["extra_info"]] == [3, 3, 1, 1]
+    assert [e["finish_reason"] for e in meta["extra_info"]] == [o.finish_reason for o in outs]
     assert meta["extra_info"][0]["env"] == "echo" and "env" not in meta["extra_info"][2]
     assert [m["agent/num_turns"] for m in meta["agent_metrics"]] == [3.0, 3.0, 1.0, 1.0]
 
