@@ -5,7 +5,8 @@ Models: `builtin://tiny-qwen2` is a deterministic random-init Qwen2 + char token
 de-quantized once into an fp32 HF directory. A local path is an HF directory, used as is, or a GGUF
 file / a directory holding one GGUF file, converted once (see `rlsp.models.gguf`).
 Datasets: `builtin://arithmetic/{train,test}` is the synthetic arithmetic task for the tiny model,
-`builtin://word_problems/{train,test}` the gsm8k-format word problems for a pretrained chat model.
+`builtin://word_problems/{train,test}` the gsm8k-format word problems for a pretrained chat model,
+`builtin://calculator_problems/{train,test}` large-operand arithmetic for learning to call a calculator tool.
 Any other dataset entry is returned as given (a local parquet path).
 Shared memory: `copy_to_shm` puts a model directory into /dev/shm (`actor_rollout_ref.model.use_shm`).
 """
@@ -18,6 +19,7 @@ import shutil
 from collections.abc import Callable
 
 from rlsp.data.tasks.arithmetic import write_arithmetic_parquet
+from rlsp.data.tasks.calculator_problems import write_calculator_problems_parquet
 from rlsp.data.tasks.word_problems import write_word_problems_parquet
 from rlsp.models.fetch import PACKAGED_MODELS, fetch_model
 from rlsp.models.gguf import ensure_hf_checkpoint
@@ -27,6 +29,7 @@ PREFIX = "builtin://"
 BUILTIN_DATASETS: dict[str, Callable[[str], tuple[str, str]]] = {
     "arithmetic": write_arithmetic_parquet,
     "word_problems": write_word_problems_parquet,
+    "calculator_problems": write_calculator_problems_parquet,
 }
 
 
