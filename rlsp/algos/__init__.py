@@ -4,7 +4,19 @@ Importing this package imports every estimator and loss module, so the registrie
 No torch.distributed here: global counts are passed in by the caller.
 """
 
-from rlsp.algos import gae, grpo, policy_loss, reinforce_pp, rloo, rollout_is, rollout_rs  # noqa: F401  (registration)
+from rlsp.algos import (  # noqa: F401  (registration)
+    aliases,
+    gae,
+    gpg,
+    grpo,
+    grpo_passk,
+    opo,
+    policy_loss,
+    reinforce_pp,
+    rloo,
+    rollout_is,
+    rollout_rs,
+)
 from rlsp.algos.aggregation import (
     aggregate_loss,
     aggregate_token_mean,

@@ -37,6 +37,10 @@ from rlsp.config.verl_compat import apply_verl_spellings
 
 __all__ = ["DTYPE_NAMES", "LOGGERS", "validate_config"]  # the legal-value lists live in rlsp.config.choices
 
+# Estimators whose baseline or credit comes from the other samples of the same prompt: with
+# rollout.n=1 each group has one sample and they degenerate (grpo_passk refuses such groups outright).
+GROUP_ESTIMATORS = ("grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized", "opo", "gpg")
+
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
@@ -253,7 +257,7 @@ def _check_ranges(cfg: Any, errors: list[str]) -> None:
     if rollout.ignore_eos and rollout.name != "vllm":
         errors.append(f"actor_rollout_ref.rollout.ignore_eos=true needs actor_rollout_ref.rollout.name=vllm "
                       f"(got {rollout.name!r}: transformers generate stops at EOS)")
-    if cfg.algorithm.adv_estimator in ("grpo", "rloo") and rollout.n < 2:
+    if cfg.algorithm.adv_estimator in GROUP_ESTIMATORS and rollout.n < 2:
         errors.append(
             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} compares samples of one prompt: "
             f"actor_rollout_ref.rollout.n={rollout.n} must be >= 2"
