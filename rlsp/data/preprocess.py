@@ -33,7 +33,6 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rlsp.agent.tools.gsm8k import TOOL_NAME as GSM8K_TOOL_NAME
 from rlsp.data.answers import hash_answers, last_boxed
 
 GSM8K_SOURCE = "openai/gsm8k"
@@ -41,6 +40,7 @@ MATH_SOURCE = "DigitalLearningGmbH/MATH-lighteval"
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
 GSM8K_TOOL_AGENT = "tool_agent"
+GSM8K_TOOL_NAME = "calc_gsm8k_reward"  # the checker tool's name (rlsp.agent.tools.gsm8k uses it too)
 GSM8K_TOOL_SYSTEM_PROMPT = (
     "You are an expert at math word problems. Work through the question one step at a time, and do the "
     "reasoning before you call any tool. Once you have solved it, call the `calc_gsm8k_reward` tool at least "

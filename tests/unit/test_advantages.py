@@ -158,9 +158,10 @@ def test_gae_requires_values() -> None:
 
 
 def test_registry_names_and_errors() -> None:
-    assert list_adv_estimators() == ["gae", "grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo"]
+    assert list_adv_estimators() == ["gae", "gpg", "grpo", "grpo_passk", "grpo_vectorized", "opo", "reinforce_plus_plus",
+                                     "reinforce_plus_plus_baseline", "rloo", "rloo_vectorized"]
     assert get_adv_estimator("grpo") is compute_grpo_advantages
-    with pytest.raises(ValueError, match="legal names: gae, grpo"):
+    with pytest.raises(ValueError, match="legal names: gae, gpg, grpo, grpo_passk"):
         get_adv_estimator("ppo")
 
 

@@ -16,9 +16,10 @@ from __future__ import annotations
 from typing import Any
 
 from rlsp.agent.tools.base import BaseTool, ToolResponse
+from rlsp.data.preprocess import GSM8K_TOOL_NAME
 from rlsp.rewards.gsm8k import extract_answer, score_gsm8k
 
-TOOL_NAME = "calc_gsm8k_reward"
+TOOL_NAME = GSM8K_TOOL_NAME  # the name the preprocessed rows' tools_kwargs use
 ANSWER_PREFIX = "#### "
 RESUBMIT_PENALTY = -0.05
 GSM8K_TOOL_SCHEMA: dict[str, Any] = {
