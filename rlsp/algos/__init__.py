@@ -6,8 +6,10 @@ No torch.distributed here: global counts are passed in by the caller.
 
 from rlsp.algos import (  # noqa: F401  (registration)
     aliases,
+    cispo,
     gae,
     gpg,
+    gpg_loss,
     grpo,
     grpo_passk,
     opo,

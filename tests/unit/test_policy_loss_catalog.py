@@ -1,0 +1,154 @@
+"""Policy losses beyond "vanilla": cispo and gpg against hand-computed values, gradients and metrics;
+the registry listing; unused clip settings refused by the losses and by config validation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from rlsp.algos.cispo import compute_cispo_loss
+from rlsp.algos.gpg_loss import compute_gpg_loss
+from rlsp.algos.registry import get_policy_loss, list_policy_losses
+from rlsp.check import run_checks
+from rlsp.config.schema import RLSPConfig
+from rlsp.config.validate import POLICY_LOSS_KEYS, _check_policy_loss_keys
+from rlsp.workers.actor_loss import ActorLossConfig
+
+F64 = torch.float64
+# Tokens: (ratio, advantage, old logprob, mask). Ratios inside and on both sides of [0.8, 1.2].
+TOKENS = [(1.1, 1.0, -1.0, 1), (1.5, 2.0, -0.5, 1), (0.5, -1.0, -2.0, 1), (0.95, -0.5, -1.5, 1),
+          (3.0, 1.5, -3.0, 0), (0.7, 0.3, -0.2, 1), (1.0, -2.0, -0.7, 0)]
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ratio = torch.tensor([t[0] for t in TOKENS], dtype=F64)
+    old = torch.tensor([t[2] for t in TOKENS], dtype=F64)
+    logprobs = (old + torch.log(ratio)).requires_grad_(True)
+    adv = torch.tensor([t[1] for t in TOKENS], dtype=F64)
+    mask = torch.tensor([t[3] for t in TOKENS], dtype=F64)
+    return logprobs, old, adv, mask
+
+
+def test_registry_lists_every_loss_and_validation_knows_their_keys() -> None:
+    assert list_policy_losses() == ["cispo", "gpg", "vanilla"]
+    assert get_policy_loss("cispo") is compute_cispo_loss and get_policy_loss("gpg") is compute_gpg_loss
+    assert sorted(POLICY_LOSS_KEYS) == list_policy_losses()
+
+
+@pytest.mark.parametrize("low,high", [(0.2, 0.2), (0.1, 0.3)])
+def test_cispo_values_gradients_and_metrics_by_hand(low: float, high: float) -> None:
+    logprobs, old, adv, mask = _inputs()
+    loss, metrics = compute_cispo_loss(logprobs, old, adv, mask, clip_ratio_low=low, clip_ratio_high=high)
+    (grad,) = torch.autograd.grad(loss.sum(), logprobs)
+    n_on, clipped, kl = 0, 0, 0.0
+    for i, (ratio, a, old_lp, m) in enumerate(TOKENS):
+        lp = old_lp + math.log(ratio)
+        r_hat = min(max(ratio, 1.0 - low), 1.0 + high)
+        assert loss[i].item() == (pytest.approx(-r_hat * a * lp, abs=1e-12) if m else 0.0)
+        assert grad[i].item() == (pytest.approx(-r_hat * a, abs=1e-12) if m else 0.0)  # sg: no d r_hat / d lp
+        if m:
+            n_on += 1
+            clipped += r_hat != pytest.approx(ratio, abs=1e-12)
+            kl += -math.log(ratio)
+    assert metrics["num_tokens"].item() == n_on
+    assert metrics["pg_clipfrac_sum"].item() == clipped and clipped > 0
+    assert metrics["pg_clipfrac"].item() == pytest.approx(clipped / n_on, abs=1e-12)
+    assert metrics["pg_clipfrac_lower_sum"].item() == 0.0 and metrics["pg_clipfrac_lower"].item() == 0.0
+    assert metrics["ppo_kl_sum"].item() == pytest.approx(kl, abs=1e-12)
+    assert metrics["ppo_kl"].item() == pytest.approx(kl / n_on, abs=1e-12)
+    assert all(not v.requires_grad for v in metrics.values())
+
+
+def test_cispo_keeps_gradient_where_ppo_clip_would_zero_it() -> None:
+    old = torch.zeros(2, dtype=F64)
+    logprobs = torch.log(torch.tensor([2.0, 0.25], dtype=F64)).requires_grad_(True)
+    adv = torch.tensor([1.0, -1.0], dtype=F64)
+    loss, _ = compute_cispo_loss(logprobs, old, adv, torch.ones(2, dtype=F64))
+    (grad,) = torch.autograd.grad(loss.sum(), logprobs)
+    torch.testing.assert_close(grad, torch.tensor([-1.2, 0.8], dtype=F64), rtol=0, atol=1e-12)
+
+
+def test_gpg_values_gradients_and_metrics_by_hand() -> None:
+    logprobs, old, adv, mask = _inputs()
+    loss, metrics = compute_gpg_loss(logprobs, old + 5.0, adv, mask)  # old logprobs are not read
+    (grad,) = torch.autograd.grad(loss.sum(), logprobs)
+    for i, (ratio, a, old_lp, m) in enumerate(TOKENS):
+        lp = old_lp + math.log(ratio)
+        assert loss[i].item() == (pytest.approx(-a * lp, abs=1e-12) if m else 0.0)
+        assert grad[i].item() == (pytest.approx(-a, abs=1e-12) if m else 0.0)
+    assert metrics == {"num_tokens": mask.sum()}
+
+
+def test_masked_tokens_are_exact_zeros_even_with_non_finite_inputs() -> None:
+    logprobs, old, adv, mask = _inputs()
+    adv = adv.masked_fill(mask == 0, float("nan"))
+    for fn in (compute_cispo_loss, compute_gpg_loss):
+        loss, _ = fn(logprobs, old, adv, mask)
+        assert torch.all(loss[mask == 0] == 0.0) and torch.isfinite(loss).all()
+
+
+@pytest.mark.parametrize("fn,key,value,users", [
+    (compute_cispo_loss, "clip_ratio_c", 5.0, ["vanilla"]),
+    (compute_gpg_loss, "clip_ratio_c", 2.0, ["vanilla"]),
+    (compute_gpg_loss, "clip_ratio_low", 0.1, ["cispo", "vanilla"]),
+    (compute_gpg_loss, "clip_ratio_high", 0.28, ["cispo", "vanilla"]),
+])
+def test_losses_refuse_a_setting_they_do_not_read(fn, key: str, value: float, users: list[str]) -> None:
+    logprobs, old, adv, mask = _inputs()
+    with pytest.raises(ValueError, match=rf"does not use {key}; got {value}.*using it: {users}".replace("[", r"\[")):
+        fn(logprobs, old, adv, mask, **{key: value})
+
+
+def test_losses_accept_every_keyword_the_actor_passes_at_its_default() -> None:
+    cfg = ActorLossConfig()
+    logprobs, old, adv, mask = _inputs()
+    for name in list_policy_losses():
+        get_policy_loss(name)(logprobs, old, adv, mask, clip_ratio_low=cfg.clip_ratio_low,
+                              clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c)
+
+
+def _actor(**overrides):
+    cfg = OmegaConf.structured(RLSPConfig)
+    for key, value in overrides.items():
+        cfg.actor_rollout_ref.actor[key] = value
+    return cfg.actor_rollout_ref.actor
+
+
+@pytest.mark.parametrize("loss,overrides,bad", [
+    ("gpg", {"clip_ratio": 0.3}, ["clip_ratio"]),
+    ("gpg", {"clip_ratio_low": 0.1, "clip_ratio_high": 0.28}, ["clip_ratio_low", "clip_ratio_high"]),
+    ("gpg", {"clip_ratio_c": 10.0}, ["clip_ratio_c"]),
+    ("cispo", {"clip_ratio_c": 10.0}, ["clip_ratio_c"]),
+    ("cispo", {"clip_ratio_low": 0.1, "clip_ratio_high": 5.0}, []),
+    ("gpg", {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2}, []),  # what they resolve to anyway
+    ("vanilla", {"clip_ratio": 0.3, "clip_ratio_c": 10.0}, []),
+])
+def test_validation_refuses_unused_clip_keys(loss: str, overrides: dict, bad: list[str]) -> None:
+    errors: list[str] = []
+    _check_policy_loss_keys(_actor(policy_loss=loss, **overrides), errors)
+    assert len(errors) == len(bad)
+    for error, key in zip(errors, sorted(bad, key=list(overrides).index), strict=True):
+        assert error.startswith(f"actor_rollout_ref.actor.{key}=") and f"policy_loss={loss!r}" in error
+
+
+@pytest.fixture()
+def check_args(tmp_path) -> list[str]:
+    return ["trainer.device=cpu", f"trainer.cache_dir={tmp_path / 'cache'}",
+            f"trainer.default_local_dir={tmp_path / 'run'}"]
+
+
+@pytest.mark.parametrize("loss", ["cispo", "gpg"])
+def test_rlsp_check_accepts_the_new_losses(loss: str, check_args: list[str]) -> None:
+    report = run_checks([*check_args, f"actor_rollout_ref.actor.policy_loss={loss}"])
+    assert report.problems == [], report.render()
+
+
+def test_rlsp_check_names_a_clip_key_the_loss_ignores(check_args: list[str]) -> None:
+    report = run_checks([*check_args, "actor_rollout_ref.actor.policy_loss=gpg",
+                         "actor_rollout_ref.actor.clip_ratio_high=0.28"])
+    assert report.problems == [
+        "actor_rollout_ref.actor.clip_ratio_high=0.28 has no effect with actor_rollout_ref.actor.policy_loss='gpg'; "
+        "leave it at None or pick a policy loss that uses it: ['cispo', 'vanilla']"], report.problems
