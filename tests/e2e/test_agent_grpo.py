@@ -29,7 +29,7 @@ OVERRIDES = {
     "actor_rollout_ref.rollout.multi_turn.tool_config_path": str(LOOPS / "tools.yaml"),
     "actor_rollout_ref.rollout.multi_turn.use_step_rewards": "true",
     "actor_rollout_ref.actor.ulysses_sequence_parallel_size": 2,
-    "data.max_response_length": 48,
+    "data.max_response_length": 64,  # three 4-token turns and two tool turns (~21 tokens each) always fit
     "trainer.total_training_steps": 2,
     "trainer.test_freq": 2,
     "trainer.save_final_model": "false",
@@ -50,9 +50,10 @@ def test_grpo_with_an_environment_loop_and_tools(tmp_path: Path) -> None:
     for r in lines:
         for key in ("actor/pg_loss", "actor/entropy", "reward/mean", "agent/engine_busy_s"):
             assert math.isfinite(r[key]), (r["step"], key, r[key])
-        assert r["agent/num_turns/max"] == 3 and r["agent/num_turns/mean"] >= 2
-        # one call after every turn but the third; data.max_response_length may end a trajectory after a call
-        assert r["agent/num_turns/mean"] - 1 <= r["agent/tool_calls/mean"] <= r["agent/num_turns/mean"]
+        # every trajectory: three policy turns with a calculator call after the first two (the budget fits
+        # them whatever the policy writes, so this does not depend on what is sampled)
+        assert r["agent/num_turns/max"] == 3 and r["agent/num_turns/mean"] == 3
+        assert r["agent/tool_calls/mean"] == 2 and r["agent/truncated/mean"] == 0
         assert r["agent/step_reward/mean"] == pytest.approx(STEP_REWARD * r["agent/tool_calls/mean"], abs=1e-6)
         assert r["agent/tool_error_rate"] == 0.0
         assert r["rollout/logprob_diff_max"] <= LOGPROB_GAP_TOL, r["rollout/logprob_diff_max"]
@@ -60,4 +61,4 @@ def test_grpo_with_an_environment_loop_and_tools(tmp_path: Path) -> None:
         rows = 16 * 8  # data.train_batch_size x rollout.n of configs/rlsp.yaml
         assert r["throughput/response_tokens"] < r["response_length/mean"] * rows
     val = lines[-1]
-    assert val["val/agent/num_turns/mean"] >= 2 and "val/accuracy" in val
+    assert val["val/agent/num_turns/mean"] == 3 and "val/accuracy" in val
