@@ -110,6 +110,10 @@ def test_reward_scores_only_the_final_assistant_message() -> None:
     # The right number only in the tool's output: the final message answers something else, or nothing.
     wrong = _conversation(row, call, tool, {"role": "assistant", "content": "The answer is 12."})
     assert compute_score(DATA_SOURCE, trajectory + "The answer is 12.", truth, wrong) == 0.0
+    # As the agent loop reports it (with the evaluated call): the call's small credit, never an accurate 1.0.
+    logged = {**wrong, "tool_calls": [{"name": "calculator", "arguments": {"expression": "1"}, "response": truth,
+                                       "error": None, "reward": 0.0}]}
+    assert compute_score(DATA_SOURCE, trajectory + "The answer is 12.", truth, logged) == calculator.FORMAT_SCORE < 1.0
     no_answer = _conversation(row, call, tool, {"role": "assistant", "content": "Let me check."})
     assert compute_score(DATA_SOURCE, trajectory, truth, no_answer) == 0.0
     # A last turn that is itself a call (turn limit reached): no answer, whatever its expression holds.
@@ -143,10 +147,15 @@ def test_format_credit_only_for_an_evaluated_call(monkeypatch) -> None:
     good = {**_conversation(row, final), "tool_calls": [{"name": "calculator", "response": "5", "error": None}]}
     bad = {**_conversation(row, final), "tool_calls": [{"name": "calculator", "response": "Error: x",
                                                         "error": "bad_arguments"}]}
-    assert compute_score(DATA_SOURCE, "", truth, good) == 0.0  # off by default
-    monkeypatch.setattr(calculator, "FORMAT_SCORE", 0.2)
-    assert compute_score(DATA_SOURCE, "", truth, good) == 0.2
+    assert compute_score(DATA_SOURCE, "", truth, good) == calculator.FORMAT_SCORE == 0.1
     assert compute_score(DATA_SOURCE, "", truth, bad) == 0.0
+    refused = {**good, "tool_calls": [{"name": "calculator", "arguments": {"exponent": 3}, "error": None,
+                                       "response": "Error: the 'expression' parameter must be a string, got None"}]}
+    assert compute_score(DATA_SOURCE, "", truth, refused) == 0.0  # the calculator's own refusal earns nothing
+    right = {**good, "messages": [*good["messages"][:-1], {"role": "assistant", "content": f"The answer is {truth}."}]}
+    assert compute_score(DATA_SOURCE, "", truth, right) == 1.0
+    monkeypatch.setattr(calculator, "FORMAT_SCORE", 0.0)  # off: calls without the right answer score 0
+    assert compute_score(DATA_SOURCE, "", truth, good) == 0.0
 
 
 def test_registered_and_refuses_a_non_integer_truth() -> None:
