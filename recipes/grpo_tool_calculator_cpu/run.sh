@@ -12,7 +12,7 @@ exec .venv/bin/python -m rlsp.main --config-name grpo \
     data.train_batch_size=4 data.max_prompt_length=208 data.max_response_length=128 \
     actor_rollout_ref.actor.optim.lr=1e-5 \
     actor_rollout_ref.actor.ppo_mini_batch_size=4 \
-    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8 \
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 \
     actor_rollout_ref.actor.use_kl_loss=false \
     actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.n=8 actor_rollout_ref.rollout.temperature=0.7 \
     actor_rollout_ref.rollout.multi_turn.enable=true \
