@@ -15,10 +15,10 @@ ground truth; else `FORMAT_SCORE` (0.1) when the trajectory made a tool call tha
 Why the credit (measured on 24 training problems x 8 samples of the untrained SmolLM2-135M-Instruct,
 recipes/grpo_tool_calculator_cpu/README.md): without it almost no word-problem group has samples with
 different rewards (1 of 18 at temperature 0.3, 0 of 18 at 0.7), so GRPO gets no signal to start calling
-the tool on them; with a credit for every call the session ran 5 and 6 of 18 do (refusals are excluded
-since, so that a call with a wrong parameter name earns nothing). GRPO divides by the group's reward spread, so any small
-value gives a {0, credit} group the same push towards calling; in groups that also hold a correct
-answer a small value keeps the correct answer well ahead of a mere call.
+the tool on them; with a credit for every call the session ran 5 and 6 of 18 do (the reward also
+excludes refusals, so that a call with a wrong parameter name earns nothing). GRPO divides by the
+group's reward spread, so any small value gives a {0, credit} group the same push towards calling; in
+groups that also hold a correct answer a small value keeps the correct answer well ahead of a call.
 """
 
 from __future__ import annotations
