@@ -18,11 +18,12 @@ CLI: `python -m rlsp.data.tasks.word_problems --out DIR [--n-train N --n-test M 
 from __future__ import annotations
 
 import argparse
-import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from rlsp.data.tasks import write_splits_parquet
 
 DATA_SOURCE = "openai/gsm8k"
 INSTRUCTION = 'Give the final answer as a number after "####".'
@@ -124,19 +125,7 @@ def generate_word_problems(
 
 def write_word_problems_parquet(out_dir: str, **kwargs: Any) -> tuple[str, str]:
     """Write `train.parquet` and `test.parquet` under `out_dir`; kwargs go to `generate_word_problems`."""
-    import pyarrow as pa  # noqa: PLC0415 -- keeps the generator importable without pyarrow
-    import pyarrow.parquet as pq  # noqa: PLC0415
-
-    train_rows, test_rows = generate_word_problems(**kwargs)
-    os.makedirs(out_dir, exist_ok=True)
-    paths = []
-    for name, rows in (("train", train_rows), ("test", test_rows)):
-        path = os.path.join(os.path.abspath(out_dir), f"{name}.parquet")
-        tmp = f"{path}.tmp-{os.getpid()}"  # write then rename: a concurrent reader never sees a partial file
-        pq.write_table(pa.Table.from_pylist(rows), tmp)
-        os.replace(tmp, path)
-        paths.append(path)
-    return paths[0], paths[1]
+    return write_splits_parquet(out_dir, *generate_word_problems(**kwargs))
 
 
 def main(argv: list[str] | None = None) -> None:
