@@ -88,8 +88,10 @@ class Batch:
 def response_lengths(batch: Batch) -> list[int]:
     """Tokens after the prompt of every row: the whole trajectory, tool output included (multi-turn rows
     have zeros in `response_mask` where the policy did not write)."""
-    width = batch["response_mask"].shape[1]
-    return batch["attention_mask"][:, -width:].sum(-1).long().tolist()
+    mask = batch["response_mask"]
+    if "attention_mask" not in batch:  # rows built without one (scoring-only batches) are single-turn
+        return mask.sum(-1).long().tolist()
+    return batch["attention_mask"][:, -mask.shape[1]:].sum(-1).long().tolist()
 
 
 def last_policy_token(response_mask_BR: torch.Tensor) -> torch.Tensor:
