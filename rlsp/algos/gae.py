@@ -5,27 +5,15 @@ Shape legend: B rows (samples), R response length.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-import numpy as np
 import torch
 
+from rlsp.algos.adv_inputs import AdvantageInputs
 from rlsp.algos.aggregation import masked_whiten
 from rlsp.algos.registry import register_adv_estimator
 
 
 @register_adv_estimator("gae", uses=("gamma", "lam", "values_BR"))
-def compute_gae_advantages(
-    token_level_rewards_BR: torch.Tensor,
-    response_mask_BR: torch.Tensor,
-    index: Sequence[str] | np.ndarray | None = None,
-    *,
-    norm_adv_by_std: bool = True,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    values_BR: torch.Tensor | None = None,
-    eps: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_gae_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages_BR, returns_BR) from rewards and the critic's ``values_BR`` (required).
 
     Over the masked-in tokens t of a row (t' = the next masked-in token, none after the last):
@@ -35,23 +23,22 @@ def compute_gae_advantages(
     tokens are skipped by the recursion and get 0. ``index`` is ignored; ``norm_adv_by_std`` must
     stay True (whitening is intrinsic).
     """
+    values_BR, rewards_BR = inputs.values_BR, inputs.token_level_rewards_BR
     if values_BR is None:
         raise ValueError("advantage estimator 'gae' needs values_BR (critic values), got None")
-    if values_BR.shape != token_level_rewards_BR.shape:
-        raise ValueError(
-            f"values_BR shape {tuple(values_BR.shape)} != rewards shape {tuple(token_level_rewards_BR.shape)}"
-        )
-    keep_BR = response_mask_BR.bool()
-    raw_adv_BR = torch.zeros_like(token_level_rewards_BR)
+    if values_BR.shape != rewards_BR.shape:
+        raise ValueError(f"values_BR shape {tuple(values_BR.shape)} != rewards shape {tuple(rewards_BR.shape)}")
+    keep_BR = inputs.response_mask_BR.bool()
+    raw_adv_BR = torch.zeros_like(rewards_BR)
     next_value_B = values_BR.new_zeros(values_BR.shape[0])
     next_adv_B = torch.zeros_like(next_value_B)
     for t in reversed(range(values_BR.shape[1])):
-        delta_B = token_level_rewards_BR[:, t] + gamma * next_value_B - values_BR[:, t]
-        adv_B = delta_B + gamma * lam * next_adv_B
+        delta_B = rewards_BR[:, t] + inputs.gamma * next_value_B - values_BR[:, t]
+        adv_B = delta_B + inputs.gamma * inputs.lam * next_adv_B
         # Carry the recursion state past masked-out tokens unchanged.
         next_value_B = torch.where(keep_BR[:, t], values_BR[:, t], next_value_B)
         next_adv_B = torch.where(keep_BR[:, t], adv_B, next_adv_B)
         raw_adv_BR[:, t] = torch.where(keep_BR[:, t], adv_B, torch.zeros_like(adv_B))
     returns_BR = torch.where(keep_BR, raw_adv_BR + values_BR, torch.zeros_like(raw_adv_BR))
-    advantages_BR = masked_whiten(raw_adv_BR, response_mask_BR, eps=eps)
+    advantages_BR = masked_whiten(raw_adv_BR, inputs.response_mask_BR, eps=inputs.eps)
     return advantages_BR, returns_BR

@@ -19,11 +19,9 @@ Shape legend: B rows (samples), R response length.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-import numpy as np
 import torch
 
+from rlsp.algos.adv_inputs import AdvantageInputs
 from rlsp.algos.aggregation import group_mean_std, masked_sum
 from rlsp.algos.registry import register_adv_estimator
 
@@ -35,17 +33,7 @@ def gpg_alpha(scores_B: torch.Tensor) -> torch.Tensor:
 
 
 @register_adv_estimator("gpg", uses=())
-def compute_gpg_advantages(
-    token_level_rewards_BR: torch.Tensor,
-    response_mask_BR: torch.Tensor,
-    index: Sequence[str] | np.ndarray,
-    *,
-    norm_adv_by_std: bool = True,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    values_BR: torch.Tensor | None = None,
-    eps: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_gpg_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages_BR, returns_BR); returns equal the advantages (an outcome estimator, as in verl).
 
     Row score s = sum of the row's token rewards over its response. a = alpha * (s - mean_g), with
@@ -54,9 +42,9 @@ def compute_gpg_advantages(
     response token; masked-out tokens get exactly 0. No std normalisation, so ``norm_adv_by_std``,
     ``gamma``, ``lam`` and ``values_BR`` must stay at their defaults; ``eps`` is unused.
     """
-    keep_BR = response_mask_BR.bool()
-    scores_B = masked_sum(token_level_rewards_BR, response_mask_BR, dim=-1)
-    mean_B, _, _ = group_mean_std(scores_B, index)
+    keep_BR = inputs.response_mask_BR.bool()
+    scores_B = masked_sum(inputs.token_level_rewards_BR, inputs.response_mask_BR, dim=-1)
+    mean_B, _, _ = group_mean_std(scores_B, inputs.index)
     adv_B = gpg_alpha(scores_B) * (scores_B - mean_B)
     advantages_BR = torch.where(keep_BR, adv_B.unsqueeze(-1), torch.zeros((), dtype=adv_B.dtype))
     return advantages_BR, advantages_BR

@@ -5,27 +5,15 @@ Shape legend: B rows (samples), R response length.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-import numpy as np
 import torch
 
+from rlsp.algos.adv_inputs import AdvantageInputs
 from rlsp.algos.aggregation import group_mean_std, masked_sum
 from rlsp.algos.registry import register_adv_estimator
 
 
 @register_adv_estimator("grpo", uses=("norm_adv_by_std",))
-def compute_grpo_advantages(
-    token_level_rewards_BR: torch.Tensor,
-    response_mask_BR: torch.Tensor,
-    index: Sequence[str] | np.ndarray,
-    *,
-    norm_adv_by_std: bool = True,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    values_BR: torch.Tensor | None = None,
-    eps: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_grpo_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages_BR, returns_BR); returns equal the advantages.
 
     Row score s = sum of the row's token rewards over its response. Within each group g:
@@ -35,10 +23,10 @@ def compute_grpo_advantages(
     The row advantage is broadcast to every response token; masked-out tokens get 0.
     ``gamma``, ``lam`` and ``values_BR`` are unused and must stay at their defaults.
     """
-    scores_B = masked_sum(token_level_rewards_BR, response_mask_BR, dim=-1)
-    mean_B, std_B, _ = group_mean_std(scores_B, index)
+    scores_B = masked_sum(inputs.token_level_rewards_BR, inputs.response_mask_BR, dim=-1)
+    mean_B, std_B, _ = group_mean_std(scores_B, inputs.index)
     adv_B = scores_B - mean_B
-    if norm_adv_by_std:
-        adv_B = adv_B / (std_B + eps)
-    advantages_BR = adv_B.unsqueeze(-1) * response_mask_BR.to(adv_B.dtype)
+    if inputs.norm_adv_by_std:
+        adv_B = adv_B / (std_B + inputs.eps)
+    advantages_BR = adv_B.unsqueeze(-1) * inputs.response_mask_BR.to(adv_B.dtype)
     return advantages_BR, advantages_BR

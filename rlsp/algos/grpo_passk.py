@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from rlsp.algos.adv_inputs import AdvantageInputs
 from rlsp.algos.aggregation import group_ids, group_mean_std, masked_sum
 from rlsp.algos.registry import register_adv_estimator
 
@@ -56,17 +57,7 @@ def best_rows_and_margins(
 
 
 @register_adv_estimator("grpo_passk", uses=("norm_adv_by_std",))
-def compute_grpo_passk_advantages(
-    token_level_rewards_BR: torch.Tensor,
-    response_mask_BR: torch.Tensor,
-    index: Sequence[str] | np.ndarray,
-    *,
-    norm_adv_by_std: bool = True,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    values_BR: torch.Tensor | None = None,
-    eps: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_grpo_passk_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages_BR, returns_BR); returns equal the advantages (an outcome estimator, as in verl).
 
     Row score s = sum of the row's token rewards over its response. The best row of each group gets
@@ -75,14 +66,14 @@ def compute_grpo_passk_advantages(
     row raises ValueError (verl refuses it too). ``gamma``, ``lam`` and ``values_BR`` are unused and
     must stay at their defaults.
     """
-    keep_BR = response_mask_BR.bool()
-    scores_B = masked_sum(token_level_rewards_BR, response_mask_BR, dim=-1)
-    check_group_sizes(index, scores_B.shape[0])
-    gid_B, num_groups = group_ids(index, scores_B.device)
+    keep_BR = inputs.response_mask_BR.bool()
+    scores_B = masked_sum(inputs.token_level_rewards_BR, inputs.response_mask_BR, dim=-1)
+    check_group_sizes(inputs.index, scores_B.shape[0])
+    gid_B, num_groups = group_ids(inputs.index, scores_B.device)
     best_B, margin_G = best_rows_and_margins(scores_B, gid_B, num_groups)
     adv_B = torch.where(best_B, margin_G[gid_B], 0.0)
-    if norm_adv_by_std:
-        _, std_B, _ = group_mean_std(scores_B, index)
-        adv_B = adv_B / (std_B + eps)
+    if inputs.norm_adv_by_std:
+        _, std_B, _ = group_mean_std(scores_B, inputs.index)
+        adv_B = adv_B / (std_B + inputs.eps)
     advantages_BR = torch.where(keep_BR, adv_B.unsqueeze(-1), torch.zeros((), dtype=adv_B.dtype))
     return advantages_BR, advantages_BR

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from rlsp.algos.adv_inputs import AdvantageInputs
 from rlsp.algos.aggregation import group_ids, masked_sum
 from rlsp.algos.registry import register_adv_estimator
 
@@ -44,17 +45,7 @@ def length_weighted_baseline(
 
 
 @register_adv_estimator("opo", uses=())
-def compute_opo_advantages(
-    token_level_rewards_BR: torch.Tensor,
-    response_mask_BR: torch.Tensor,
-    index: Sequence[str] | np.ndarray,
-    *,
-    norm_adv_by_std: bool = True,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    values_BR: torch.Tensor | None = None,
-    eps: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_opo_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages_BR, returns_BR); returns equal the advantages (an outcome estimator, as in verl).
 
     Row score s = sum of the row's token rewards over its response; row length = its masked-in tokens.
@@ -63,9 +54,9 @@ def compute_opo_advantages(
     ``norm_adv_by_std``, ``gamma``, ``lam`` and ``values_BR`` must stay at their defaults; ``eps`` is
     unused.
     """
-    keep_BR = response_mask_BR.bool()
-    scores_B = masked_sum(token_level_rewards_BR, response_mask_BR, dim=-1)
+    keep_BR = inputs.response_mask_BR.bool()
+    scores_B = masked_sum(inputs.token_level_rewards_BR, inputs.response_mask_BR, dim=-1)
     lengths_B = keep_BR.to(scores_B.dtype).sum(-1)
-    adv_B = scores_B - length_weighted_baseline(scores_B, lengths_B, index)
+    adv_B = scores_B - length_weighted_baseline(scores_B, lengths_B, inputs.index)
     advantages_BR = torch.where(keep_BR, adv_B.unsqueeze(-1), torch.zeros((), dtype=adv_B.dtype))
     return advantages_BR, advantages_BR

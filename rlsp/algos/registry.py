@@ -1,15 +1,15 @@
 """Name -> function registries for advantage estimators and policy losses.
 
-Every advantage estimator shares one signature so the trainer calls them all alike::
+Every advantage estimator takes one record (rlsp/algos/adv_inputs.py) so the trainer calls them all
+alike::
 
-    fn(token_level_rewards_BR, response_mask_BR, index, *,
-       norm_adv_by_std=True, gamma=1.0, lam=1.0, values_BR=None, eps=1e-6)
-        -> (advantages_BR, returns_BR)
+    fn(inputs: AdvantageInputs) -> (advantages_BR, returns_BR)
 
-``index`` holds one group id per row (samples of one prompt share it). An estimator that does not
-use one of the keyword arguments accepts it only at its default value (``None`` for ``values_BR``):
-the registration wraps every estimator in that guard (:func:`unused_settings`, which preflight also
-runs on the config), so a setting never gets silently dropped.
+``inputs.index`` holds one group id per row (samples of one prompt share it). An estimator declares the
+settings of the record it reads (``uses``: keys of :data:`ESTIMATOR_DEFAULTS`); one it does not read
+must be at its default (``None`` for the optional inputs such as ``values_BR``): the registration wraps
+every estimator in that guard (:func:`unused_settings`, which preflight also runs on the config), so a
+setting never gets silently dropped.
 
 Every policy loss shares::
 
@@ -28,19 +28,15 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from rlsp.algos.adv_inputs import ESTIMATOR_DEFAULTS, AdvantageInputs, is_default
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 _ADV_ESTIMATORS: dict[str, Callable[..., Any]] = {}
 _ADV_USES: dict[str, tuple[str, ...]] = {}
 _POLICY_LOSSES: dict[str, Callable[..., Any]] = {}
 
-# Defaults of the shared estimator keywords; an estimator that ignores a keyword insists on these.
-ESTIMATOR_DEFAULTS: dict[str, Any] = {
-    "norm_adv_by_std": True,
-    "gamma": 1.0,
-    "lam": 1.0,
-    "values_BR": None,
-}
+__all__ = ["ESTIMATOR_DEFAULTS", "AdvantageInputs"]
 
 
 def _register(table: dict[str, Callable[..., Any]], kind: str, name: str) -> Callable[[F], F]:
@@ -60,21 +56,23 @@ def _lookup(table: dict[str, Callable[..., Any]], kind: str, name: str) -> Calla
 
 
 def register_adv_estimator(name: str, uses: tuple[str, ...] = ()) -> Callable[[F], F]:
-    """Decorator registering an advantage estimator under ``name``; ``uses`` names the shared
-    keywords (keys of :data:`ESTIMATOR_DEFAULTS`) it reads, so callers can pass exactly those."""
+    """Decorator registering an advantage estimator ``fn(inputs: AdvantageInputs)`` under ``name``;
+    ``uses`` names the settings (keys of :data:`ESTIMATOR_DEFAULTS`) it reads."""
     unknown = sorted(set(uses) - set(ESTIMATOR_DEFAULTS))
     if unknown:
-        raise ValueError(f"estimator {name!r} declares unknown keywords {unknown}; legal: {sorted(ESTIMATOR_DEFAULTS)}")
+        raise ValueError(f"estimator {name!r} declares unknown settings {unknown}; legal: {sorted(ESTIMATOR_DEFAULTS)}")
     _ADV_USES[name] = tuple(uses)
 
     def decorator(fn: F) -> F:
         @functools.wraps(fn)
-        def guarded(*args: Any, **kwargs: Any) -> Any:
-            for key, value in unused_settings(name, **kwargs).items():
-                shown = "a tensor" if ESTIMATOR_DEFAULTS[key] is None else repr(value)
+        def guarded(inputs: AdvantageInputs) -> Any:
+            if not isinstance(inputs, AdvantageInputs):
+                raise TypeError(f"advantage estimator {name!r} takes one AdvantageInputs, got {type(inputs).__name__}")
+            for key, value in unused_settings(name, **inputs.settings()).items():
+                shown = "a value" if ESTIMATOR_DEFAULTS[key] is None else repr(value)
                 raise ValueError(f"advantage estimator {name!r} does not use {key}; got {shown}, leave it at its "
                                  f"default {ESTIMATOR_DEFAULTS[key]!r} (estimators using it: {users_of(key)})")
-            return fn(*args, **kwargs)
+            return fn(inputs)
 
         return _register(_ADV_ESTIMATORS, "advantage estimator", name)(guarded)  # type: ignore[arg-type]
 
@@ -82,35 +80,28 @@ def register_adv_estimator(name: str, uses: tuple[str, ...] = ()) -> Callable[[F
 
 
 def unused_settings(name: str, **settings: Any) -> dict[str, Any]:
-    """The shared keywords in ``settings`` that estimator ``name`` does not read and that differ from
-    their default (:data:`ESTIMATOR_DEFAULTS`): the one check that no setting is silently dropped."""
+    """The settings in ``settings`` that estimator ``name`` does not read and that differ from their
+    default (:data:`ESTIMATOR_DEFAULTS`): the one check that no setting is silently dropped."""
     uses = _ADV_USES[name]
-    out = {}
-    for key, value in settings.items():
-        if key in uses or key not in ESTIMATOR_DEFAULTS:
-            continue
-        default = ESTIMATOR_DEFAULTS[key]
-        if not (value is None if default is None else value == default):
-            out[key] = value
-    return out
+    return {key: value for key, value in settings.items()
+            if key not in uses and key in ESTIMATOR_DEFAULTS and not is_default(key, value)}
 
 
 def users_of(key: str) -> list[str]:
-    """Sorted names of the estimators that read shared keyword ``key``."""
+    """Sorted names of the estimators that read setting ``key``."""
     return sorted(name for name, uses in _ADV_USES.items() if key in uses)
 
 
 def estimator_uses(name: str) -> tuple[str, ...]:
-    """The shared keywords estimator ``name`` reads (e.g. ("gamma", "lam", "values_BR") for GAE)."""
+    """The settings estimator ``name`` reads (e.g. ("gamma", "lam", "values_BR") for GAE)."""
     _lookup(_ADV_ESTIMATORS, "advantage estimator", name)
     return _ADV_USES[name]
 
 
-def compute_advantages(name: str, token_level_rewards_BR: Any, response_mask_BR: Any, index: Any,
-                       **settings: Any) -> tuple[Any, Any]:
-    """Run estimator ``name`` with every shared keyword the caller knows (from the config); one it
-    does not read must be at its default (the registration's guard raises otherwise)."""
-    return get_adv_estimator(name)(token_level_rewards_BR, response_mask_BR, index, **settings)
+def compute_advantages(name: str, inputs: AdvantageInputs) -> tuple[Any, Any]:
+    """Run estimator ``name`` on ``inputs``; a setting it does not read must be at its default (the
+    registration's guard raises otherwise)."""
+    return get_adv_estimator(name)(inputs)
 
 
 def get_adv_estimator(name: str) -> Callable[..., Any]:

@@ -6,11 +6,9 @@ Shape legend: B rows (samples), R response length.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-import numpy as np
 import torch
 
+from rlsp.algos.adv_inputs import AdvantageInputs
 from rlsp.algos.aggregation import group_mean_std, masked_sum, masked_whiten
 from rlsp.algos.registry import register_adv_estimator
 
@@ -34,17 +32,7 @@ def compute_returns_to_go(
 
 
 @register_adv_estimator("reinforce_plus_plus", uses=("gamma",))
-def compute_reinforce_pp_advantages(
-    token_level_rewards_BR: torch.Tensor,
-    response_mask_BR: torch.Tensor,
-    index: Sequence[str] | np.ndarray | None = None,
-    *,
-    norm_adv_by_std: bool = True,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    values_BR: torch.Tensor | None = None,
-    eps: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_reinforce_pp_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages_BR, returns_BR).
 
     returns = discounted return-to-go (:func:`compute_returns_to_go`); advantages = returns whitened
@@ -52,23 +40,13 @@ def compute_reinforce_pp_advantages(
     variance). Groups are not used (``index`` is ignored). Whitening is intrinsic, so
     ``norm_adv_by_std``, ``lam`` and ``values_BR`` must stay at their defaults.
     """
-    returns_BR = compute_returns_to_go(token_level_rewards_BR, response_mask_BR, gamma)
-    advantages_BR = masked_whiten(returns_BR, response_mask_BR, eps=eps)
+    returns_BR = compute_returns_to_go(inputs.token_level_rewards_BR, inputs.response_mask_BR, inputs.gamma)
+    advantages_BR = masked_whiten(returns_BR, inputs.response_mask_BR, eps=inputs.eps)
     return advantages_BR, returns_BR
 
 
 @register_adv_estimator("reinforce_plus_plus_baseline")
-def compute_reinforce_pp_baseline_advantages(
-    token_level_rewards_BR: torch.Tensor,
-    response_mask_BR: torch.Tensor,
-    index: Sequence[str] | np.ndarray,
-    *,
-    norm_adv_by_std: bool = True,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    values_BR: torch.Tensor | None = None,
-    eps: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_reinforce_pp_baseline_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages_BR, returns_BR).
 
     Row score s = summed token rewards; s - mean_g (group mean; 0 for a group of size 1, as in GRPO)
@@ -76,8 +54,8 @@ def compute_reinforce_pp_baseline_advantages(
     of the batch (advantages). Outcome-level, so no discounting: ``gamma``, ``lam``,
     ``norm_adv_by_std`` and ``values_BR`` must stay at their defaults.
     """
-    scores_B = masked_sum(token_level_rewards_BR, response_mask_BR, dim=-1)
-    mean_B, _, _ = group_mean_std(scores_B, index)
-    returns_BR = (scores_B - mean_B).unsqueeze(-1) * response_mask_BR.to(scores_B.dtype)
-    advantages_BR = masked_whiten(returns_BR, response_mask_BR, eps=eps)
+    scores_B = masked_sum(inputs.token_level_rewards_BR, inputs.response_mask_BR, dim=-1)
+    mean_B, _, _ = group_mean_std(scores_B, inputs.index)
+    returns_BR = (scores_B - mean_B).unsqueeze(-1) * inputs.response_mask_BR.to(scores_B.dtype)
+    advantages_BR = masked_whiten(returns_BR, inputs.response_mask_BR, eps=inputs.eps)
     return advantages_BR, returns_BR

@@ -5,27 +5,15 @@ Shape legend: B rows (samples), R response length.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-import numpy as np
 import torch
 
+from rlsp.algos.adv_inputs import AdvantageInputs
 from rlsp.algos.aggregation import group_mean_std, masked_sum
 from rlsp.algos.registry import register_adv_estimator
 
 
 @register_adv_estimator("rloo", uses=())
-def compute_rloo_advantages(
-    token_level_rewards_BR: torch.Tensor,
-    response_mask_BR: torch.Tensor,
-    index: Sequence[str] | np.ndarray,
-    *,
-    norm_adv_by_std: bool = True,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    values_BR: torch.Tensor | None = None,
-    eps: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_rloo_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages_BR, returns_BR); returns equal the advantages.
 
     a_i = s_i - mean_{j != i, j in group(i)} s_j = n/(n-1) * (s_i - mean_g), with s the row's summed
@@ -34,10 +22,10 @@ def compute_rloo_advantages(
     ``norm_adv_by_std``, ``gamma``, ``lam`` and ``values_BR`` must stay at their defaults; ``eps`` is
     unused. The row advantage is broadcast over response tokens; masked-out tokens get 0.
     """
-    scores_B = masked_sum(token_level_rewards_BR, response_mask_BR, dim=-1)
-    mean_B, _, count_B = group_mean_std(scores_B, index)
+    scores_B = masked_sum(inputs.token_level_rewards_BR, inputs.response_mask_BR, dim=-1)
+    mean_B, _, count_B = group_mean_std(scores_B, inputs.index)
     # n/(n-1) rescales the centred score into the leave-one-out form; size-1 groups keep factor 1.
     factor_B = torch.where(count_B > 1, count_B / (count_B - 1).clamp_min(1.0), torch.ones_like(count_B))
     adv_B = (scores_B - mean_B) * factor_B
-    advantages_BR = adv_B.unsqueeze(-1) * response_mask_BR.to(adv_B.dtype)
+    advantages_BR = adv_B.unsqueeze(-1) * inputs.response_mask_BR.to(adv_B.dtype)
     return advantages_BR, advantages_BR

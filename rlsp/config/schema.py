@@ -225,6 +225,10 @@ class AlgorithmConfig:
     kl_penalty: str = "kl"  # estimator of that KL: kl | abs | mse | low_var_kl
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    # gdpo: the reward components (keys of the reward function's returned dict) normalised separately,
+    # and their weights in the sum (None: all 1; else one per key)
+    gdpo_reward_keys: list[str] = field(default_factory=list)
+    gdpo_reward_weights: list[float] | None = None
 
 
 @dataclass

@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from rlsp.algos.registry import ESTIMATOR_DEFAULTS, list_adv_estimators, list_policy_losses, unused_settings, users_of
+from rlsp.algos.registry import list_adv_estimators, list_policy_losses
 from rlsp.config.layout import CRITIC_ESTIMATORS, ParallelLayout
 from rlsp.config.validate import validate_config
 from rlsp.models.loading import check_sp_support, read_model_config, tokenizer_problem
@@ -20,6 +20,7 @@ from rlsp.parallel.tensor_parallel import check_tp_support
 from rlsp.rewards.loader import load_custom_reward_fn
 from rlsp.rollout.support import check_rollout_support
 from rlsp.trainer.assets import copy_to_shm, resolve_data_files, resolve_model_path
+from rlsp.trainer.estimator_inputs import estimator_errors
 from rlsp.trainer.off_policy import check_rollout_correction_names
 from rlsp.trainer.preflight_agent import agent_errors
 from rlsp.trainer.preflight_reward import reward_model_errors
@@ -27,9 +28,6 @@ from rlsp.utils.device import resolve_device_type
 from rlsp.utils.logging import get_logger
 
 log = get_logger("rlsp.preflight")
-# Config keys of the shared estimator settings (see rlsp.algos.registry).
-ESTIMATOR_KEYS = {"norm_adv_by_std": "algorithm.norm_adv_by_std_in_grpo", "gamma": "algorithm.gamma",
-                  "lam": "algorithm.lam"}
 
 
 def _check_names(cfg: DictConfig, errors: list[str]) -> None:
@@ -46,12 +44,9 @@ def _check_names(cfg: DictConfig, errors: list[str]) -> None:
 
 
 def _check_estimator_settings(cfg: DictConfig, errors: list[str]) -> None:
-    """A setting the chosen estimator does not read must stay at its default: never silently ignored."""
-    name = cfg.algorithm.adv_estimator
-    settings = {kw: OmegaConf.select(cfg, key) for kw, key in ESTIMATOR_KEYS.items()}
-    for kw, value in unused_settings(name, **settings).items():
-        errors.append(f"{ESTIMATOR_KEYS[kw]}={value} has no effect with algorithm.adv_estimator={name!r}; leave it at "
-                      f"{ESTIMATOR_DEFAULTS[kw]} or pick an estimator that uses it: {users_of(kw)}")
+    """A setting the chosen estimator does not read must stay at its default: never silently ignored;
+    and what the estimator needs from the run must be there (rlsp.trainer.estimator_inputs)."""
+    errors += estimator_errors(cfg)
 
 
 def _check_degrees(config: Any, layout: ParallelLayout, errors: list[str]) -> None:

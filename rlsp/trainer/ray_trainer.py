@@ -29,6 +29,8 @@ from rlsp.data.dataset import PromptDataset, iterate_batches
 from rlsp.engine.export import export_hf
 from rlsp.trainer.batch_metrics import check_finite, compute_agent_metrics, compute_batch_metrics
 from rlsp.trainer.checkpoint import CheckpointWriter, TrainerState, latest_checkpoint, read_metrics_lines
+from rlsp.trainer.distill import Distillation
+from rlsp.trainer.estimator_inputs import advantage_inputs
 from rlsp.trainer.metrics import MetricsLogger
 from rlsp.trainer.off_policy import apply_rollout_correction, rollout_correction_settings, uses_rollout_logprobs
 from rlsp.trainer.preflight_agent import agent_rows, check_agent_names
@@ -74,6 +76,7 @@ class RayTrainer:
         self.val_set = dataset(d.val_files) if d.val_files else None
         if agent is not None:
             check_agent_names(cfg, [self.train_set, self.val_set])
+        self.distill = Distillation.build(cfg, self.tokenizer, [self.train_set, self.val_set])  # None when off
         resolve_total_steps(cfg, len(self.train_set))  # verl's rule; from here on the config holds the run length
         # reward_model.num_workers > 1: rule scoring in that many Ray actors (verl's reward-loop workers).
         self.scorer = build_scorer(cfg.reward_model.num_workers, self.tokenizer, cfg.actor_rollout_ref.model.path,
@@ -165,7 +168,7 @@ class RayTrainer:
         a, cfg = self.cfg.actor_rollout_ref.actor, self.cfg
         return bool(a.reuse_update_logprobs and a.ppo_epochs == 1 and a.ppo_mini_batch_size == cfg.data.train_batch_size
                     and not cfg.algorithm.use_kl_in_reward and step > cfg.trainer.critic_warmup
-                    and not self.correction.enabled)  # the correction needs them on the driver
+                    and not self.correction.enabled and self.distill is None)  # correction, distillation: on the driver
 
     def _rewards(self, batch: Batch) -> dict[str, float]:
         """token_level_rewards = scores, minus beta * KL(old || ref) per token with use_kl_in_reward."""
@@ -181,11 +184,7 @@ class RayTrainer:
         return {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
 
     def _advantages(self, batch: Batch) -> None:
-        alg = self.cfg.algorithm
-        adv, ret = compute_advantages(
-            alg.adv_estimator, batch["token_level_rewards"], batch["response_mask"], batch.meta["uid"],
-            norm_adv_by_std=alg.norm_adv_by_std_in_grpo, gamma=alg.gamma, lam=alg.lam,
-            values_BR=batch["values"] if "values" in batch else None)
+        adv, ret = compute_advantages(self.cfg.algorithm.adv_estimator, advantage_inputs(batch, self.cfg))
         batch.set("advantages", adv)
         batch.set("returns", ret)
 
@@ -221,6 +220,8 @@ class RayTrainer:
         with timed("timing/adv_s", timing):
             metrics.update(self._rewards(batch))
             self._advantages(batch)
+        if self.distill is not None:  # the teachers' logprobs; advantages get the distillation term
+            metrics.update(self.distill.apply(self.wg, batch, timing))
         if self.critic_wg is not None:
             with timed("timing/update_critic_s", timing):
                 metrics.update(self.critic_wg.call("critic", "update_critic", batch)[0])

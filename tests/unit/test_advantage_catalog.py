@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import rlsp.algos  # noqa: F401  (fills the registries)
+from rlsp.algos.adv_inputs import AdvantageInputs
 from rlsp.algos.gpg import compute_gpg_advantages
 from rlsp.algos.grpo_passk import compute_grpo_passk_advantages
 from rlsp.algos.opo import compute_opo_advantages
@@ -62,21 +63,21 @@ GROUPED_INDEX = ["a", "b", "a", "c", "a", "b"]
 
 def test_opo_length_weighted_baseline_by_hand() -> None:
     rewards, mask = _batch(GROUPED)
-    adv, ret = compute_opo_advantages(rewards, mask, GROUPED_INDEX)
+    adv, ret = compute_opo_advantages(AdvantageInputs(rewards, mask, GROUPED_INDEX))
     # a: b* = (4*1 + 1*0 + 2*1) / 7 = 6/7.  b: b* = (3*0.5 + 1*2) / 4 = 7/8.  c alone: b* = 0.
     _check(adv, ret, mask, [1 - 6 / 7, 0.5 - 7 / 8, 0 - 6 / 7, 5.0, 1 - 6 / 7, 2 - 7 / 8])
 
 
 def test_opo_group_without_response_tokens_gives_zeros_not_nan() -> None:
     rewards, mask = _batch([[None, None], [None, None], [1.0, None], [0.0, 0.0]])
-    adv, _ = compute_opo_advantages(rewards, mask, ["e", "e", "f", "f"])
+    adv, _ = compute_opo_advantages(AdvantageInputs(rewards, mask, ["e", "e", "f", "f"]))
     # f: b* = (1*1 + 2*0) / 3 = 1/3; e has no tokens (0/0 avoided: baseline 0, nothing to fill).
     _check(adv, adv, mask, [0.0, 0.0, 1 - 1 / 3, -1 / 3])
 
 
 def test_gpg_verl_alpha_by_hand() -> None:
     rewards, mask = _batch(GROUPED)
-    adv, ret = compute_gpg_advantages(rewards, mask, GROUPED_INDEX)
+    adv, ret = compute_gpg_advantages(AdvantageInputs(rewards, mask, GROUPED_INDEX))
     # Scores [1, 0.5, 0, 5, 1, 2]: 6 rows, 5 non-zero -> alpha = 6/5. Means a 2/3, b 5/4, c (alone) 0.
     alpha = 6 / 5
     _check(adv, ret, mask, [alpha * (1 - 2 / 3), alpha * (0.5 - 5 / 4), alpha * (0 - 2 / 3), alpha * 5.0,
@@ -87,13 +88,13 @@ def test_gpg_alpha_counts_nonzero_scores_not_informative_groups() -> None:
     # a = [1, 1] carries no signal but its scores are non-zero: verl's alpha = 4/3 (the paper's
     # B / (B - M), M = 2 uninformative samples, would be 2).
     rewards, mask = _batch([[1.0], [1.0], [1.0], [0.0]])
-    adv, _ = compute_gpg_advantages(rewards, mask, ["a", "a", "b", "b"])
+    adv, _ = compute_gpg_advantages(AdvantageInputs(rewards, mask, ["a", "a", "b", "b"]))
     _check(adv, adv, mask, [0.0, 0.0, 4 / 3 * 0.5, 4 / 3 * -0.5])
     rewards, mask = _batch([[-1.0, None], [0.5, 0.5], [0.0, 0.0]])  # negative scores count as non-zero
-    adv, _ = compute_gpg_advantages(rewards, mask, ["a", "a", "a"])
+    adv, _ = compute_gpg_advantages(AdvantageInputs(rewards, mask, ["a", "a", "a"]))
     _check(adv, adv, mask, [1.5 * -1.0, 1.5 * 1.0, 1.5 * 0.0])
     rewards, mask = _batch([[0.0], [0.0], [0.0]])  # no non-zero score: alpha = 3/1, advantages 0
-    adv, _ = compute_gpg_advantages(rewards, mask, ["a", "a", "b"])
+    adv, _ = compute_gpg_advantages(AdvantageInputs(rewards, mask, ["a", "a", "b"]))
     _check(adv, adv, mask, [0.0, 0.0, 0.0])
 
 
@@ -114,36 +115,36 @@ PASSK_INDEX = ["a", "b", "d", "a", "b", "a", "d", "a", "b"]
 
 def test_grpo_passk_without_std_by_hand() -> None:
     rewards, mask = _batch(PASSK)
-    adv, ret = compute_grpo_passk_advantages(rewards, mask, PASSK_INDEX, norm_adv_by_std=False)
+    adv, ret = compute_grpo_passk_advantages(AdvantageInputs(rewards, mask, PASSK_INDEX, norm_adv_by_std=False))
     # a: 0.9 - 0.9 = 0 (tie for the best); b: 1 - 0.25; d: 3 - 1; every other row 0.
     _check(adv, ret, mask, [0.0, 0.75, 0.0, 0.0, 0.0, 0.0, 2.0, 0.0, 0.0])
 
 
 def test_grpo_passk_with_std_by_hand() -> None:
     rewards, mask = _batch(PASSK)
-    adv, ret = compute_grpo_passk_advantages(rewards, mask, PASSK_INDEX, eps=0.0)
+    adv, ret = compute_grpo_passk_advantages(AdvantageInputs(rewards, mask, PASSK_INDEX, eps=0.0))
     # b: unbiased std of [1, .25, .25] = sqrt(.375 / 2) = sqrt(3)/4 -> 0.75 / (sqrt(3)/4) = sqrt(3).
     # d: std of [1, 3] = sqrt(2) -> 2 / sqrt(2) = sqrt(2).
     _check(adv, ret, mask, [0.0, math.sqrt(3), 0.0, 0.0, 0.0, 0.0, math.sqrt(2), 0.0, 0.0])
-    adv_eps, _ = compute_grpo_passk_advantages(rewards, mask, PASSK_INDEX)  # default eps = 1e-6
+    adv_eps, _ = compute_grpo_passk_advantages(AdvantageInputs(rewards, mask, PASSK_INDEX))  # default eps = 1e-6
     std_b, std_d = statistics.stdev([1.0, 0.25, 0.25]), statistics.stdev([1.0, 3.0])
     _check(adv_eps, adv_eps, mask, [0.0, 0.75 / (std_b + 1e-6), 0.0, 0.0, 0.0, 0.0, 2 / (std_d + 1e-6), 0.0, 0.0])
 
 
 def test_grpo_passk_all_equal_group_is_zero_and_singleton_refused() -> None:
     rewards, mask = _batch([[1.0], [1.0], [0.0], [1.0]])
-    adv, _ = compute_grpo_passk_advantages(rewards, mask, ["a", "a", "b", "b"])
+    adv, _ = compute_grpo_passk_advantages(AdvantageInputs(rewards, mask, ["a", "a", "b", "b"]))
     # a: all equal -> 0 / (0 + eps) = 0.  b: 1 - 0, std sqrt(1/2).
     _check(adv, adv, mask, [0.0, 0.0, 0.0, 1 / (math.sqrt(0.5) + 1e-6)])
     with pytest.raises(ValueError, match=r"at least 2 samples per group .*1 group\(s\) have 1: \['solo'\]"):
-        compute_grpo_passk_advantages(rewards, mask, ["a", "a", "solo", "a"])
+        compute_grpo_passk_advantages(AdvantageInputs(rewards, mask, ["a", "a", "solo", "a"]))
 
 
 @pytest.mark.parametrize("name", ["opo", "gpg", "grpo_passk"])
 def test_one_group_id_per_row(name: str) -> None:
     rewards, mask = _batch([[1.0], [0.0], [1.0]])
     with pytest.raises(ValueError, match="one group id per row"):
-        get_adv_estimator(name)(rewards, mask, ["a", "a"])
+        get_adv_estimator(name)(AdvantageInputs(rewards, mask, ["a", "a"]))
 
 
 @pytest.mark.parametrize(("alias", "target", "settings"), [
@@ -157,8 +158,8 @@ def test_aliases_equal_their_targets_exactly(alias: str, target: str, settings: 
     mask = (torch.arange(6)[None, :] < torch.tensor([6, 1, 3, 5, 2, 6, 4, 1, 3, 6])[:, None]).to(F64)
     mask[0, 2] = mask[5, 3] = 0.0
     index = ["p0", "p1", "p2", "p0", "p1", "p2", "p0", "p2", "p3", "p3"]
-    adv_a, ret_a = get_adv_estimator(alias)(rewards, mask, index, **settings)
-    adv_t, ret_t = get_adv_estimator(target)(rewards, mask, index, **settings)
+    adv_a, ret_a = get_adv_estimator(alias)(AdvantageInputs(rewards, mask, index, **settings))
+    adv_t, ret_t = get_adv_estimator(target)(AdvantageInputs(rewards, mask, index, **settings))
     assert torch.equal(adv_a, adv_t) and torch.equal(ret_a, ret_t)
     assert get_adv_estimator(alias).__wrapped__ is get_adv_estimator(target)
     assert estimator_uses(alias) == estimator_uses(target)
@@ -185,7 +186,7 @@ def test_unused_settings_are_refused(name: str, setting: dict) -> None:
     rewards, mask = _batch([[1.0], [0.0]])
     (key,) = setting
     with pytest.raises(ValueError, match=f"advantage estimator {name!r} does not use {key}"):
-        get_adv_estimator(name)(rewards, mask, ["a", "a"], **setting)
+        get_adv_estimator(name)(AdvantageInputs(rewards, mask, ["a", "a"], **setting))
 
 
 @pytest.mark.parametrize("name", GROUP_ESTIMATORS)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import rlsp.algos  # noqa: F401  (fills the registries)
+from rlsp.algos.adv_inputs import AdvantageInputs
 from rlsp.algos.gae import compute_gae_advantages
 from rlsp.algos.grpo import compute_grpo_advantages
 from rlsp.algos.registry import get_adv_estimator, list_adv_estimators
@@ -42,7 +43,7 @@ LENGTHS = [4, 1, 2, 3, 4, 2]
 
 def test_grpo_hand_example_with_std() -> None:
     rewards, mask = _outcome_batch(SCORES, LENGTHS, 4)
-    adv, ret = compute_grpo_advantages(rewards, mask, INDEX, eps=0.0)
+    adv, ret = compute_grpo_advantages(AdvantageInputs(rewards, mask, INDEX, eps=0.0))
     # Group a: mean 2/3, unbiased std 1/sqrt(3): (1/3)*sqrt(3), (-2/3)*sqrt(3). Group b: mean 1/3.
     expected_row = torch.tensor([1 / SQRT3, -1 / SQRT3, -2 / SQRT3, -1 / SQRT3, 1 / SQRT3, 2 / SQRT3], dtype=F64)
     torch.testing.assert_close(adv, expected_row[:, None] * mask, rtol=0, atol=1e-12)
@@ -52,17 +53,17 @@ def test_grpo_hand_example_with_std() -> None:
 
 def test_grpo_hand_example_without_std_and_default_eps() -> None:
     rewards, mask = _outcome_batch(SCORES, LENGTHS, 4)
-    adv, _ = compute_grpo_advantages(rewards, mask, INDEX, norm_adv_by_std=False)
+    adv, _ = compute_grpo_advantages(AdvantageInputs(rewards, mask, INDEX, norm_adv_by_std=False))
     expected_row = torch.tensor([1 / 3, -1 / 3, -2 / 3, -1 / 3, 1 / 3, 2 / 3], dtype=F64)
     torch.testing.assert_close(adv, expected_row[:, None] * mask, rtol=0, atol=1e-12)
-    adv_eps, _ = compute_grpo_advantages(rewards, mask, INDEX)  # eps=1e-6 shifts values by < 1e-5
+    adv_eps, _ = compute_grpo_advantages(AdvantageInputs(rewards, mask, INDEX))  # eps=1e-6 shifts values by < 1e-5
     expected_std = torch.tensor([1, -1, -2, -1, 1, 2], dtype=F64) / (1 / SQRT3 + 1e-6) / 3
     torch.testing.assert_close(adv_eps, expected_std[:, None] * mask, rtol=0, atol=1e-12)
 
 
 def test_grpo_single_member_group_and_float32_bool_mask() -> None:
     rewards, mask = _outcome_batch([2.0, 1.0, 0.0], [1, 2, 2], 2)
-    adv, _ = compute_grpo_advantages(rewards.float(), mask.bool(), ["x", "y", "y"], eps=0.0)
+    adv, _ = compute_grpo_advantages(AdvantageInputs(rewards.float(), mask.bool(), ["x", "y", "y"], eps=0.0))
     # "x" alone: mean 0, std 1 -> raw score. "y": mean 0.5, std sqrt(0.5).
     expected = torch.tensor([[2.0, 0.0], [0.5 / math.sqrt(0.5)] * 2, [-0.5 / math.sqrt(0.5)] * 2])
     torch.testing.assert_close(adv, expected, rtol=0, atol=1e-6)
@@ -74,7 +75,7 @@ def test_grpo_matches_torch_std_on_random_groups() -> None:
     rewards = torch.randn(12, 5, generator=gen, dtype=F64)
     mask = torch.ones(12, 5, dtype=F64)
     index = [f"p{i // 4}" for i in range(12)]
-    adv, _ = compute_grpo_advantages(rewards, mask, index, eps=1e-6)
+    adv, _ = compute_grpo_advantages(AdvantageInputs(rewards, mask, index, eps=1e-6))
     scores = rewards.sum(-1).view(3, 4)
     expected = (scores - scores.mean(-1, keepdim=True)) / (scores.std(-1, keepdim=True) + 1e-6)
     torch.testing.assert_close(adv[:, 0], expected.reshape(-1), rtol=0, atol=1e-12)
@@ -82,13 +83,13 @@ def test_grpo_matches_torch_std_on_random_groups() -> None:
 
 def test_rloo_hand_example_and_singleton() -> None:
     rewards, mask = _outcome_batch(SCORES, LENGTHS, 4)
-    adv, ret = compute_rloo_advantages(rewards, mask, INDEX)
+    adv, ret = compute_rloo_advantages(AdvantageInputs(rewards, mask, INDEX))
     # a: [1-0.5, 0-1, 1-0.5]; b: [0-0.5, 0-0.5, 1-0].
     expected_row = torch.tensor([0.5, -0.5, -1.0, -0.5, 0.5, 1.0], dtype=F64)
     torch.testing.assert_close(adv, expected_row[:, None] * mask, rtol=0, atol=1e-12)
     torch.testing.assert_close(ret, adv, rtol=0, atol=0)
     rewards1, mask1 = _outcome_batch([3.0, 1.0, 2.0], [1, 1, 1], 1)
-    adv1, _ = compute_rloo_advantages(rewards1, mask1, ["solo", "g", "g"])
+    adv1, _ = compute_rloo_advantages(AdvantageInputs(rewards1, mask1, ["solo", "g", "g"]))
     torch.testing.assert_close(adv1[:, 0], torch.tensor([3.0, -1.0, 1.0], dtype=F64), rtol=0, atol=1e-12)
 
 
@@ -103,7 +104,7 @@ def test_returns_to_go_discounts_and_skips_mask_holes() -> None:
 def test_reinforce_pp_hand_example() -> None:
     rewards = torch.tensor([[1.0, 0.0, 2.0], [0.0, 3.0, 100.0]], dtype=F64)
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=F64)
-    adv, ret = compute_reinforce_pp_advantages(rewards, mask, ["a", "b"], gamma=0.5, eps=0.0)
+    adv, ret = compute_reinforce_pp_advantages(AdvantageInputs(rewards, mask, ["a", "b"], gamma=0.5, eps=0.0))
     # Returns [1.5, 1, 2 | 1.5, 3]: mean 1.8, squared deviations sum 2.3, unbiased var 0.575.
     torch.testing.assert_close(ret, torch.tensor([[1.5, 1.0, 2.0], [1.5, 3.0, 0.0]], dtype=F64), rtol=0, atol=1e-12)
     expected = torch.tensor([[-0.3, -0.8, 0.2], [-0.3, 1.2, 0.0]], dtype=F64) / math.sqrt(0.575)
@@ -112,7 +113,7 @@ def test_reinforce_pp_hand_example() -> None:
 
 def test_reinforce_pp_baseline_hand_example() -> None:
     rewards, mask = _outcome_batch([1.0, 0.0, 5.0], [2, 1, 2], 2)
-    adv, ret = compute_reinforce_pp_baseline_advantages(rewards, mask, ["a", "a", "b"], eps=0.0)
+    adv, ret = compute_reinforce_pp_baseline_advantages(AdvantageInputs(rewards, mask, ["a", "a", "b"], eps=0.0))
     # Group a mean 0.5; "b" alone keeps its score. Tokens [.5, .5, -.5, 5, 5]: mean 2.1, var 28.7/4.
     torch.testing.assert_close(ret, torch.tensor([[0.5, 0.5], [-0.5, 0.0], [5.0, 5.0]], dtype=F64), rtol=0, atol=1e-12)
     expected = torch.tensor([[-1.6, -1.6], [-2.6, 0.0], [2.9, 2.9]], dtype=F64) / math.sqrt(7.175)
@@ -145,7 +146,7 @@ def test_gae_matches_reference_loop(holes: bool) -> None:
     mask = (torch.arange(7)[None, :] < torch.tensor([7, 3, 1, 5])[:, None]).to(F64)
     if holes:
         mask[0, 2] = mask[0, 4] = mask[3, 1] = 0.0
-    adv, ret = compute_gae_advantages(rewards, mask, None, gamma=0.9, lam=0.8, values_BR=values, eps=0.0)
+    adv, ret = compute_gae_advantages(AdvantageInputs(rewards, mask, None, gamma=0.9, lam=0.8, values_BR=values, eps=0.0))
     exp_adv, exp_ret = _gae_reference(rewards, values, mask, 0.9, 0.8)
     torch.testing.assert_close(adv, exp_adv, rtol=0, atol=1e-12)
     torch.testing.assert_close(ret, exp_ret, rtol=0, atol=1e-12)
@@ -154,7 +155,7 @@ def test_gae_matches_reference_loop(holes: bool) -> None:
 def test_gae_requires_values() -> None:
     rewards, mask = _outcome_batch([1.0], [1], 1)
     with pytest.raises(ValueError, match="values_BR"):
-        compute_gae_advantages(rewards, mask, ["a"])
+        compute_gae_advantages(AdvantageInputs(rewards, mask, ["a"]))
 
 
 def test_registry_names_and_errors() -> None:
@@ -168,12 +169,12 @@ def test_registry_names_and_errors() -> None:
 def test_unused_non_default_kwargs_raise() -> None:
     rewards, mask = _outcome_batch([1.0, 0.0], [1, 1], 1)
     with pytest.raises(ValueError, match="gamma"):
-        get_adv_estimator("grpo")(rewards, mask, ["a", "a"], gamma=0.9)
+        get_adv_estimator("grpo")(AdvantageInputs(rewards, mask, ["a", "a"], gamma=0.9))
     with pytest.raises(ValueError, match="norm_adv_by_std"):
-        get_adv_estimator("rloo")(rewards, mask, ["a", "a"], norm_adv_by_std=False)
+        get_adv_estimator("rloo")(AdvantageInputs(rewards, mask, ["a", "a"], norm_adv_by_std=False))
     with pytest.raises(ValueError, match="values_BR"):
-        get_adv_estimator("reinforce_plus_plus")(rewards, mask, ["a", "a"], values_BR=rewards)
+        get_adv_estimator("reinforce_plus_plus")(AdvantageInputs(rewards, mask, ["a", "a"], values_BR=rewards))
     for name in list_adv_estimators():  # defaults (plus values for gae) are accepted by every estimator
         extra = {"values_BR": torch.zeros_like(rewards)} if name == "gae" else {}
-        adv, ret = get_adv_estimator(name)(rewards, mask, ["a", "a"], norm_adv_by_std=True, gamma=1.0, lam=1.0, **extra)
+        adv, ret = get_adv_estimator(name)(AdvantageInputs(rewards, mask, ["a", "a"], norm_adv_by_std=True, gamma=1.0, lam=1.0, **extra))
         assert adv.shape == ret.shape == rewards.shape

@@ -8,6 +8,7 @@ import statistics
 import pytest
 import torch
 
+from rlsp.algos.adv_inputs import AdvantageInputs
 from rlsp.algos.gae import compute_gae_advantages
 from rlsp.algos.kl_ctrl import AdaptiveKLController, FixedKLController, apply_kl_penalty, build_kl_controller
 from rlsp.algos.registry import compute_advantages, estimator_uses, list_adv_estimators
@@ -20,7 +21,7 @@ def test_gae_hand_computed_on_rows_of_different_lengths():
     rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 5.0]], dtype=torch.float64)
     values = torch.tensor([[0.5, 0.6, 0.7], [0.1, 0.2, 9.0]], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.float64)
-    adv, ret = compute_gae_advantages(rewards, mask, None, gamma=0.9, lam=0.8, values_BR=values, eps=0.0)
+    adv, ret = compute_gae_advantages(AdvantageInputs(rewards, mask, None, gamma=0.9, lam=0.8, values_BR=values, eps=0.0))
     # delta_t = r_t + 0.9 V_{t+1} - V_t ; A_t = delta_t + 0.72 A_{t+1}, worked out by hand:
     raw = [0.21712, 0.246, 0.3, 1.376, 1.8]  # row 0: t=0..2, row 1: t=0..1
     torch.testing.assert_close(ret, torch.tensor([[0.71712, 0.846, 1.0], [1.476, 2.0, 0.0]], dtype=torch.float64))
@@ -39,11 +40,11 @@ def test_registry_guards_what_each_estimator_uses():
     mask = torch.ones_like(rewards)
     settings = dict(norm_adv_by_std=True, gamma=0.5, lam=0.5, values_BR=torch.zeros_like(rewards))
     with pytest.raises(ValueError, match="'grpo' does not use gamma; got 0.5, leave it at its default 1.0"):
-        compute_advantages("grpo", rewards, mask, ["a", "a"], **settings)  # never silently dropped
+        compute_advantages("grpo", AdvantageInputs(rewards, mask, ["a", "a"], **settings))  # never silently dropped
     defaults = dict(norm_adv_by_std=True, gamma=1.0, lam=1.0, values_BR=None)
-    grpo, _ = compute_advantages("grpo", rewards, mask, ["a", "a"], **defaults)
+    grpo, _ = compute_advantages("grpo", AdvantageInputs(rewards, mask, ["a", "a"], **defaults))
     assert grpo[0, 0] > 0 > grpo[1, 0]
-    _, ret = compute_advantages("gae", rewards, mask, ["a", "a"], **settings)
+    _, ret = compute_advantages("gae", AdvantageInputs(rewards, mask, ["a", "a"], **settings))
     torch.testing.assert_close(ret, torch.tensor([[0.25, 1.0], [0.0, 0.0]]))  # (gamma * lam) * 1: both passed
 
 

@@ -1,0 +1,92 @@
+"""What the advantage estimator gets from the config and the batch, and the start-up checks of it.
+
+`advantage_inputs(batch, cfg)` assembles the estimator's one input record (rlsp.algos.adv_inputs):
+every setting from `algorithm.*` (the estimator's registration refuses one it does not read unless it
+is at its default), and, of the optional per-row inputs, exactly those the chosen estimator reads —
+each taken from the batch, with a clear error naming how to produce it when it is missing.
+
+`estimator_errors(cfg)` is preflight's part for the estimator: settings it would ignore, and what each
+estimator needs from the rest of the run (reward components for gdpo, the actor's sum of pi^2 for the
+optimal token baselines, ...).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+
+from rlsp.algos.adv_inputs import ESTIMATOR_DEFAULTS, AdvantageInputs
+from rlsp.algos.registry import estimator_uses, unused_settings, users_of
+from rlsp.data.batch import Batch
+
+# Estimator setting -> its config key.
+SETTING_KEYS = {"norm_adv_by_std": "algorithm.norm_adv_by_std_in_grpo", "gamma": "algorithm.gamma",
+                "lam": "algorithm.lam", "gdpo_reward_weights": "algorithm.gdpo_reward_weights"}
+# Optional per-row input -> (batch key, what produces it).
+BATCH_INPUTS = {
+    "values_BR": ("values", "the critic (algorithm.adv_estimator=gae builds one)"),
+    "reward_baselines_B": ("reward_baselines", "the greedy baseline rollout (rlsp.trainer.baselines)"),
+    "old_logprobs_BR": ("old_logprobs", "the actor's logprob pass"),
+    "sum_pi_squared_BR": ("sum_pi_squared", "the actor's logprob pass with "
+                          "actor_rollout_ref.actor.calculate_sum_pi_squared=true"),
+}
+
+
+def config_settings(cfg: Any) -> dict[str, Any]:
+    """The estimator settings of `cfg` (setting name -> value; lists as tuples)."""
+    out = {}
+    for name, key in SETTING_KEYS.items():
+        value = OmegaConf.select(cfg, key)
+        out[name] = tuple(value) if OmegaConf.is_list(value) or isinstance(value, list) else value
+    return out
+
+
+def advantage_inputs(batch: Batch, cfg: Any) -> AdvantageInputs:
+    """The estimator's input record for `batch` under config `cfg` (see the module docstring)."""
+    name = cfg.algorithm.adv_estimator
+    uses = estimator_uses(name)
+    rows: dict[str, Any] = {}
+    for field, (key, source) in BATCH_INPUTS.items():
+        if field not in uses:
+            continue
+        if key not in batch:
+            raise RuntimeError(f"advantage estimator {name!r} needs {key!r} from {source}; the batch has none")
+        rows[field] = batch[key]
+    if "reward_components" in uses:
+        rows["reward_components"] = reward_components(batch, list(cfg.algorithm.gdpo_reward_keys or []))
+    return AdvantageInputs(batch["token_level_rewards"], batch["response_mask"], batch.meta["uid"],
+                           **config_settings(cfg), **rows)
+
+
+def reward_components(batch: Batch, keys: list[str]) -> dict[str, torch.Tensor]:
+    """Each named reward component per row ([B] float64), from what the reward function returned
+    (`reward_extra_info`, one dict per row); RuntimeError naming the row when a key is missing."""
+    extras = batch.meta.get("reward_extra_info") or [None] * len(batch)
+    out = {}
+    for key in keys:
+        values = []
+        for row, extra in enumerate(extras):
+            if not extra or key not in extra:
+                raise RuntimeError(
+                    f"algorithm.gdpo_reward_keys names {key!r}, but the reward function's output for row {row} "
+                    f"(data_source={batch.meta['data_source'][row]!r}) has {sorted(extra or {})}: return a dict "
+                    f"with 'score' and every key of algorithm.gdpo_reward_keys")
+            values.append(float(extra[key]))
+        out[key] = torch.tensor(values, dtype=torch.float64)
+    return out
+
+
+def estimator_errors(cfg: Any) -> list[str]:
+    """Every problem with the estimator's settings and what it needs from the run (preflight)."""
+    name, errors = cfg.algorithm.adv_estimator, []
+    for kw, value in unused_settings(name, **config_settings(cfg)).items():
+        shown = list(value) if isinstance(value, tuple) else value
+        errors.append(f"{SETTING_KEYS[kw]}={shown} has no effect with algorithm.adv_estimator={name!r}; leave it at "
+                      f"{ESTIMATOR_DEFAULTS[kw]} or pick an estimator that uses it: {users_of(kw)}")
+    keys = list(cfg.algorithm.gdpo_reward_keys or [])
+    if "reward_components" not in estimator_uses(name) and keys:
+        errors.append(f"algorithm.gdpo_reward_keys={keys} has no effect with algorithm.adv_estimator={name!r}; leave "
+                      f"it empty or pick an estimator that uses it: {users_of('reward_components')}")
+    return errors
