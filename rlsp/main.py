@@ -43,6 +43,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlsp.config.compose import CONFIG_DIR, DEFAULT_CONFIG, refused_overrides
 from rlsp.config.layout import ParallelLayout
+from rlsp.config.schema_policy_loss import rewrite_policy_loss_overrides
 from rlsp.config.store import register_schema
 from rlsp.config.validate import validate_config
 from rlsp.trainer.checkpoint import finished_step, latest_checkpoint
@@ -239,5 +240,6 @@ def refuse_unsupported_overrides(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    sys.argv[1:] = rewrite_policy_loss_overrides(sys.argv[1:])  # old policy-loss spellings -> the nested block
     refuse_unsupported_overrides(sys.argv[1:])
     main()

@@ -13,7 +13,9 @@ REINFORCE-style gradient scaled by a bounded weight:
 As in verl, eps_low / eps_high are the PPO keys ``clip_ratio_low`` / ``clip_ratio_high`` (both
 defaulting to ``clip_ratio`` = 0.2), and the log-ratio is clamped to [-20, 20] before ``exp``. The paper
 puts no lower bound on the weight (a large eps_low) and tunes only eps_high; verl and rlsp keep the
-symmetric 0.2 default. ``clip_ratio_c`` (the dual-clip bound) is not used by CISPO.
+symmetric 0.2 default. ``clip_ratio_c`` (the dual-clip bound) is not used by CISPO: the actor passes a
+loss only the keys it reads (rlsp/config/validate_policy_loss.py), and start-up validation refuses the others
+set off their defaults.
 
 Shape legend: "..." any shape shared by all inputs ([B, R] padded or [T] packed).
 """
@@ -23,11 +25,9 @@ from __future__ import annotations
 import torch
 
 from rlsp.algos.aggregation import masked_sum
+from rlsp.algos.loss_context import LossContext
 from rlsp.algos.policy_loss import MAX_LOG_RATIO
 from rlsp.algos.registry import register_policy_loss
-from rlsp.config.validate import policy_loss_users
-
-DUAL_CLIP_DEFAULT = 3.0
 
 
 def token_metrics(indicators: dict[str, torch.Tensor], mask: torch.Tensor, dtype: torch.dtype
@@ -44,13 +44,6 @@ def token_metrics(indicators: dict[str, torch.Tensor], mask: torch.Tensor, dtype
     return metrics
 
 
-def refuse_unused(loss: str, key: str, value: float, default: float) -> None:
-    """A keyword the loss ``loss`` does not read must be at its default: never silently ignored."""
-    if value != default:
-        raise ValueError(f"policy loss {loss!r} does not use {key}; got {value!r}, leave it at its default "
-                         f"{default!r} (policy losses using it: {policy_loss_users(key)})")
-
-
 @register_policy_loss("cispo")
 def compute_cispo_loss(
     logprobs: torch.Tensor,
@@ -60,15 +53,15 @@ def compute_cispo_loss(
     *,
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
-    clip_ratio_c: float = DUAL_CLIP_DEFAULT,
+    context: LossContext | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """CISPO per-token loss -sg(clip(r, 1 - low, 1 + high)) * A * logp: (loss_tokens, metrics).
 
     loss_tokens has the inputs' shape with exact zeros where ``mask`` is off. metrics (verl's names):
     "pg_clipfrac" (tokens whose weight was clipped), "pg_clipfrac_lower" (always 0, as in verl),
-    "ppo_kl" (old_logprobs - logprobs), each with "<name>_sum", plus "num_tokens".
+    "ppo_kl" (old_logprobs - logprobs), each with "<name>_sum", plus "num_tokens". A token-level loss:
+    ``context`` is accepted like every loss's and not read.
     """
-    refuse_unused("cispo", "clip_ratio_c", clip_ratio_c, DUAL_CLIP_DEFAULT)
     if not 0.0 <= clip_ratio_low <= 1.0 or clip_ratio_high < 0.0:
         raise ValueError(f"cispo needs 0 <= clip_ratio_low <= 1 and clip_ratio_high >= 0, "
                          f"got {clip_ratio_low}, {clip_ratio_high}")

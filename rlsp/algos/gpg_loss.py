@@ -8,7 +8,8 @@ whose objective drops PPO's surrogate for the REINFORCE form
 verl's "gpg" policy loss, paired with its "gpg" advantage estimator (rlsp/algos/gpg.py). The old
 logprobs are not read, so nothing corrects for an update that is off-policy (several mini-batches or
 epochs): the loss is the on-policy gradient estimator. None of the clip keywords apply; each must
-stay at its default. Like verl, it reports no clip or KL metric (only "num_tokens").
+stay at its default (start-up validation refuses them; the actor passes this loss no keyword). Like verl,
+it reports no clip or KL metric (only "num_tokens").
 
 Shape legend: "..." any shape shared by all inputs ([B, R] padded or [T] packed).
 """
@@ -17,10 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from rlsp.algos.cispo import DUAL_CLIP_DEFAULT, refuse_unused, token_metrics
+from rlsp.algos.cispo import token_metrics
+from rlsp.algos.loss_context import LossContext
 from rlsp.algos.registry import register_policy_loss
-
-CLIP_DEFAULT = 0.2
 
 
 @register_policy_loss("gpg")
@@ -30,19 +30,14 @@ def compute_gpg_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
-    clip_ratio_low: float = CLIP_DEFAULT,
-    clip_ratio_high: float = CLIP_DEFAULT,
-    clip_ratio_c: float = DUAL_CLIP_DEFAULT,
+    context: LossContext | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GPG per-token loss -A * logp: (loss_tokens, metrics).
 
     loss_tokens has the inputs' shape with exact zeros where ``mask`` is off; ``old_logprobs`` is
-    accepted for the shared signature and ignored. metrics: {"num_tokens"} only (verl reports none).
+    accepted for the shared signature and ignored, and so is ``context``. metrics: {"num_tokens"} only (verl
+    reports none).
     """
-    for key, value, default in (("clip_ratio_low", clip_ratio_low, CLIP_DEFAULT),
-                                ("clip_ratio_high", clip_ratio_high, CLIP_DEFAULT),
-                                ("clip_ratio_c", clip_ratio_c, DUAL_CLIP_DEFAULT)):
-        refuse_unused("gpg", key, value, default)
     loss = -advantages * logprobs
     loss_tokens = torch.where(mask.bool(), loss, torch.zeros_like(loss))
     return loss_tokens, token_metrics({}, mask, loss.dtype)

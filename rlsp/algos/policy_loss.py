@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from rlsp.algos.aggregation import masked_sum
+from rlsp.algos.loss_context import LossContext
 from rlsp.algos.registry import register_policy_loss
 
 # exp() of a log-ratio beyond this is either inf or meaningless; clamping keeps the loss finite.
@@ -36,13 +37,15 @@ def compute_ppo_clip_loss(
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
     clip_ratio_c: float = 3.0,
+    context: LossContext | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate with dual clip: (loss_tokens, metrics).
 
     ratio = exp(clamp(logprobs - old_logprobs, -20, 20));
     clipped = max(-A * ratio, -A * clip(ratio, 1 - low, 1 + high));
     loss = min(clipped, -A * clip_ratio_c) where A < 0 (dual clip), else clipped.
-    loss_tokens has the inputs' shape with exact zeros where ``mask`` is off.
+    loss_tokens has the inputs' shape with exact zeros where ``mask`` is off. A token-level loss: ``context``
+    (row and micro-batch statistics, rlsp.algos.loss_context) is accepted like every loss's and not read.
 
     metrics (detached, over this call's tokens only):
       "pg_clipfrac"        fraction of tokens where the clip range bound the loss,

@@ -19,6 +19,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import DictConfig
 
+from rlsp.config.schema_policy_loss import rewrite_policy_loss_override
 from rlsp.config.store import register_schema
 from rlsp.config.validate_keys import schema_keys, unknown_key_error
 from rlsp.config.verl_compat import refusal
@@ -50,7 +51,7 @@ def parse_command_line(argv: list[str]) -> CommandLine:
         elif arg.startswith("-"):
             raise ValueError(f"unknown option {arg!r}; {USAGE}")
         else:
-            line.overrides.append(arg)
+            line.overrides.append(rewrite_policy_loss_override(arg))  # old policy-loss spellings -> nested
     return line
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from omegaconf import II
 
 from rlsp.config.schema_engine import FSDPConfig, FusedKernelOptions, OptimConfig, TiledMLPConfig
+from rlsp.config.schema_policy_loss import PolicyLossConfig
 from rlsp.config.schema_reward import (
     CustomRewardFunctionConfig,
     RewardConfig,
@@ -120,7 +121,7 @@ class ActorConfig:
     clip_ratio_low: float | None = None  # None = clip_ratio
     clip_ratio_high: float | None = None
     clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
-    policy_loss: str = "vanilla"
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)  # loss_mode + per-loss keys (verl's)
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (verl's; policy, KL and entropy terms alike), over the whole mini-batch whatever its micro-batch/dp/sp split
     loss_scale_factor: int | None = None  # seq-mean-token-sum-norm's constant divisor; None = data.max_response_length
     entropy_coeff: float = 0.0

@@ -30,33 +30,17 @@ from rlsp.config.validate_keys import check_known_keys
 from rlsp.config.validate_lora import check_lora, check_rollout_loading
 from rlsp.config.validate_memory import check_memory_options
 from rlsp.config.validate_offload import check_offload
+from rlsp.config.validate_policy_loss import POLICY_LOSS_KEYS, check_policy_loss_keys, policy_loss_users
 from rlsp.config.validate_reward import check_reward_model
 from rlsp.config.validate_rollout_tp import check_rollout_tp
 from rlsp.config.validate_verl import check_verl_keys
 from rlsp.config.verl_compat import apply_verl_spellings
 
-__all__ = ["DTYPE_NAMES", "LOGGERS", "validate_config"]  # the legal-value lists live in rlsp.config.choices
+__all__ = ["DTYPE_NAMES", "LOGGERS", "POLICY_LOSS_KEYS", "policy_loss_users", "validate_config"]  # the legal-value lists live in rlsp.config.choices
 
 # Estimators whose baseline or credit comes from the other samples of the same prompt: with
 # rollout.n=1 each group has one sample and they degenerate (grpo_passk refuses such groups outright).
 GROUP_ESTIMATORS = ("grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized", "opo", "gpg")
-
-# The actor keys each policy loss (rlsp/algos) reads; the actor passes all of them to every loss, so one
-# a loss does not read must stay at its default (POLICY_LOSS_KEY_DEFAULTS): never silently ignored.
-# A loss missing here is checked by preflight's name check only; a unit test keeps the two in step.
-POLICY_LOSS_KEYS: dict[str, tuple[str, ...]] = {
-    "vanilla": ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c"),
-    "cispo": ("clip_ratio", "clip_ratio_low", "clip_ratio_high"),
-    "gpg": (),
-}
-POLICY_LOSS_KEY_DEFAULTS: dict[str, float | None] = {
-    "clip_ratio": 0.2, "clip_ratio_low": None, "clip_ratio_high": None, "clip_ratio_c": 3.0}
-
-
-def policy_loss_users(key: str) -> list[str]:
-    """Sorted names of the policy losses that read actor key ``key``."""
-    return sorted(name for name, keys in POLICY_LOSS_KEYS.items() if key in keys)
-
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
@@ -214,24 +198,9 @@ def _check_critic(cfg: Any, layout: ParallelLayout, errors: list[str]) -> None:
              f"values: {[None, *DTYPE_NAMES]}", errors)
 
 
-def _check_policy_loss_keys(actor: Any, errors: list[str]) -> None:
-    """Keys the chosen policy loss does not read must be at their defaults (clip_ratio_low/high also
-    accept clip_ratio's default 0.2, the value they resolve to)."""
-    name = actor.policy_loss
-    if name not in POLICY_LOSS_KEYS:
-        return
-    for key, default in POLICY_LOSS_KEY_DEFAULTS.items():
-        value = getattr(actor, key)
-        at_default = value == default or (default is None and value == POLICY_LOSS_KEY_DEFAULTS["clip_ratio"])
-        if key not in POLICY_LOSS_KEYS[name] and not at_default:
-            errors.append(f"actor_rollout_ref.actor.{key}={value} has no effect with actor_rollout_ref.actor."
-                          f"policy_loss={name!r}; leave it at {default} or pick a policy loss that uses it: "
-                          f"{policy_loss_users(key)}")
-
-
 def _check_algorithm(cfg: Any, errors: list[str]) -> None:
     alg = cfg.algorithm
-    _check_policy_loss_keys(cfg.actor_rollout_ref.actor, errors)
+    check_policy_loss_keys(cfg.actor_rollout_ref.actor, errors)
     _require(0.0 <= alg.gamma <= 1.0, f"algorithm.gamma={alg.gamma} must be in [0, 1]", errors)
     _require(0.0 <= alg.lam <= 1.0, f"algorithm.lam={alg.lam} must be in [0, 1]", errors)
     k = alg.kl_ctrl

@@ -34,7 +34,7 @@ def _check_names(cfg: DictConfig, errors: list[str]) -> None:
     actor = cfg.actor_rollout_ref.actor
     for key, val, legal in (
         ("algorithm.adv_estimator", cfg.algorithm.adv_estimator, list_adv_estimators()),
-        ("actor_rollout_ref.actor.policy_loss", actor.policy_loss, list_policy_losses()),
+        ("actor_rollout_ref.actor.policy_loss.loss_mode", actor.policy_loss.loss_mode, list_policy_losses()),
     ):
         if val not in legal:
             errors.append(f"{key}={val!r} is unknown; legal values: {legal}")

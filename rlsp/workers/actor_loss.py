@@ -4,11 +4,16 @@ Every term is aggregated as `actor.loss_agg_mode` says (verl applies the same mo
 the whole mini-batch: the per-token weights come from the micro-batch's full rows and the mini-batch's
 global counts (rlsp.algos.aggregation), so summing losses/gradients over micro-batches and ranks is
 exact. The clip fractions, ppo_kl and logprob_diff metrics are token-means whatever the mode.
+
+The policy loss gets exactly its own keys (``loss_kwargs``, from rlsp.config.validate_policy_loss) and a
+loss context (rlsp.workers.loss_context) for the row and micro-batch statistics of sequence-level losses.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -17,14 +22,13 @@ from rlsp.algos.kl import compute_kl
 from rlsp.algos.registry import get_policy_loss
 from rlsp.engine.fsdp_engine import LossFn
 from rlsp.engine.micro import MicroBatch
+from rlsp.workers.loss_context import MicroBatchContext
 
 
 @dataclass(frozen=True)
 class ActorLossConfig:
     policy_loss: str = "vanilla"
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float = 3.0
+    loss_kwargs: Mapping[str, Any] = field(default_factory=dict)  # the loss's own keys; absent = its defaults
     use_kl_loss: bool = True
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
@@ -50,10 +54,8 @@ def make_actor_loss(cfg: ActorLossConfig, global_tokens: float, global_seqs: flo
         else:  # on-policy: the policy that sampled is the one being updated, so old = current, detached
             old_S = logprobs_S.detach()
         adv_S = micro.response_local("advantages").to(logprobs_S.device)
-        pg_tokens, pg_metrics = policy_loss(
-            logprobs_S, old_S, adv_S, mask_S,
-            clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
-        )
+        context = MicroBatchContext(micro, logprobs_S.device)
+        pg_tokens, pg_metrics = policy_loss(logprobs_S, old_S, adv_S, mask_S, context=context, **cfg.loss_kwargs)
         if "rollout_is_weights" in micro.rows:  # off-policy correction (algorithm.rollout_correction.rollout_is)
             pg_tokens = pg_tokens * micro.response_local("rollout_is_weights").to(logprobs_S.device)
         pg_loss = weighted_sum(pg_tokens, mask_S, weights_S, divisor)

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig
 
 from rlsp.config.validate_lora import lora_enabled
+from rlsp.config.validate_policy_loss import policy_loss_kwargs
 from rlsp.data.batch import Batch
 from rlsp.engine.checkpoint import load_engine, save_engine
 from rlsp.engine.fsdp_engine import FSDPEngine
@@ -121,11 +122,8 @@ class ActorRole:
     def _loss_config(self) -> ActorLossConfig:
         a = self.cfg.actor_rollout_ref.actor
         return ActorLossConfig(
-            policy_loss=a.policy_loss,
-            clip_ratio_low=a.clip_ratio_low if a.clip_ratio_low is not None else a.clip_ratio,
-            clip_ratio_high=a.clip_ratio_high if a.clip_ratio_high is not None else a.clip_ratio,
-            clip_ratio_c=a.clip_ratio_c, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef,
-            kl_loss_type=a.kl_loss_type, entropy_coeff=a.entropy_coeff, loss_agg_mode=a.loss_agg_mode,
+            policy_loss=a.policy_loss.loss_mode, loss_kwargs=policy_loss_kwargs(a), use_kl_loss=a.use_kl_loss,
+            kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type, entropy_coeff=a.entropy_coeff, loss_agg_mode=a.loss_agg_mode,
             loss_scale_factor=a.loss_scale_factor,
         )
 
