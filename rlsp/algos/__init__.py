@@ -15,6 +15,7 @@ from rlsp.algos import (  # noqa: F401  (registration)
     opo,
     policy_loss,
     reinforce_pp,
+    remax,
     rloo,
     rollout_is,
     rollout_rs,

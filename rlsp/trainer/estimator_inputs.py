@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 from rlsp.algos.adv_inputs import ESTIMATOR_DEFAULTS, AdvantageInputs
 from rlsp.algos.registry import estimator_uses, unused_settings, users_of
 from rlsp.data.batch import Batch
+from rlsp.trainer.baselines import baseline_errors
 
 # Estimator setting -> its config key.
 SETTING_KEYS = {"norm_adv_by_std": "algorithm.norm_adv_by_std_in_grpo", "gamma": "algorithm.gamma",
@@ -89,4 +90,4 @@ def estimator_errors(cfg: Any) -> list[str]:
     if "reward_components" not in estimator_uses(name) and keys:
         errors.append(f"algorithm.gdpo_reward_keys={keys} has no effect with algorithm.adv_estimator={name!r}; leave "
                       f"it empty or pick an estimator that uses it: {users_of('reward_components')}")
-    return errors
+    return errors + baseline_errors(cfg)

@@ -27,6 +27,7 @@ from rlsp.data.balance import balanced_order
 from rlsp.data.batch import Batch
 from rlsp.data.dataset import PromptDataset, iterate_batches
 from rlsp.engine.export import export_hf
+from rlsp.trainer.baselines import add_greedy_baselines, needs_greedy_baseline
 from rlsp.trainer.batch_metrics import check_finite, compute_agent_metrics, compute_batch_metrics
 from rlsp.trainer.checkpoint import CheckpointWriter, TrainerState, latest_checkpoint, read_metrics_lines
 from rlsp.trainer.distill import Distillation
@@ -203,6 +204,8 @@ class RayTrainer:
             batch = batch.select_rows(balanced_order(batch["attention_mask"].sum(-1).tolist(), self.layout.dp_size))
         if step == 1 and self.cfg.trainer.sp_self_check:
             self.check_sp(batch)
+        if needs_greedy_baseline(self.cfg):  # ReMax: a prompt's greedy response is its samples' baseline
+            metrics.update(add_greedy_baselines(self, step, batch, timing))
         with timed("timing/reward_s", timing):
             scores = self._score(batch)
         metrics["reward/errors"] = float(self.scorer.last_errors)
