@@ -163,6 +163,7 @@ class ParallelLayout:
     rollout_tp: int = 1  # vLLM tensor parallelism: consecutive ranks of the rollout pool that run one engine together
     reward_model: RoleLayout | None = None  # the frozen reward model's split of the policy pool (reward_model.enable)
     reward_servers: bool = False  # the reward loop's engines in processes beside the policy workers, not in them
+    teachers: bool = False  # distillation teachers on the policy workers, in the reference's layout (distillation.enabled)
 
     # Shorthands for the policy pool and the actor's split (the ones every run has).
     @property
@@ -192,6 +193,8 @@ class ParallelLayout:
             return self.critic
         if name in ("actor", "ref"):
             return getattr(self, name)
+        if name == "teacher":  # distillation teachers run in the reference's layout
+            return self.ref
         if name == "rollout":  # one engine per group of rollout_tp ranks (dp = engines)
             return RoleLayout(self.rollout or self.policy, tp=self.rollout_tp)
         if name == "reward_model" and self.reward_model is not None:
@@ -211,7 +214,7 @@ class ParallelLayout:
             colocated = ("critic",) if self.has_critic and self.critic_colocated else ()
             engines = ("rollout",) if self.rollout is None else ()
             scorer = ("reward_model",) if self.reward_model is not None and not self.reward_servers else ()
-            return ("actor", "ref", *engines, *colocated, *scorer)
+            return ("actor", "ref", *engines, *colocated, *scorer, *(("teacher",) if self.teachers else ()))
         if group == "rollout" and self.rollout is not None:
             return ("rollout",)
         if group == "critic" and self.has_critic and not self.critic_colocated:

@@ -14,6 +14,7 @@ from typing import Any
 
 from omegaconf import II
 
+from rlsp.config.schema_distill import DistillationConfig
 from rlsp.config.schema_engine import FSDPConfig, FusedKernelOptions, OptimConfig, TiledMLPConfig
 from rlsp.config.schema_policy_loss import PolicyLossConfig
 from rlsp.config.schema_reward import (
@@ -275,3 +276,4 @@ class RLSPConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     rollout: RolloutPoolConfig = field(default_factory=RolloutPoolConfig)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)  # on-policy distillation (schema_distill)

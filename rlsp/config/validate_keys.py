@@ -52,6 +52,8 @@ def _unknown_keys(cfg: Any, schema: DictConfig, prefix: str = "") -> list[str]:
     for key in cfg.keys():
         if key not in schema:
             unknown.append(f"{prefix}{key}")
+        elif schema._get_node(key)._metadata.object_type is dict:
+            continue  # an open mapping of user-named entries (distillation.teacher_models): its section checks them
         elif isinstance(schema._get_node(key), DictConfig) and isinstance(cfg._get_node(key), DictConfig):
             unknown += _unknown_keys(cfg._get_node(key), schema._get_node(key), f"{prefix}{key}.")
     return unknown

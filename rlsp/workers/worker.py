@@ -119,7 +119,7 @@ class Worker:
             # engine's start-up needs its gpu_memory_utilization free (rlsp.config.validate_gpu_memory)
             self.roles["rollout"].sleep()
         seed_everything(self.cfg.trainer.seed)
-        for role in ("actor", "ref", "critic", "reward_model"):
+        for role in ("actor", "ref", "critic", "reward_model", "teacher"):
             if role in self.placed:
                 # The reference gets the actor: with LoRA it is the actor's base (adapters off), no engine of its own.
                 extra = (self.roles.get("actor"),) if role == "ref" else ()

@@ -1,0 +1,95 @@
+"""On-policy distillation in the driver loop (`distillation.enabled`): start-up checks that need files, the
+teachers' logprobs for a batch, and the distillation term added to the advantages.
+
+After the task advantages are computed (rlsp.trainer.ray_trainer), `Distillation.apply` asks the
+teachers (rlsp.workers.roles.teacher) for the logprob of every sampled token, turns student minus
+teacher into the per-token divergence d and sets advantages = A_task - coef * d (or -d alone with
+use_task_rewards=false): rlsp/algos/distillation.py holds the formula. The student's logprobs are the
+behaviour policy's (`old_logprobs`: the actor's forward, or the engine's with rollout logprobs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from omegaconf import DictConfig
+from transformers import AutoConfig, AutoTokenizer
+
+from rlsp.algos.distillation import (
+    compute_distillation_advantages,
+    compute_distillation_losses,
+    distillation_metrics,
+)
+from rlsp.config.validate_distill import TeacherSpec, distillation_enabled, teacher_specs
+from rlsp.controller.worker_group import RayWorkerGroup
+from rlsp.data.batch import Batch
+from rlsp.utils.timing import timed
+from rlsp.workers.roles.teacher import route_rows
+
+
+def _vocab_problem(spec: TeacherSpec, student_tok: Any) -> str | None:
+    """Why the teacher cannot score the student's token ids (None when it can)."""
+    where = f"distillation.teacher_models.{spec.name}.model_path={spec.model_path!r}"
+    try:
+        teacher_tok = AutoTokenizer.from_pretrained(spec.model_path)
+        vocab_size = int(AutoConfig.from_pretrained(spec.model_path).vocab_size)
+    except (OSError, ValueError) as exc:
+        return f"{where} cannot be loaded as a Hugging Face model with a tokenizer: {str(exc).splitlines()[0]}"
+    student, teacher = student_tok.get_vocab(), teacher_tok.get_vocab()
+    if student != teacher:
+        differ = sorted(set(student.items()) ^ set(teacher.items()), key=lambda kv: kv[1])[:3]
+        return (f"{where}: the teacher's tokenizer differs from the student's ({len(teacher)} vs {len(student)} "
+                f"tokens; e.g. {differ}); the teacher scores the student's token ids, so both need one vocabulary")
+    if vocab_size < len(student):
+        return f"{where}: the teacher's model has vocab_size={vocab_size} < the tokenizer's {len(student)} tokens"
+    return None
+
+
+def _route_problems(specs: Sequence[TeacherSpec], key: str, datasets: Iterable[Any]) -> list[str]:
+    sources = sorted({str(item[key]) for ds in datasets if ds is not None for item in ds.items})
+    try:
+        route_rows(sources, specs)
+    except ValueError as exc:
+        return [f"distillation.teacher_key={key}: data {exc}"]
+    return []
+
+
+class Distillation:
+    """The distillation step of one run (built once, before the workers start)."""
+
+    def __init__(self, cfg: DictConfig, specs: Sequence[TeacherSpec]) -> None:
+        self.cfg, self.specs = cfg, list(specs)
+        self.loss = cfg.distillation.distillation_loss
+        self.key = str(cfg.distillation.teacher_key)
+
+    @classmethod
+    def build(cls, cfg: DictConfig, student_tokenizer: Any, datasets: Iterable[Any]) -> Distillation | None:
+        """None with distillation off; else checks every teacher's vocabulary and that every row of the data
+        routes to a teacher (one ValueError naming every problem)."""
+        if not distillation_enabled(cfg):
+            return None
+        specs = teacher_specs(cfg)
+        problems = [p for spec in specs if (p := _vocab_problem(spec, student_tokenizer)) is not None]
+        problems += _route_problems(specs, str(cfg.distillation.teacher_key), datasets)
+        if problems:
+            raise ValueError("invalid distillation setup:\n  - " + "\n  - ".join(problems))
+        return cls(cfg, specs)
+
+    def teacher_logprobs(self, wg: RayWorkerGroup, batch: Batch) -> None:
+        """`teacher_logprobs` into `batch`, each row from its routed teacher."""
+        routes = route_rows(batch.meta[self.key], self.specs)
+        names = [s.name for s in self.specs if s.name in set(routes)]
+        batch.update(wg.call("teacher", "compute_teacher_log_prob", batch, names))
+
+    def apply(self, wg: RayWorkerGroup, batch: Batch, timing: dict[str, float]) -> dict[str, float]:
+        """Teacher logprobs, then advantages = A_task - coef * d (or -d); returns the distillation metrics."""
+        with timed("timing/teacher_s", timing):
+            self.teacher_logprobs(wg, batch)
+        loss, mask = self.loss, batch["response_mask"]
+        student, teacher = batch["old_logprobs"], batch["teacher_logprobs"]
+        d = compute_distillation_losses(student, teacher, mask, loss_mode=loss.loss_mode,
+                                        loss_max_clamp=loss.loss_max_clamp, log_prob_min_clamp=loss.log_prob_min_clamp)
+        batch.set("advantages", compute_distillation_advantages(
+            batch["advantages"], d, mask, use_task_rewards=loss.use_task_rewards, coef=loss.distillation_loss_coef))
+        return distillation_metrics(student, teacher, d, mask)
