@@ -63,16 +63,16 @@ class DistillationLossConfig:
     use_policy_gradient: bool = True  # true: -divergence is the advantage (rlsp implements this form only)
     policy_loss_mode: str = "vanilla"  # verl supports vanilla only; rlsp too
     clip_ratio: float = 0.2  # must give the actor's clip range: one clipped loss runs on the summed advantage
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
+    clip_ratio_low: float = 0.2  # must equal the actor's effective clip_ratio_low
+    clip_ratio_high: float = 0.2  # must equal the actor's effective clip_ratio_high
 
 
 @dataclass
 class DistillationConfig:
-    enabled: bool = False
+    enabled: bool = False  # on-policy distillation: teachers score the student's samples (docs/algorithms.md)
     n_gpus_per_node: int = 0  # verl's separate teacher pool; rlsp colocates the teachers: must be 0
-    nnodes: int = 0
+    nnodes: int = 0  # must be 0 (colocated)
     enable_resource_pool: bool = False  # must be false (colocated)
     teacher_key: str = "data_source"  # the row field matched against each teacher's `key`
-    teacher_models: dict[str, Any] = field(default_factory=lambda: {DEFAULT_TEACHER: default_teacher_entry()})
+    teacher_models: dict[str, Any] = field(default_factory=lambda: {DEFAULT_TEACHER: default_teacher_entry()})  # name -> {key, model_path, num_replicas, inference.*}; more: +distillation.teacher_models.<name>.model_path=...
     distillation_loss: DistillationLossConfig = field(default_factory=DistillationLossConfig)
