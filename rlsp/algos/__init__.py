@@ -8,6 +8,7 @@ from rlsp.algos import (  # noqa: F401  (registration)
     aliases,
     cispo,
     gae,
+    gdpo,
     gpg,
     gpg_loss,
     grpo,

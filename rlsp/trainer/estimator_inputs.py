@@ -12,8 +12,10 @@ optimal token baselines, ...).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import numpy as np
 import torch
 from omegaconf import OmegaConf
 
@@ -74,7 +76,10 @@ def reward_components(batch: Batch, keys: list[str]) -> dict[str, torch.Tensor]:
                     f"algorithm.gdpo_reward_keys names {key!r}, but the reward function's output for row {row} "
                     f"(data_source={batch.meta['data_source'][row]!r}) has {sorted(extra or {})}: return a dict "
                     f"with 'score' and every key of algorithm.gdpo_reward_keys")
-            values.append(float(extra[key]))
+            value = extra[key]
+            if not isinstance(value, (bool, int, float, np.number)) or not math.isfinite(float(value)):
+                raise RuntimeError(f"reward component {key!r} of row {row} is {value!r}: need a finite number")
+            values.append(float(value))
         out[key] = torch.tensor(values, dtype=torch.float64)
     return out
 
@@ -90,4 +95,30 @@ def estimator_errors(cfg: Any) -> list[str]:
     if "reward_components" not in estimator_uses(name) and keys:
         errors.append(f"algorithm.gdpo_reward_keys={keys} has no effect with algorithm.adv_estimator={name!r}; leave "
                       f"it empty or pick an estimator that uses it: {users_of('reward_components')}")
-    return errors + baseline_errors(cfg)
+    return errors + baseline_errors(cfg) + gdpo_errors(cfg)
+
+
+# Settings that change token_level_rewards, which gdpo does not read (its reward is the named components).
+_REWARD_CHANGES = {"algorithm.use_kl_in_reward": "the KL penalty", "reward_model.enable": "the reward model's score",
+                   "actor_rollout_ref.rollout.multi_turn.use_step_rewards": "tool step rewards",
+                   "reward.reward_kwargs.overlong_buffer_cfg.enable": "the overlong penalty"}
+
+
+def gdpo_errors(cfg: Any) -> list[str]:
+    """What gdpo needs: named components (algorithm.gdpo_reward_keys), one weight per key if weights are
+    given, and no other change to the token rewards (it would be silently left out)."""
+    if "reward_components" not in estimator_uses(cfg.algorithm.adv_estimator):
+        return []
+    keys, weights, errors = list(cfg.algorithm.gdpo_reward_keys or []), cfg.algorithm.gdpo_reward_weights, []
+    if not keys:
+        errors.append("algorithm.adv_estimator='gdpo' needs algorithm.gdpo_reward_keys: the reward components (keys of "
+                      "the dict the reward function returns) to normalise separately, e.g. "
+                      "['accuracy_reward', 'format_reward']")
+    if weights is not None and len(weights) != len(keys):
+        errors.append(f"algorithm.gdpo_reward_weights={list(weights)} has {len(weights)} entries for "
+                      f"{len(keys)} algorithm.gdpo_reward_keys {keys}: give one weight per key, or none (all 1)")
+    for key, what in _REWARD_CHANGES.items():
+        if OmegaConf.select(cfg, key):
+            errors.append(f"{key}=true adds {what} to the token rewards, which algorithm.adv_estimator='gdpo' does "
+                          "not read (its reward is the components in algorithm.gdpo_reward_keys); turn it off")
+    return errors

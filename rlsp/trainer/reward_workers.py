@@ -29,9 +29,9 @@ class RewardLoopWorker:
 
         self.scorer = Scorer(AutoTokenizer.from_pretrained(tokenizer_path), custom_path, custom_name, on_error)
 
-    def score_rows(self, batch: Batch) -> tuple[torch.Tensor, np.ndarray, int]:
+    def score_rows(self, batch: Batch) -> tuple[torch.Tensor, np.ndarray, int, list[dict[str, Any]]]:
         scores = self.scorer.score_rows(batch)
-        return batch["token_level_scores"], scores, self.scorer.last_errors
+        return batch["token_level_scores"], scores, self.scorer.last_errors, batch.meta["reward_extra_info"]
 
 
 class RewardWorkerPool:
@@ -47,12 +47,13 @@ class RewardWorkerPool:
         self.last_errors = 0
 
     def score_rows(self, batch: Batch) -> np.ndarray:
-        """Adds `token_level_scores` [B, R] to the batch; returns the per-row scores (see the module docstring)."""
+        """Adds `token_level_scores` [B, R] and meta `reward_extra_info` to the batch; returns the per-row scores."""
         if not self.workers:
             self.workers = [RewardLoopWorker.remote(*self.args) for _ in range(self.num_workers)]
         chunks = batch.split(max(1, -(-len(batch) // self.num_workers)))  # at most num_workers contiguous parts
         results = ray.get([w.score_rows.remote(c) for w, c in zip(self.workers, chunks)])
         batch.set("token_level_scores", torch.cat([r[0] for r in results]))
+        batch.meta["reward_extra_info"] = [extra for r in results for extra in r[3]]
         self.last_errors = sum(r[2] for r in results)
         return np.concatenate([r[1] for r in results])
 

@@ -5,6 +5,10 @@ With a reward model (reward_model.enable) its scores take that place in training
 A reward function that raises, or returns something that is not a finite number, is reported with the
 offending row (data_source, dataset index) and stops the run (`reward.on_error=raise`), or scores 0
 and is counted in `reward/errors` (`reward.on_error=zero`) — never a silent NaN.
+
+As in verl, a reward function may return a dict instead of a number: its "score" (a finite number) is
+the reward, and all its entries (e.g. named reward components for algorithm.adv_estimator=gdpo) are
+kept per row in `batch.meta["reward_extra_info"]` (a dict per row; empty for a plain number).
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ class Scorer:
     def _fn(self, data_source: str) -> Callable[..., Any]:
         return self.custom_fn if self.custom_fn is not None else get_reward_fn(data_source)
 
-    def _score_one(self, source: str, text: str, truth: Any, extra: Any, index: Any) -> float:
+    def _score_one(self, source: str, text: str, truth: Any, extra: Any, index: Any) -> tuple[float, dict[str, Any]]:
+        """(score, the returned dict's entries, score included; {} for a plain number) of one row."""
         fn = self._fn(source)
         where = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)} on data_source={source!r}"
         try:
@@ -55,24 +60,28 @@ class Scorer:
         except Exception as exc:
             problem = f"raised {type(exc).__name__}: {exc}"
         else:
-            if isinstance(value, (bool, int, float, np.number)) and math.isfinite(float(value)):
-                return float(value)
-            problem = f"returned {value!r} (a reward must be a finite number)"
+            score, rest = (value.get("score"), value) if isinstance(value, dict) else (value, {})
+            if isinstance(score, (bool, int, float, np.number)) and math.isfinite(float(score)):
+                return float(score), dict(rest)
+            need = "a dict reward needs a finite number under 'score'" if isinstance(value, dict) else "a reward must be a finite number"
+            problem = f"returned {value!r} ({need})"
         message = f"reward function {where}, row index={index} (response {text[:80]!r}) {problem}"
         if self.on_error == "raise":
             raise RewardError(message + "; set reward.on_error=zero to score such rows 0 and count them")
         log.warning("%s; scored 0 (reward.on_error=zero)", message)
         self.last_errors += 1
-        return 0.0
+        return 0.0, {}
 
     def score_rows(self, batch: Batch) -> np.ndarray:
-        """Adds `token_level_scores` [B, R] to the batch; returns the per-row scores."""
+        """Adds `token_level_scores` [B, R] and meta `reward_extra_info` to the batch; returns the per-row scores."""
         texts = self.decode_responses(batch)
         sources, truths = batch.meta["data_source"], batch.meta["ground_truth"]
         extras = batch.meta.get("extra_info", [None] * len(batch))
         indices = batch.meta.get("index", [None] * len(batch))
         self.last_errors = 0
-        scores = [self._score_one(*row) for row in zip(sources, texts, truths, extras, indices)]
+        scored = [self._score_one(*row) for row in zip(sources, texts, truths, extras, indices)]
+        scores = [score for score, _ in scored]
+        batch.meta["reward_extra_info"] = [rest for _, rest in scored]
         mask = batch["response_mask"]
         token_scores = torch.zeros_like(mask)
         token_scores[torch.arange(len(batch)), last_policy_token(mask)] = torch.tensor(scores, dtype=mask.dtype)

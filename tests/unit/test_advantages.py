@@ -159,10 +159,11 @@ def test_gae_requires_values() -> None:
 
 
 def test_registry_names_and_errors() -> None:
-    assert list_adv_estimators() == ["gae", "gpg", "grpo", "grpo_passk", "grpo_vectorized", "opo", "reinforce_plus_plus",
-                                     "reinforce_plus_plus_baseline", "rloo", "rloo_vectorized"]
+    assert list_adv_estimators() == ["gae", "gdpo", "gpg", "grpo", "grpo_passk", "grpo_vectorized", "opo",
+                                     "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "rloo",
+                                     "rloo_vectorized"]
     assert get_adv_estimator("grpo") is compute_grpo_advantages
-    with pytest.raises(ValueError, match="legal names: gae, gpg, grpo, grpo_passk"):
+    with pytest.raises(ValueError, match="legal names: gae, gdpo, gpg, grpo, grpo_passk"):
         get_adv_estimator("ppo")
 
 
@@ -174,7 +175,9 @@ def test_unused_non_default_kwargs_raise() -> None:
         get_adv_estimator("rloo")(AdvantageInputs(rewards, mask, ["a", "a"], norm_adv_by_std=False))
     with pytest.raises(ValueError, match="values_BR"):
         get_adv_estimator("reinforce_plus_plus")(AdvantageInputs(rewards, mask, ["a", "a"], values_BR=rewards))
-    for name in list_adv_estimators():  # defaults (plus values for gae) are accepted by every estimator
-        extra = {"values_BR": torch.zeros_like(rewards)} if name == "gae" else {}
+    required = {"gae": {"values_BR": torch.zeros_like(rewards)}, "remax": {"reward_baselines_B": torch.zeros(2)},
+                "gdpo": {"reward_components": {"score": torch.tensor([1.0, 0.0])}}}
+    for name in list_adv_estimators():  # defaults (plus the inputs an estimator needs) are accepted by every estimator
+        extra = required.get(name, {})
         adv, ret = get_adv_estimator(name)(AdvantageInputs(rewards, mask, ["a", "a"], norm_adv_by_std=True, gamma=1.0, lam=1.0, **extra))
         assert adv.shape == ret.shape == rewards.shape
