@@ -39,20 +39,23 @@ TRUNCATE_SIDES = ("left", "middle", "right")
 AGENT_LOOPS = ("single_turn_agent", "tool_agent")
 # trainer.use_legacy_worker_impl: verl's choice between its two worker implementations.
 LEGACY_WORKER_IMPL = ("auto", "enable", "disable")
-# reward_model.reward_manager: rlsp's Scorer calls a reward function per row (verl's "naive").
-REWARD_MANAGERS = ("naive",)
+# reward.reward_manager.name (verl's older spelling: reward_model.reward_manager): rlsp's Scorer calls a reward
+# function per row (verl's "naive"); "dapo" adds DAPO's overlong reward shaping (rlsp.rewards.overlong).
+REWARD_MANAGERS = ("naive", "dapo")
+# algorithm.filter_groups.metric: the per-sample value DAPO's dynamic sampling compares within a prompt's group
+# (verl's names; rlsp.trainer.dynamic_sampling computes them).
+FILTER_GROUP_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
 # reward_model.rollout.name: the reward loop's engine (rlsp.rollout.vllm_reward, a vLLM pooling engine).
 REWARD_ENGINES = ("vllm",)
 # actor_rollout_ref.model.fused_kernel_options.impl_backend (verl's values).
 FUSED_KERNEL_BACKENDS = ("torch", "triton")
 
 # (key suffix, value) -> why rlsp refuses it. The suffix matches the key's last components.
-_MANAGER = ("reward managers other than naive are not implemented (rlsp calls the reward function once per row); "
-            "custom scoring: reward.custom_function_path")
+_MANAGER = ("reward managers other than naive and dapo are not implemented (rlsp calls the reward function once "
+            "per row); custom scoring: reward.custom_function_path")
 REFUSED_VALUES: dict[tuple[str, str], str] = {
-    ("reward_model.reward_manager", "prime"): _MANAGER,
-    ("reward_model.reward_manager", "dapo"): _MANAGER,
-    ("reward_model.reward_manager", "batch"): _MANAGER,
+    ("reward_manager.name", "prime"): _MANAGER,
+    ("reward_manager.name", "batch"): _MANAGER,
     ("trainer.device", "npu"): "Ascend NPUs are not supported (rlsp runs on CUDA GPUs or CPUs)",
     ("reward_model.rollout.name", "sglang"): "serving the reward model with SGLang is not implemented (the reward "
                                              "loop's engine: vllm)",

@@ -55,6 +55,14 @@ def parse_command_line(argv: list[str]) -> CommandLine:
     return line
 
 
+def without_redundant_add(overrides: list[str]) -> list[str]:
+    """verl commands add keys its own schema lacks with `+key=value` (e.g. +reward.reward_kwargs.max_resp_len); where
+    rlsp's schema declares the key Hydra would refuse the `+` ("an item is already at ..."): it becomes `key=value`."""
+    declared = set(schema_keys())
+    return [t[1:] if t.startswith("+") and not t.startswith("++") and t[1:].partition("=")[0] in declared else t
+            for t in overrides]
+
+
 def override_problems(overrides: list[str]) -> tuple[list[str], list[str]]:
     """(the overrides that can be composed, one message per override that cannot: a syntax error, a verl
     key rlsp refuses (with the reason) or a key the schema does not declare (with the nearest ones))."""
@@ -100,7 +108,7 @@ def compose_config(config_name: str = DEFAULT_CONFIG, overrides: list[str] | Non
 def compose_collecting(line: CommandLine) -> tuple[DictConfig | None, list[str]]:
     """Compose `line`, leaving out every override that cannot be applied and naming each one, so all
     other checks can still run; None when even the config name fails."""
-    keep, problems = override_problems(line.overrides)
+    keep, problems = override_problems(without_redundant_add(line.overrides))
     try:
         return compose_config(line.config_name, keep), problems
     except HydraException as exc:

@@ -19,6 +19,7 @@ from rlsp.config.schema_engine import FSDPConfig, FusedKernelOptions, OptimConfi
 from rlsp.config.schema_policy_loss import PolicyLossConfig
 from rlsp.config.schema_reward import (
     CustomRewardFunctionConfig,
+    FilterGroupsConfig,
     RewardConfig,
     RewardModelConfig,
     RewardModelModelConfig,
@@ -59,6 +60,7 @@ __all__ = [
     "KLControlConfig",
     "RolloutCorrectionConfig",
     "AlgorithmConfig",
+    "FilterGroupsConfig",
     "AsyncTrainingConfig",
     "RolloutPoolConfig",
     "RewardConfig",
@@ -227,6 +229,7 @@ class AlgorithmConfig:
     kl_penalty: str = "kl"  # estimator of that KL: kl | abs | mse | low_var_kl
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)  # DAPO's dynamic sampling
     # gdpo: the reward components (keys of the reward function's returned dict) normalised separately,
     # and their weights in the sum (None: all 1; else one per key)
     gdpo_reward_keys: list[str] = field(default_factory=list)

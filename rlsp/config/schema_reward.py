@@ -1,5 +1,7 @@
-"""Reward sections of the schema: rule rewards and a custom reward function, and the reward model (verl's legacy RM
-worker or its reward loop on a vLLM pooling engine). Re-exported by rlsp/config/schema.py. No torch import here.
+"""Reward sections of the schema: rule rewards and a custom reward function, the reward manager (verl's naive or
+dapo, with DAPO's overlong reward shaping), dynamic sampling on reward metrics (DAPO's group filter), and the reward
+model (verl's legacy RM worker or its reward loop on a vLLM pooling engine). Re-exported by rlsp/config/schema.py.
+No torch import here.
 """
 
 from __future__ import annotations
@@ -11,12 +13,61 @@ from rlsp.config.schema_engine import FSDPConfig
 
 
 @dataclass
+class OverlongBufferConfig:
+    """DAPO's overlong reward shaping (arXiv:2503.14476, eq. 13), verl's `overlong_buffer_cfg`: a response longer than
+    max_resp_len - len tokens gets a penalty growing linearly to -penalty_factor at max_resp_len tokens."""
+
+    enable: bool = False  # needs reward.reward_manager.name=dapo
+    len: int = 0  # the buffer: the last `len` tokens before max_resp_len (>= 1 and <= max_resp_len with enable)
+    penalty_factor: float = 0.0  # the penalty at max_resp_len tokens (>= 0)
+    log: bool = False  # log reward/overlong_reward/mean and reward/overlong/ratio every step
+
+
+@dataclass
+class OverlongBufferAliasConfig:
+    """verl's older spelling `reward_model.overlong_buffer.*`: mapped onto reward.reward_kwargs.overlong_buffer_cfg."""
+
+    enable: bool | None = None
+    len: int | None = None
+    penalty_factor: float | None = None
+    log: bool | None = None
+
+
+@dataclass
+class RewardKwargsConfig:
+    """Keyword arguments of the reward manager (verl's `reward.reward_kwargs`): the dapo manager's shaping."""
+
+    overlong_buffer_cfg: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    max_resp_len: int | None = None  # the shaping's hard limit; null: data.max_response_length (the only legal value)
+
+
+@dataclass
+class RewardManagerConfig:
+    """verl's `reward.reward_manager`: how rows are turned into token-level scores."""
+
+    name: str = "naive"  # naive: the reward function once per row | dapo: the same, plus overlong reward shaping
+
+
+@dataclass
 class RewardConfig:
     """Rule rewards are looked up by each row's data_source; a custom function overrides them."""
 
     custom_function_path: str | None = None  # a Python file with the reward function
     custom_function_name: str = "compute_score"
     on_error: str = "raise"  # a reward fn that raises or returns a non-finite/non-number: raise | zero (counted)
+    reward_manager: RewardManagerConfig = field(default_factory=RewardManagerConfig)
+    reward_kwargs: RewardKwargsConfig = field(default_factory=RewardKwargsConfig)
+
+
+@dataclass
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling (verl's `algorithm.filter_groups`): prompt groups whose `metric` is the same for every
+    sample carry no GRPO signal and are dropped; more prompt batches are generated until data.train_batch_size
+    prompts with informative groups are collected (rlsp/trainer/dynamic_sampling.py)."""
+
+    enable: bool = False
+    metric: str | None = None  # acc | score (the reward function's value) | seq_reward | seq_final_reward (token sums)
+    max_num_gen_batches: int = 0  # generation rounds per step before giving up; <= 0: no limit
 
 
 @dataclass
@@ -76,7 +127,8 @@ class RewardModelConfig:
     use_dynamic_bsz: bool = False  # micro-batches filled to a token budget instead of a fixed row count
     forward_max_token_len_per_gpu: int = 32768  # that budget, tokens per rank
     ulysses_sequence_parallel_size: int = 1  # Ulysses degree of the reward model's forward
-    reward_manager: str = "naive"  # naive only: per-row rule rewards for validation
+    reward_manager: str | None = None  # verl's older spelling of reward.reward_manager.name (mapped onto it)
+    overlong_buffer: OverlongBufferAliasConfig = field(default_factory=OverlongBufferAliasConfig)  # verl's older spelling of reward.reward_kwargs.overlong_buffer_cfg
     num_workers: int = 1  # reward-loop processes scoring rule rewards concurrently (Ray actors over chunks of the batch)
     use_reward_loop: bool = False  # true: the reward model served by an in-process vLLM engine (reward_model.rollout)
     rollout: RewardModelRolloutConfig = field(default_factory=RewardModelRolloutConfig)

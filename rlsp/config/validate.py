@@ -25,6 +25,7 @@ from rlsp.config.choices import (
 from rlsp.config.layout import CRITIC_ESTIMATORS, ParallelLayout, RoleLayout, World
 from rlsp.config.validate_agent import check_multi_turn
 from rlsp.config.validate_async import check_async, check_off_policy
+from rlsp.config.validate_dapo import check_dapo
 from rlsp.config.validate_distill import check_distillation
 from rlsp.config.validate_gpu_memory import check_gpu_memory
 from rlsp.config.validate_keys import check_known_keys
@@ -292,6 +293,7 @@ def validate_config(cfg: Any) -> ParallelLayout:
     check_rollout_loading(cfg, errors)
     check_verl_keys(cfg, errors)
     check_multi_turn(cfg, errors)
+    check_dapo(cfg, errors)
     layout = check_distillation(cfg, layout, errors)
     if errors:
         raise ValueError("invalid rlsp config:\n  - " + "\n  - ".join(errors))

@@ -8,7 +8,8 @@ workers as the `reward_model` role. Two forms, as in verl:
   `reward_model.rollout.tensor_model_parallel_size` consecutive policy workers, in their processes
   or (tp 1 beside a rollout engine of another tp degree) in processes of their own (checked in
   rlsp.config.validate_reward_loop). The legacy worker's FSDP keys are then not read (verl's rule).
-Reward managers other than "naive" are refused by name. With `enable=false` the section is not read
+The reward manager (`reward.reward_manager.name`, verl's older spelling `reward_model.reward_manager`) is
+checked in rlsp.config.validate_dapo. With `enable=false` the section is not read
 (verl's rule), but `num_workers` (rule scoring processes) is. The model itself (architecture, heads,
 tokenizer) is checked in rlsp.trainer.preflight.
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from rlsp.config.choices import REWARD_MANAGERS, STRATEGIES, choice_error
+from rlsp.config.choices import STRATEGIES, choice_error
 from rlsp.config.layout import ParallelLayout, RoleLayout
 from rlsp.config.validate_reward_loop import check_reward_loop
 
@@ -32,9 +33,8 @@ def _divisors(n: int) -> list[int]:
 def _check_keys(rm: Any, errors: list[str]) -> None:
     if not rm.model.path:
         errors.append(f"{P}enable=true needs {P}model.path: a local *ForSequenceClassification checkpoint")
-    for key, legal in (("reward_manager", REWARD_MANAGERS), ("strategy", STRATEGIES)):
-        if (error := choice_error(P + key, rm[key], legal)) is not None:
-            errors.append(error)
+    if (error := choice_error(P + "strategy", rm.strategy, STRATEGIES)) is not None:
+        errors.append(error)
     if rm.use_reward_loop:
         return  # the legacy worker's keys below are not read by the reward loop (verl's rule)
     if not rm.model.use_remove_padding:

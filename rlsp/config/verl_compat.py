@@ -25,6 +25,10 @@ ALIASES = {
     "custom_reward_function.name": "reward.custom_function_name",
     "actor_rollout_ref.actor.optim.clip_grad": "actor_rollout_ref.actor.optim.grad_clip",
     "critic.optim.clip_grad": "critic.optim.grad_clip",
+    # DAPO's reward keys as verl spelled them before moving them under reward.*
+    "reward_model.reward_manager": "reward.reward_manager.name",
+    **{f"reward_model.overlong_buffer.{k}": f"reward.reward_kwargs.overlong_buffer_cfg.{k}"
+       for k in ("enable", "len", "penalty_factor", "log")},
 }
 
 _PROFILER = ("profiler back-ends (nsys, torch profiler, NPU) are not implemented in rlsp; every step logs where its "
@@ -121,7 +125,11 @@ VERL_NOTES = {
                                 "hosting its engine",
     "reward_model.rollout.*": "the reward loop's vLLM engine (verl's keys); engine features rlsp does not use are "
                               "refused by value",
-    "reward_model.reward_manager": "naive only: rlsp calls the reward function once per row",
+    "reward.reward_kwargs.max_resp_len": "null or data.max_response_length only (null means that value): the "
+                                         "overlong penalty reaches -penalty_factor at the generation limit",
+    "algorithm.filter_groups.*": "verl's dynamic sampling; the run still trains trainer.total_training_steps steps: "
+                                 "the prompt stream continues into further epochs when filtered groups used it up "
+                                 "(verl's recipe stops at the end of total_epochs instead)",
 }
 
 

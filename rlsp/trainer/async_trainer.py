@@ -78,6 +78,7 @@ class AsyncTrainer(RayTrainer):
         self.totals = {"trainer_idle_s": 0.0, "rollout_busy_s": 0.0}
         self.queue: deque[InFlight] = deque()
         self.next_unit = 0  # global index of the next unit to submit
+        self.extra_units = 0  # units taken beyond require_batches to replace filtered groups (dynamic sampling)
         self._step_items: list[dict[str, Any]] = []  # the prompts of the step whose units are being submitted
         self._step_pos = (0, 0)  # and the data position once that step's batch is consumed
 
@@ -142,17 +143,20 @@ class AsyncTrainer(RayTrainer):
             self._push(self.start_step - 1)
         stream, started = self._batch_stream(), time.perf_counter()
         self.queue.clear()
-        self.next_unit = (self.start_step - 1) * self.units_per_step
+        self.next_unit, self.extra_units = (self.start_step - 1) * self.units_per_step, 0
         for step in range(self.start_step, total + 1):
             self._submit_ahead(stream, total)
-            t0 = time.perf_counter()
-            units = [self.queue.popleft() for _ in range(self.units_per_step)]
-            parts = [u.call.result() for u in units]
-            waited = time.perf_counter() - t0
+            t0, timing, sampled = time.perf_counter(), {}, {}
+            if self.sampler is None:
+                units = [self.queue.popleft() for _ in range(self.units_per_step)]
+                parts = [u.call.result() for u in units]
+                batch = Batch.concat(parts)
+            else:  # dynamic sampling: more units until enough groups are informative
+                units, parts, batch, sampled = self.sampler.collect_units(self, stream, total, timing)
+            waited = time.perf_counter() - t0 - timing.get("timing/reward_s", 0.0)
             self._check_syncs()
-            batch = Batch.concat(parts)
             gen_s = [float(p.info["gen_s"]) for p in parts]
-            metrics = self.train_on(step, batch, t0, {"timing/gen_s": sum(gen_s)})
+            metrics = {**self.train_on(step, batch, t0, {**timing, "timing/gen_s": sum(gen_s)}), **sampled}
             self.data_pos = units[-1].data_pos  # what a checkpoint of this step continues from
             wall = time.perf_counter() - started
             metrics.update(self._async_metrics(step, parts, waited, sum(gen_s), wall))
@@ -161,7 +165,8 @@ class AsyncTrainer(RayTrainer):
     def _submit_ahead(self, stream, total: int) -> None:
         """Submit units while they stay within verl's staleness bound (and the run's steps)."""
         R = self.units_per_step
-        while self.next_unit < total * R and self.next_unit < self.pushed_version * R + self.max_units:
+        # Units replacing filtered groups (extra_units) do not count against the bound.
+        while (counted := self.next_unit - self.extra_units) < total * R and counted < self.pushed_version * R + self.max_units:
             step, k = divmod(self.next_unit, R)
             if k == 0:
                 self._step_items, self._step_pos = next(stream), self.data_pos

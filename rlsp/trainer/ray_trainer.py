@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 import uuid
@@ -27,10 +28,12 @@ from rlsp.data.balance import balanced_order
 from rlsp.data.batch import Batch
 from rlsp.data.dataset import PromptDataset, iterate_batches
 from rlsp.engine.export import export_hf
+from rlsp.rewards.overlong import build_overlong_shaping
 from rlsp.trainer.baselines import add_greedy_baselines, needs_greedy_baseline
 from rlsp.trainer.batch_metrics import check_finite, compute_agent_metrics, compute_batch_metrics
 from rlsp.trainer.checkpoint import CheckpointWriter, TrainerState, latest_checkpoint, read_metrics_lines
 from rlsp.trainer.distill import Distillation
+from rlsp.trainer.dynamic_sampling import build_dynamic_sampler
 from rlsp.trainer.estimator_inputs import advantage_inputs
 from rlsp.trainer.metrics import MetricsLogger
 from rlsp.trainer.off_policy import apply_rollout_correction, rollout_correction_settings, uses_rollout_logprobs
@@ -86,6 +89,8 @@ class RayTrainer:
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = build_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
         self.correction = rollout_correction_settings(cfg)
+        self.shaping = build_overlong_shaping(cfg)  # the dapo reward manager's overlong reward shaping
+        self.sampler = build_dynamic_sampler(cfg)  # DAPO's dynamic sampling (algorithm.filter_groups)
         self.wg: RayWorkerGroup | None = None
         self.reward_servers: RewardServers | None = None
         self.critic_wg: RayWorkerGroup | None = None
@@ -192,9 +197,18 @@ class RayTrainer:
     def train_step(self, step: int, items: list[dict[str, Any]]) -> dict[str, float]:
         timing: dict[str, float] = {}
         t0 = time.perf_counter()
+        if self.sampler is not None:  # generate more prompt batches until enough groups are informative
+            batch, sampled = self.sampler.collect(self, step, items, self._batches, timing)
+            return {**self.train_on(step, batch, t0, timing), **sampled}
         with timed("timing/gen_s", timing):
-            batch = self.rollout_wg.call("rollout", "generate", _prompt_batch(items), self._sampling(step))
+            batch = self.generate(step, items)
         return self.train_on(step, batch, t0, timing)
+
+    def generate(self, step: int, items: list[dict[str, Any]], first_index: int = 0) -> Batch:
+        """Samples of `items`; a prompt's sampling seed follows from its index (first_index + position)."""
+        prompts = _prompt_batch(items)
+        prompts.set("prompt_index", torch.arange(first_index, first_index + len(items)))
+        return self.rollout_wg.call("rollout", "generate", prompts, self._sampling(step))
 
     def train_on(self, step: int, batch: Batch, t0: float, timing: dict[str, float]) -> dict[str, float]:
         """Everything after generation: score, logprobs, advantages, updates, weights to the engines."""
@@ -207,8 +221,10 @@ class RayTrainer:
         if needs_greedy_baseline(self.cfg):  # ReMax: a prompt's greedy response is its samples' baseline
             metrics.update(add_greedy_baselines(self, step, batch, timing))
         with timed("timing/reward_s", timing):
-            scores = self._score(batch)
+            # Rows collected by dynamic sampling were scored before filtering.
+            scores = np.asarray(batch.meta["row_score"]) if "row_score" in batch else self._score(batch)
         metrics["reward/errors"] = float(self.scorer.last_errors)
+        metrics.update(self.shaping.metrics(batch) if self.shaping is not None else {})
         if uses_rollout_logprobs(self.cfg):  # the engine's logprobs are the behaviour policy of the loss
             batch.set("old_logprobs", batch["rollout_logprobs"])
         elif not self._reuses_update_logprobs(step):
@@ -243,6 +259,8 @@ class RayTrainer:
         replace the rule rewards in training), else each row's rule/custom reward; returns the per-row scores."""
         if self.layout.reward_model is None:
             scores = self.scorer.score_rows(batch)
+            if self.shaping is not None:
+                self.shaping.apply(batch)  # scores stay the reward function's values (accuracy, filter metrics)
         else:
             rm = self.reward_servers
             batch.update(rm.compute_rm_score(batch) if rm is not None
@@ -316,7 +334,7 @@ class RayTrainer:
 
     def run_steps(self, total: int):
         """(step, metrics) of each training step from start_step to `total`: generate, then train."""
-        batches = self._batch_stream()
+        batches = self._batches = self._batch_stream()
         for step in range(self.start_step, total + 1):
             yield step, self.train_step(step, next(batches))
 
@@ -324,7 +342,9 @@ class RayTrainer:
         """Training batches from the current data position on; `data_pos` follows what was consumed."""
         d = self.cfg.data
         first_epoch, skip = self.data_pos
-        for epoch in range(first_epoch, self.cfg.trainer.total_epochs):
+        # Dynamic sampling consumes extra batches: its steps may need epochs beyond total_epochs.
+        epochs = range(first_epoch, self.cfg.trainer.total_epochs) if self.sampler is None else itertools.count(first_epoch)
+        for epoch in epochs:
             for i, items in enumerate(iterate_batches(self.train_set, d.train_batch_size, d.seed, epoch, d.shuffle)):
                 if epoch == first_epoch and i < skip:
                     continue

@@ -114,9 +114,9 @@ def test_reward_model_layout_and_refusals():
     assert layout.roles_of("policy")[-1] == "reward_model" and layout.node_local_sizes("policy") == (1, 2)
     assert validate_config(make(**{"reward_model.num_workers": 8})).reward_model is None  # off: not read
     with pytest.raises(ValueError) as err:
-        validate_config(make(**on, **{"reward_model.reward_manager": "dapo", "reward_model.ulysses_sequence_parallel_size": 3,
+        validate_config(make(**on, **{"reward_model.reward_manager": "prime", "reward_model.ulysses_sequence_parallel_size": 3,
                                       "reward_model.model.use_remove_padding": False}))
-    for needle in ("reward_model.reward_manager='dapo' is not supported (reward managers other than naive",
+    for needle in ("reward.reward_manager.name='prime' is not supported (reward managers other than naive and dapo",
                    "reward_model.ulysses_sequence_parallel_size=3 must divide the 2 workers per node",
                    "reward_model.model.use_remove_padding=false is not supported"):
         assert needle in str(err.value)

@@ -1,0 +1,206 @@
+"""DAPO's dynamic sampling (arXiv:2503.14476 sec. 3.2; verl's `algorithm.filter_groups`).
+
+A prompt group whose samples all get the same `metric` value has zero GRPO advantage everywhere: it
+carries no gradient, only noise in the batch size. After scoring, such groups are dropped, and more
+prompt batches (the next batches of the data stream) are generated and scored until
+`data.train_batch_size` prompts with informative groups are collected; the collection is then trimmed to
+exactly that many prompts (the first ones collected). `max_num_gen_batches` (<= 0: no limit) bounds the
+generation rounds of one step; running out of them stops the run with a RuntimeError naming the key.
+
+The metric of a sample (verl's names): `acc` and `score`, that entry of the dict a reward function
+returned, or the number it returned (verl's dapo manager records a plain number as "acc"; the reward
+model's score with one);
+`seq_reward`, the sum of its token-level scores (overlong shaping and tool step rewards included);
+`seq_final_reward`, the sum of its token-level rewards (equal to seq_reward: validation refuses it with
+the in-reward KL penalty, which is applied after filtering). A group of one sample is always kept.
+
+Synchronous trainer: every round generates one data batch on the rollout engines. Asynchronous trainer
+(rollout pool): units come from the pool's queue; a unit taken beyond the step's `require_batches` to
+replace filtered groups is not counted against the staleness bound (the queue may run that many units
+further ahead). Either way the data position advances over every batch consumed, so a checkpoint
+resumes after them.
+
+Logged per step: train/num_gen_batches (generation rounds, in data batches), train/num_groups_kept and
+train/num_groups_filtered (informative and dropped groups among those generated), train/num_groups_trimmed
+(informative groups beyond train_batch_size, dropped by the trim), plus reward/errors over every round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from rlsp.config.choices import FILTER_GROUP_METRICS
+from rlsp.data.batch import Batch
+from rlsp.utils.timing import timed
+
+if TYPE_CHECKING:  # the trainers use this module; only their types are read here
+    from rlsp.trainer.async_trainer import AsyncTrainer, InFlight
+    from rlsp.trainer.ray_trainer import RayTrainer
+
+LIMIT_KEY = "algorithm.filter_groups.max_num_gen_batches"
+
+
+def _reward_entry(metric: str, batch: Batch, scores_B: np.ndarray) -> np.ndarray:
+    """acc / score of each row: the entry of a reward function's returned dict, else its number (verl's dapo
+    manager records a plain number as "acc"; a dict always holds "score")."""
+    extras = batch.meta.get("reward_extra_info") or [{}] * len(batch)
+    values = []
+    for score, extra in zip(scores_B, extras):
+        if not extra:
+            values.append(float(score))
+        elif metric in extra:
+            values.append(float(extra[metric]))
+        else:
+            raise RuntimeError(f"algorithm.filter_groups.metric={metric!r}: the reward function returned a dict "
+                               f"without {metric!r} (keys: {sorted(extra)}); return it, or filter on metric=score")
+    return np.asarray(values, dtype=np.float64)
+
+
+def sample_metric(metric: str, batch: Batch, scores_B: np.ndarray) -> np.ndarray:
+    """[B] values of `metric` (see the module docstring) for the scored rows of `batch`."""
+    if metric in ("acc", "score"):
+        return _reward_entry(metric, batch, scores_B)
+    if metric == "seq_reward" or (metric == "seq_final_reward" and "token_level_rewards" not in batch):
+        return batch["token_level_scores"].sum(-1).double().numpy()
+    if metric == "seq_final_reward":
+        return batch["token_level_rewards"].sum(-1).double().numpy()
+    raise ValueError(f"algorithm.filter_groups.metric={metric!r}; legal values: {list(FILTER_GROUP_METRICS)}")
+
+
+def informative_groups(uids: list[str], values_B: np.ndarray) -> tuple[list[str], list[str]]:
+    """(kept, dropped) group uids in order of first appearance: a group is kept when its values differ
+    (standard deviation > 0) or it has a single sample."""
+    groups: dict[str, list[float]] = {}
+    for uid, value in zip(uids, values_B):
+        groups.setdefault(uid, []).append(float(value))
+    kept = [u for u, vals in groups.items() if len(vals) == 1 or float(np.std(vals)) > 0]
+    return kept, [u for u in groups if u not in set(kept)]
+
+
+@dataclass
+class GroupCollector:
+    """Informative groups of one training step, collected over generation rounds."""
+
+    metric: str
+    prompts_needed: int  # data.train_batch_size
+    prompts_per_batch: int  # prompts in one generation batch (a data batch)
+    max_num_gen_batches: int  # <= 0: no limit
+    parts: list[Batch] = field(default_factory=list)
+    kept_uids: list[str] = field(default_factory=list)
+    generated_prompts: int = 0
+    filtered: int = 0
+    errors: int = 0
+
+    @property
+    def ready(self) -> bool:
+        return len(self.kept_uids) >= self.prompts_needed
+
+    @property
+    def num_gen_batches(self) -> float:
+        return self.generated_prompts / self.prompts_per_batch
+
+    def add(self, batch: Batch, scores_B: np.ndarray, errors: int = 0) -> None:
+        """Keep the informative groups of a scored batch; `scores_B` are the reward function's values."""
+        uids = list(batch.meta["uid"])
+        kept, dropped = informative_groups(uids, sample_metric(self.metric, batch, scores_B))
+        keep = set(kept)
+        batch.meta["row_score"] = [float(s) for s in scores_B]  # train_on reads them instead of scoring again
+        self.parts.append(batch.select_rows([i for i, u in enumerate(uids) if u in keep]))
+        self.kept_uids += kept
+        self.generated_prompts += len(kept) + len(dropped)
+        self.filtered += len(dropped)
+        self.errors += errors
+
+    def check_limit(self) -> None:
+        """Raise once max_num_gen_batches rounds were generated without enough informative groups."""
+        limit = self.max_num_gen_batches
+        if not self.ready and limit > 0 and self.num_gen_batches >= limit:
+            raise RuntimeError(
+                f"dynamic sampling: {self.num_gen_batches:g} generation batches ({LIMIT_KEY}={limit}) gave "
+                f"{len(self.kept_uids)} prompts with informative groups of the {self.prompts_needed} a step needs "
+                f"({self.filtered} groups had the same {self.metric!r} for every sample); the prompts may be too "
+                f"hard or too easy: raise {LIMIT_KEY}, or set it to 0 for no limit")
+
+    def take(self) -> tuple[Batch, dict[str, float]]:
+        """The first `prompts_needed` informative groups as one batch, and the step's sampling metrics."""
+        chosen = set(self.kept_uids[: self.prompts_needed])
+        batch = Batch.concat(self.parts)
+        batch = batch.select_rows([i for i, u in enumerate(batch.meta["uid"]) if u in chosen])
+        metrics = {"train/num_gen_batches": float(self.num_gen_batches),
+                   "train/num_groups_kept": float(len(self.kept_uids)),
+                   "train/num_groups_filtered": float(self.filtered),
+                   "train/num_groups_trimmed": float(len(self.kept_uids) - len(chosen)),
+                   "reward/errors": float(self.errors)}
+        return batch, metrics
+
+
+class DynamicSampler:
+    """Collects a step's informative groups for the synchronous and the asynchronous trainer."""
+
+    def __init__(self, metric: str, train_batch_size: int, max_num_gen_batches: int) -> None:
+        if metric not in FILTER_GROUP_METRICS:
+            raise ValueError(f"algorithm.filter_groups.metric={metric!r}; legal values: {list(FILTER_GROUP_METRICS)}")
+        self.metric, self.train_batch_size, self.max_num_gen_batches = metric, train_batch_size, max_num_gen_batches
+
+    def collector(self) -> GroupCollector:
+        return GroupCollector(self.metric, self.train_batch_size, self.train_batch_size, self.max_num_gen_batches)
+
+    def collect(self, trainer: RayTrainer, step: int, items: list[dict[str, Any]], batches: Iterator,
+                timing: dict[str, float]) -> tuple[Batch, dict[str, float]]:
+        """Generate and score data batches (the first is `items`, then the next ones of `batches`)
+        until the step has train_batch_size prompts with informative groups."""
+        collector, first_index = self.collector(), 0
+        while True:
+            with timed("timing/gen_s", timing):
+                # Continuing prompt indices: each round's samples get seeds of their own.
+                batch = trainer.generate(step, items, first_index)
+            with timed("timing/reward_s", timing):
+                scores = trainer._score(batch)
+            collector.add(batch, scores, trainer.scorer.last_errors)
+            if collector.ready:
+                return collector.take()
+            collector.check_limit()
+            first_index += len(items)
+            items = _next_batch(batches, collector)
+
+    def collect_units(self, trainer: AsyncTrainer, stream: Iterator, total: int,
+                      timing: dict[str, float]) -> tuple[list[InFlight], list[Batch], Batch, dict[str, float]]:
+        """Take the pool's units until the step has train_batch_size prompts with informative groups:
+        (units taken, their batches, the trimmed batch, the sampling metrics)."""
+        collector = self.collector()
+        units: list[InFlight] = []
+        parts: list[Batch] = []
+        while not collector.ready:
+            if len(units) >= trainer.units_per_step:  # replaces filtered groups: outside the staleness bound
+                collector.check_limit()
+                trainer.extra_units += 1
+                trainer._submit_ahead(stream, total)
+            units.append(trainer.queue.popleft())
+            parts.append(units[-1].call.result())
+            with timed("timing/reward_s", timing):
+                scores = trainer._score(parts[-1])
+            collector.add(parts[-1], scores, trainer.scorer.last_errors)
+        batch, metrics = collector.take()
+        return units, parts, batch, metrics
+
+
+def _next_batch(batches: Iterator, collector: GroupCollector) -> list[dict[str, Any]]:
+    try:
+        return next(batches)
+    except StopIteration:
+        raise RuntimeError(f"dynamic sampling: the training data ran out after {collector.num_gen_batches:g} "
+                           f"generation batches with {len(collector.kept_uids)} of {collector.prompts_needed} "
+                           "informative groups") from None
+
+
+def build_dynamic_sampler(cfg: Any) -> DynamicSampler | None:
+    """The sampler of algorithm.filter_groups, or None when dynamic sampling is off."""
+    fg = cfg.algorithm.filter_groups
+    if not fg.enable:
+        return None
+    return DynamicSampler(str(fg.metric), int(cfg.data.train_batch_size), int(fg.max_num_gen_batches))
+
