@@ -6,13 +6,17 @@ No torch.distributed here: global counts are passed in by the caller.
 
 from rlsp.algos import (  # noqa: F401  (registration)
     aliases,
+    bypass,
     cispo,
+    clip_cov,
+    dppo,
     gae,
     gdpo,
     gpg,
     gpg_loss,
     grpo,
     grpo_passk,
+    kl_cov,
     opo,
     policy_loss,
     reinforce_pp,

@@ -10,14 +10,14 @@ and treat a few high-covariance tokens differently. As in verl the statistics ar
 micro-batch, so the micro-batch size (ppo_micro_batch_size_per_gpu, or the token budget) changes
 which tokens are picked and how many.
 
-The picks here work on the micro-batch's tokens in one canonical order (row-major over its [B, R]
-rows, verl's order), whatever the sequence-parallel sharding: the loss gathers the scores to every
-rank, every rank picks the same tokens, and each keeps its own. clip_cov's random choice is drawn
+The picks here work on the micro-batch's response tokens in one canonical order (row-major over its
+[B, R] rows, verl's order: the loss context's ``to_batch``), whatever the sequence-parallel sharding:
+the loss gathers the scores to every rank, every rank picks the same tokens, and each keeps its own. clip_cov's random choice is drawn
 from a generator seeded by :func:`selection_seed`, a digest of the micro-batch's advantages and
 mask: data every rank of an sp group holds bit for bit, so all shards (and one rank holding the
 whole micro-batch) draw the same tokens.
 
-Shape legend: N tokens of the micro-batch in canonical order (flattened [B, R] rows).
+Shape legend: N response tokens of the micro-batch in canonical order (rlsp.algos.loss_context).
 """
 
 from __future__ import annotations
@@ -25,6 +25,16 @@ from __future__ import annotations
 import hashlib
 
 import torch
+
+
+def covariance_N(advantages_N: torch.Tensor, logprobs_N: torch.Tensor, on_N: torch.Tensor) -> torch.Tensor:
+    """(A - mean A) * (logp - mean logp) over the micro-batch's tokens, means over those with ``on_N``
+    (verl's masked means); 0 where ``on_N`` is off."""
+    on = on_N.bool()
+    count = on.sum().clamp_min(1)
+    mean_adv = torch.where(on, advantages_N, 0.0).sum() / count
+    mean_logp = torch.where(on, logprobs_N, 0.0).sum() / count
+    return torch.where(on, (advantages_N - mean_adv) * (logprobs_N - mean_logp), 0.0)
 
 
 def selection_seed(advantages_N: torch.Tensor, mask_N: torch.Tensor) -> int:

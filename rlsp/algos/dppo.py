@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from rlsp.algos.cispo import token_metrics
+from rlsp.algos.loss_context import LossContext
 from rlsp.algos.policy_loss import MAX_LOG_RATIO
 from rlsp.algos.registry import register_policy_loss
 
@@ -86,8 +87,10 @@ def compute_dppo_tv_loss(
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
     clip_ratio_c: float = 3.0,
+    context: LossContext | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """DPPO-Binary-TV per-token loss (see the module docstring): (loss_tokens, metrics)."""
+    """DPPO-Binary-TV per-token loss (see the module docstring): (loss_tokens, metrics). A token-level
+    loss: ``context`` is accepted like every loss's and not read."""
     _check("dppo_tv", clip_ratio_low, clip_ratio_high, clip_ratio_c)
     with torch.no_grad():
         tv = binary_tv(logprobs, old_logprobs)
@@ -105,8 +108,10 @@ def compute_dppo_kl_loss(
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
     clip_ratio_c: float = 3.0,
+    context: LossContext | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """DPPO-Binary-KL per-token loss (see the module docstring): (loss_tokens, metrics)."""
+    """DPPO-Binary-KL per-token loss (see the module docstring): (loss_tokens, metrics). A token-level
+    loss: ``context`` is accepted like every loss's and not read."""
     _check("dppo_kl", clip_ratio_low, clip_ratio_high, clip_ratio_c)
     with torch.no_grad():
         kl = binary_kl(logprobs, old_logprobs)

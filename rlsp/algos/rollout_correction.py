@@ -2,7 +2,9 @@
 (which sampled) and the trainer's (which the PPO loss is built around), with off-policy diagnostics.
 
 Settings are verl's `algorithm.rollout_correction.*`; the weights come from rlsp/algos/rollout_is.py,
-the masks from rlsp/algos/rollout_rs.py. Metrics carry verl's names under `rollout_corr/`.
+the masks from rlsp/algos/rollout_rs.py. Metrics carry verl's names under `rollout_corr/`. With
+`bypass_mode=true` the same correction runs inside the policy loss instead, per micro-batch, from the
+current logprobs (rlsp/algos/bypass.py; `loss_type` picks that loss).
 
 Shape legend: B rows, R response tokens.
 """
@@ -16,6 +18,9 @@ import torch
 from rlsp.algos.aggregation import masked_mean, masked_sum
 from rlsp.algos.rollout_is import SAFETY_BOUND, compute_rollout_is_weights
 from rlsp.algos.rollout_rs import compute_rollout_rs_mask
+from rlsp.config.validate_bypass import BYPASS_LOSS_TYPES
+
+__all__ = ["BYPASS_LOSS_TYPES", "RolloutCorrection", "compute_offpolicy_metrics", "compute_rollout_correction"]
 
 
 @dataclass(frozen=True)

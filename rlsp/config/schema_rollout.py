@@ -94,6 +94,8 @@ class RolloutCorrectionConfig:
     rollout_is_batch_normalize: bool = False  # divide the truncated weights by their batch mean
     rollout_rs: str | None = None  # rejection: null or comma-separated token_k1..k3, seq_sum_k1..k3, seq_mean_k1..k3, seq_max_k2/k3
     rollout_rs_threshold: Any = None  # per option: an upper bound, or "lower_upper" ratio bounds for *_k1
+    bypass_mode: bool = False  # true: the rollout logprobs are the old policy and the correction runs in the loss (2 policies)
+    loss_type: str = "ppo_clip"  # bypass_mode's policy loss: ppo_clip (PPO clip on pi_theta / pi_rollout) | reinforce (IS-weighted PG)
 
 
 @dataclass

@@ -21,6 +21,11 @@ POLICY_LOSS_KEYS: dict[str, tuple[str, ...]] = {
     "vanilla": ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c"),
     "cispo": ("clip_ratio_low", "clip_ratio_high"),
     "gpg": (),
+    "clip_cov": ("clip_ratio_low", "clip_ratio_high", "policy_loss.clip_cov_ratio", "policy_loss.clip_cov_lb", "policy_loss.clip_cov_ub"),
+    "kl_cov": ("policy_loss.kl_cov_ratio", "policy_loss.ppo_kl_coef"),
+    "dppo_tv": ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c"),
+    "dppo_kl": ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c"),
+    "bypass_mode": ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c"),  # + algorithm.rollout_correction.* (validate_bypass.py)
 }
 
 # Every key a policy loss may read, with its schema default (the policy_loss.* ones from the dataclass).

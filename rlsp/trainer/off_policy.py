@@ -9,7 +9,9 @@ correction between the engine that sampled and the trainer (docs/async.md).
 
 The correction (algorithm.rollout_correction.*) is computed here on the whole batch, after the
 advantages: the actor's copy of the batch gets `rollout_is_weights` and a response mask without the
-rejected tokens. Advantages, the critic and the batch metrics see every sample.
+rejected tokens. Advantages, the critic and the batch metrics see every sample. With
+`algorithm.rollout_correction.bypass_mode=true` (verl's two-policy mode) the rollout logprobs are the old
+logprobs and the correction runs inside the policy loss instead (rlsp/algos/bypass.py).
 """
 
 from __future__ import annotations
@@ -18,20 +20,28 @@ from typing import Any
 
 from rlsp.algos.rollout_correction import RolloutCorrection, compute_rollout_correction
 from rlsp.algos.rollout_rs import parse_rs_options, parse_rs_thresholds
+from rlsp.config.validate_bypass import check_bypass_mode, rs_threshold
 from rlsp.data.batch import Batch
 
 
 def rollout_correction_settings(cfg: Any) -> RolloutCorrection:
+    """The driver's correction; none under bypass_mode, whose loss corrects per micro-batch (rlsp/algos/bypass.py)."""
+    return RolloutCorrection() if cfg.algorithm.rollout_correction.bypass_mode else configured_correction(cfg)
+
+
+def configured_correction(cfg: Any) -> RolloutCorrection:
+    """The correction `algorithm.rollout_correction.*` configures, wherever it runs."""
     rc = cfg.algorithm.rollout_correction
-    threshold = rc.rollout_rs_threshold
     return RolloutCorrection(rollout_is=rc.rollout_is, rollout_is_threshold=float(rc.rollout_is_threshold),
                              rollout_is_batch_normalize=bool(rc.rollout_is_batch_normalize), rollout_rs=rc.rollout_rs,
-                             rollout_rs_threshold=threshold if isinstance(threshold, (int, float, type(None))) else str(threshold))
+                             rollout_rs_threshold=rs_threshold(rc))
 
 
 def check_rollout_correction_names(cfg: Any, errors: list[str]) -> None:
-    """Rejection options and thresholds parse (names from the registry); collected into `errors`."""
-    settings = rollout_correction_settings(cfg)
+    """Rejection options and thresholds parse (names from the registry), bypass_mode's combinations are legal;
+    collected into `errors`."""
+    check_bypass_mode(cfg, errors)
+    settings = configured_correction(cfg)
     if settings.rollout_rs is None:
         return
     try:
@@ -41,9 +51,10 @@ def check_rollout_correction_names(cfg: Any, errors: list[str]) -> None:
 
 
 def uses_rollout_logprobs(cfg: Any) -> bool:
-    """The rollout engine's logprobs are the old logprobs (no trainer pass)."""
+    """The rollout engine's logprobs are the old logprobs (no trainer pass): async_training's bypass, or
+    algorithm.rollout_correction.bypass_mode."""
     a = cfg.async_training
-    return bool(a.use_rollout_log_probs and not a.compute_prox_log_prob)
+    return bool(a.use_rollout_log_probs and not a.compute_prox_log_prob) or bool(cfg.algorithm.rollout_correction.bypass_mode)
 
 
 def apply_rollout_correction(batch: Batch, settings: RolloutCorrection) -> tuple[Batch, dict[str, float]]:

@@ -90,7 +90,7 @@ def test_masked_tokens_are_exact_zeros_even_with_non_finite_inputs() -> None:
 
 
 def test_losses_accept_exactly_the_keywords_the_actor_passes() -> None:
-    logprobs, old, adv, mask = _inputs()
+    logprobs, old, adv, mask = (x.unsqueeze(0) for x in _inputs())  # one row: batch-level losses need rows
     actor = _actor()
     for name in list_policy_losses():
         actor.policy_loss.loss_mode = name
@@ -138,4 +138,5 @@ def test_rlsp_check_names_a_clip_key_the_loss_ignores(check_args: list[str]) -> 
                          "actor_rollout_ref.actor.clip_ratio_high=0.28"])
     assert report.problems == [
         "actor_rollout_ref.actor.clip_ratio_high=0.28 has no effect with actor_rollout_ref.actor.policy_loss.loss_mode='gpg'; "
-        "leave it at None or pick a policy loss that uses it: ['cispo', 'vanilla']"], report.problems
+        "leave it at None or pick a policy loss that uses it: ['bypass_mode', 'cispo', 'clip_cov', 'dppo_kl', "
+        "'dppo_tv', 'vanilla']"], report.problems

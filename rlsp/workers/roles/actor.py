@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
+from rlsp.config.validate_bypass import actor_policy_loss
 from rlsp.config.validate_lora import lora_enabled
-from rlsp.config.validate_policy_loss import policy_loss_kwargs
 from rlsp.data.batch import Batch
 from rlsp.engine.checkpoint import load_engine, save_engine
 from rlsp.engine.fsdp_engine import FSDPEngine
@@ -121,8 +121,9 @@ class ActorRole:
 
     def _loss_config(self) -> ActorLossConfig:
         a = self.cfg.actor_rollout_ref.actor
+        name, kwargs = actor_policy_loss(self.cfg)  # policy_loss.loss_mode's, or bypass_mode's
         return ActorLossConfig(
-            policy_loss=a.policy_loss.loss_mode, loss_kwargs=policy_loss_kwargs(a), use_kl_loss=a.use_kl_loss,
+            policy_loss=name, loss_kwargs=kwargs, use_kl_loss=a.use_kl_loss,
             kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type, entropy_coeff=a.entropy_coeff, loss_agg_mode=a.loss_agg_mode,
             loss_scale_factor=a.loss_scale_factor,
         )

@@ -1,0 +1,72 @@
+"""Rollout-correction bypass mode (`algorithm.rollout_correction.bypass_mode` / `loss_type`, verl's keys):
+the start-up checks and the policy loss the actor runs. No torch import here.
+
+With bypass_mode=true the rollout engine's logprobs are the old policy (no trainer pass) and the policy
+loss is verl's "bypass_mode" (rlsp/algos/bypass.py), which applies the rollout correction inside the
+loss from the current logprobs. verl silently replaces whatever `policy_loss.loss_mode` says by that
+loss; rlsp refuses a loss_mode other than vanilla instead, and every other combination that would be
+ignored or would count the importance ratio twice.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlsp.config.validate_policy_loss import policy_loss_kwargs
+
+RC = "algorithm.rollout_correction."
+BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")  # verl's names
+CLIP_DEFAULTS = {"clip_ratio": (0.2,), "clip_ratio_low": (None, 0.2), "clip_ratio_high": (None, 0.2), "clip_ratio_c": (3.0,)}
+
+
+def check_bypass_mode(cfg: Any, errors: list[str]) -> None:
+    """Every bypass_mode / loss_type combination that cannot do what it says, collected into `errors`."""
+    rc, actor = cfg.algorithm.rollout_correction, cfg.actor_rollout_ref.actor
+    mode = actor.policy_loss.loss_mode
+    if rc.loss_type not in BYPASS_LOSS_TYPES:
+        errors.append(f"{RC}loss_type={rc.loss_type!r} is not supported; legal values: {list(BYPASS_LOSS_TYPES)}")
+    if not rc.bypass_mode:
+        if rc.loss_type != "ppo_clip":
+            errors.append(f"{RC}loss_type={rc.loss_type!r} picks the loss of bypass mode and has no effect without "
+                          f"{RC}bypass_mode=true; set it, or leave loss_type at 'ppo_clip'")
+        if mode == "bypass_mode":
+            errors.append(f"actor_rollout_ref.actor.policy_loss.loss_mode='bypass_mode' is chosen by {RC}bypass_mode=true "
+                          f"(with {RC}loss_type); set that instead")
+        return
+    if mode != "vanilla":
+        errors.append(f"{RC}bypass_mode=true replaces the policy loss by {RC}loss_type's (ppo_clip: vanilla's PPO clip; "
+                      f"reinforce), so actor_rollout_ref.actor.policy_loss.loss_mode={mode!r} would be ignored; leave it "
+                      f"at 'vanilla', or run {mode!r} against the rollout logprobs with "
+                      "async_training.use_rollout_log_probs=true and bypass_mode=false")
+    a = cfg.async_training
+    if a.use_rollout_log_probs or a.compute_prox_log_prob:
+        errors.append(f"{RC}bypass_mode=true already takes the rollout logprobs as the old policy; leave async_training."
+                      "use_rollout_log_probs and async_training.compute_prox_log_prob false")
+    if rc.loss_type == "ppo_clip" and rc.rollout_is is not None:
+        errors.append(f"{RC}loss_type='ppo_clip' clips the ratio pi_theta / pi_rollout, which already is the importance "
+                      f"weight: {RC}rollout_is={rc.rollout_is!r} would count it twice (verl computes it for metrics only); "
+                      "drop rollout_is or use loss_type=reinforce")
+    if rc.loss_type == "reinforce":
+        for key, defaults in CLIP_DEFAULTS.items():
+            if actor[key] not in defaults:
+                errors.append(f"actor_rollout_ref.actor.{key}={actor[key]} has no effect with {RC}loss_type='reinforce' "
+                              f"(no ratio clip); leave it at {defaults[0]} or use loss_type=ppo_clip")
+
+
+def actor_policy_loss(cfg: Any) -> tuple[str, dict[str, Any]]:
+    """(registered policy loss, its keyword arguments) the actor runs: `policy_loss.loss_mode` with its keys,
+    or under bypass_mode the "bypass_mode" loss with the PPO clip keys and the rollout-correction settings."""
+    actor, rc = cfg.actor_rollout_ref.actor, cfg.algorithm.rollout_correction
+    kwargs = policy_loss_kwargs(actor)
+    if not rc.bypass_mode:
+        return actor.policy_loss.loss_mode, kwargs
+    kwargs.update(loss_type=str(rc.loss_type), rollout_is=rc.rollout_is, rollout_is_threshold=float(rc.rollout_is_threshold),
+                  rollout_is_batch_normalize=bool(rc.rollout_is_batch_normalize), rollout_rs=rc.rollout_rs,
+                  rollout_rs_threshold=rs_threshold(rc))
+    return "bypass_mode", kwargs
+
+
+def rs_threshold(rc: Any) -> str | float | None:
+    """`rollout_rs_threshold` as the rejection parser takes it: a number, None, or its string form."""
+    threshold = rc.rollout_rs_threshold
+    return threshold if isinstance(threshold, (int, float, type(None))) else str(threshold)
