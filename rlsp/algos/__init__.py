@@ -12,10 +12,12 @@ from rlsp.algos import (  # noqa: F401  (registration)
     dppo,
     gae,
     gdpo,
+    geo_mean,
     gpg,
     gpg_loss,
     grpo,
     grpo_passk,
+    gspo,
     kl_cov,
     opo,
     policy_loss,
@@ -24,6 +26,7 @@ from rlsp.algos import (  # noqa: F401  (registration)
     rloo,
     rollout_is,
     rollout_rs,
+    sapo,
 )
 from rlsp.algos.aggregation import (
     aggregate_loss,

@@ -26,6 +26,9 @@ POLICY_LOSS_KEYS: dict[str, tuple[str, ...]] = {
     "dppo_tv": ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c"),
     "dppo_kl": ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c"),
     "bypass_mode": ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c"),  # + algorithm.rollout_correction.* (validate_bypass.py)
+    "gspo": ("clip_ratio_low", "clip_ratio_high"),
+    "geo_mean": ("clip_ratio_low", "clip_ratio_high"),
+    "sapo": ("policy_loss.tau_pos", "policy_loss.tau_neg"),
 }
 
 # Every key a policy loss may read, with its schema default (the policy_loss.* ones from the dataclass).
@@ -34,6 +37,7 @@ POLICY_LOSS_KEY_DEFAULTS: dict[str, Any] = {
     **{f"policy_loss.{f.name}": f.default for f in dataclasses.fields(PolicyLossConfig) if f.name != "loss_mode"},
 }
 CLIP_FALLBACK = {"clip_ratio_low", "clip_ratio_high"}  # None in the config = clip_ratio
+POSITIVE_KEYS = ("policy_loss.tau_pos", "policy_loss.tau_neg")  # sapo's gate temperatures divide (4 / tau)
 
 
 def reads(name: str, key: str) -> bool:
@@ -62,7 +66,12 @@ def _at_default(key: str, value: Any) -> bool:
 
 def check_policy_loss_keys(actor: Any, errors: list[str]) -> None:
     """Name every key off its default that the chosen loss (actor.policy_loss.loss_mode) does not read,
-    with the losses that do. A loss missing from POLICY_LOSS_KEYS is left to preflight's name check."""
+    with the losses that do, and every out-of-range temperature. A loss missing from POLICY_LOSS_KEYS is left
+    to preflight's name check."""
+    for key in POSITIVE_KEYS:
+        if not _select(actor, key) > 0:
+            errors.append(f"actor_rollout_ref.actor.{key}={_select(actor, key)} must be > 0 (sapo's gate "
+                          "temperature)")
     name = actor.policy_loss.loss_mode
     if name not in POLICY_LOSS_KEYS:
         return

@@ -1,8 +1,11 @@
-"""Policy losses beyond "vanilla": cispo and gpg against hand-computed values, gradients and metrics;
-the registry listing; unused clip settings refused by the losses and by config validation."""
+"""Policy losses beyond "vanilla": cispo and gpg against hand-computed values, gradients and metrics (gspo,
+geo_mean, sapo: tests/unit/test_sequence_losses.py); the registry and POLICY_LOSS_KEYS in step with every
+loss's signature; keys a loss does not read refused by config validation; the nested policy_loss block and
+the old spellings through rlsp.check."""
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -14,7 +17,13 @@ from rlsp.algos.gpg_loss import compute_gpg_loss
 from rlsp.algos.registry import get_policy_loss, list_policy_losses
 from rlsp.check import run_checks
 from rlsp.config.schema import RLSPConfig
-from rlsp.config.validate_policy_loss import POLICY_LOSS_KEYS, check_policy_loss_keys, policy_loss_kwargs
+from rlsp.config.validate_policy_loss import (
+    POLICY_LOSS_KEY_DEFAULTS,
+    POLICY_LOSS_KEYS,
+    check_policy_loss_keys,
+    policy_loss_kwargs,
+    policy_loss_users,
+)
 
 F64 = torch.float64
 # Tokens: (ratio, advantage, old logprob, mask). Ratios inside and on both sides of [0.8, 1.2].
@@ -32,9 +41,23 @@ def _inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def test_registry_lists_every_loss_and_validation_knows_their_keys() -> None:
-    assert {"cispo", "gpg", "vanilla"} <= set(list_policy_losses())
+    assert {"cispo", "geo_mean", "gpg", "gspo", "sapo", "vanilla"} <= set(list_policy_losses())
     assert get_policy_loss("cispo") is compute_cispo_loss and get_policy_loss("gpg") is compute_gpg_loss
     assert sorted(POLICY_LOSS_KEYS) == list_policy_losses()
+
+
+@pytest.mark.parametrize("name", sorted(POLICY_LOSS_KEYS))
+def test_each_loss_declares_exactly_the_keys_it_is_passed(name: str) -> None:
+    """Keyword-only parameters = the last components of its POLICY_LOSS_KEYS + the loss context (bypass_mode
+    also takes the algorithm.rollout_correction settings, which rlsp/config/validate_bypass.py passes)."""
+    params = inspect.signature(get_policy_loss(name)).parameters.values()
+    keywords = {p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    declared = {key.rpartition(".")[2] for key in POLICY_LOSS_KEYS[name]} | {"context"}
+    assert declared <= keywords
+    if name != "bypass_mode":
+        assert keywords == declared
+    for key in POLICY_LOSS_KEYS[name]:
+        assert key in POLICY_LOSS_KEY_DEFAULTS, key
 
 
 @pytest.mark.parametrize("low,high", [(0.2, 0.2), (0.1, 0.3)])
@@ -112,8 +135,14 @@ def _actor(**overrides):
     ("cispo", {"clip_ratio_low": 0.1, "clip_ratio_high": 5.0}, []),
     ("gpg", {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2}, []),  # what they resolve to anyway
     ("vanilla", {"clip_ratio": 0.3, "clip_ratio_c": 10.0}, []),
+    ("gspo", {"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4}, []),
+    ("gspo", {"clip_ratio_c": 10.0}, ["clip_ratio_c"]),  # verl's GSPO example sets it; GSPO does not read it
+    ("geo_mean", {"clip_ratio": 0.4, "policy_loss.tau_pos": 2.0}, ["policy_loss.tau_pos"]),
+    ("sapo", {"policy_loss.tau_pos": 2.0, "policy_loss.tau_neg": 3.0, "clip_ratio": 0.3}, ["clip_ratio"]),
+    ("vanilla", {"policy_loss.clip_cov_ratio": 0.1, "policy_loss.ppo_kl_coef": 1.0},
+     ["policy_loss.clip_cov_ratio", "policy_loss.ppo_kl_coef"]),
 ])
-def test_validation_refuses_unused_clip_keys(loss: str, overrides: dict, bad: list[str]) -> None:
+def test_validation_refuses_unused_keys(loss: str, overrides: dict, bad: list[str]) -> None:
     errors: list[str] = []
     check_policy_loss_keys(_actor(**{"policy_loss.loss_mode": loss}, **overrides), errors)
     assert len(errors) == len(bad)
@@ -127,16 +156,41 @@ def check_args(tmp_path) -> list[str]:
             f"trainer.default_local_dir={tmp_path / 'run'}"]
 
 
-@pytest.mark.parametrize("loss", ["cispo", "gpg"])
-def test_rlsp_check_accepts_the_new_losses(loss: str, check_args: list[str]) -> None:
-    report = run_checks([*check_args, f"actor_rollout_ref.actor.policy_loss={loss}"])
+def test_validation_refuses_a_temperature_that_is_not_positive() -> None:
+    errors: list[str] = []
+    check_policy_loss_keys(_actor(**{"policy_loss.loss_mode": "sapo", "policy_loss.tau_neg": 0.0}), errors)
+    assert errors == ["actor_rollout_ref.actor.policy_loss.tau_neg=0.0 must be > 0 (sapo's gate temperature)"]
+
+
+@pytest.mark.parametrize("args", [
+    ["actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "actor_rollout_ref.actor.clip_ratio_low=3e-4",
+     "actor_rollout_ref.actor.clip_ratio_high=4e-4", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"],
+    ["actor_rollout_ref.actor.policy_loss.loss_mode=geo_mean", "actor_rollout_ref.actor.clip_ratio_low=0.4",
+     "actor_rollout_ref.actor.clip_ratio_high=0.4"],
+    ["actor_rollout_ref.actor.policy_loss.loss_mode=sapo", "actor_rollout_ref.actor.policy_loss.tau_pos=1.0",
+     "actor_rollout_ref.actor.policy_loss.tau_neg=1.05"],
+    ["actor_rollout_ref.actor.policy_loss=sapo", "actor_rollout_ref.actor.tau_neg=2.0"],  # rlsp's flat, verl's tau
+    ["actor_rollout_ref.actor.policy_loss=cispo"],
+    ["actor_rollout_ref.actor.policy_loss=gpg"],
+])
+def test_rlsp_check_accepts_the_losses_with_their_keys(args: list[str], check_args: list[str]) -> None:
+    report = run_checks([*check_args, *args])
     assert report.problems == [], report.render()
+
+
+def test_rlsp_check_names_a_key_of_another_loss(check_args: list[str]) -> None:
+    report = run_checks([*check_args, "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
+                         "actor_rollout_ref.actor.tau_pos=2.0"])
+    assert report.problems == [
+        "actor_rollout_ref.actor.policy_loss.tau_pos=2.0 has no effect with actor_rollout_ref.actor.policy_loss."
+        "loss_mode='gspo'; leave it at 1.0 or pick a policy loss that uses it: ['sapo']"], report.problems
 
 
 def test_rlsp_check_names_a_clip_key_the_loss_ignores(check_args: list[str]) -> None:
     report = run_checks([*check_args, "actor_rollout_ref.actor.policy_loss=gpg",
                          "actor_rollout_ref.actor.clip_ratio_high=0.28"])
+    users = policy_loss_users("clip_ratio_high")
+    assert {"cispo", "geo_mean", "gspo", "vanilla"} <= set(users) and not {"gpg", "sapo"} & set(users)
     assert report.problems == [
-        "actor_rollout_ref.actor.clip_ratio_high=0.28 has no effect with actor_rollout_ref.actor.policy_loss.loss_mode='gpg'; "
-        "leave it at None or pick a policy loss that uses it: ['bypass_mode', 'cispo', 'clip_cov', 'dppo_kl', "
-        "'dppo_tv', 'vanilla']"], report.problems
+        "actor_rollout_ref.actor.clip_ratio_high=0.28 has no effect with actor_rollout_ref.actor.policy_loss.loss_mode="
+        f"'gpg'; leave it at None or pick a policy loss that uses it: {users}"], report.problems
