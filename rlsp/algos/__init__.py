@@ -20,6 +20,7 @@ from rlsp.algos import (  # noqa: F401  (registration)
     gspo,
     kl_cov,
     opo,
+    otb,
     policy_loss,
     reinforce_pp,
     remax,

@@ -139,6 +139,8 @@ class ActorConfig:
     # budget (use_dynamic_bsz) holds the micro-batch; the group's other ranks take other micro-batches
     sequence_parallel_adaptive: bool = False
     logprob_chunk_size: int = 1024
+    # the old-logprob pass also returns sum_v p_v^2 per token (optimal_token_baseline needs it; verl's key)
+    calculate_sum_pi_squared: bool = False
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 

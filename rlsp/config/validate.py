@@ -42,7 +42,8 @@ __all__ = ["DTYPE_NAMES", "LOGGERS", "POLICY_LOSS_KEYS", "policy_loss_users", "v
 
 # Estimators whose baseline or credit comes from the other samples of the same prompt: with
 # rollout.n=1 each group has one sample and they degenerate (grpo_passk refuses such groups outright).
-GROUP_ESTIMATORS = ("grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized", "opo", "gpg", "gdpo")
+GROUP_ESTIMATORS = ("grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized", "opo", "gpg", "gdpo",
+                    "optimal_token_baseline", "tir_optimal_token_baseline")
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]

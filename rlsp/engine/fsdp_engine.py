@@ -118,25 +118,36 @@ class FSDPEngine:
     def _micro_batches(self, batch: Batch, micro_size: int, max_tokens: int | None) -> list[tuple[MicroPlan, Batch]]:
         return [(plan, plan_rows(batch, plan)) for plan in plan_micro_batches(batch, micro_size, max_tokens, self.dims)]
 
-    @torch.no_grad()
     def infer(self, batch: Batch, prompt_len: int, micro_size: int, key: str, max_tokens: int | None = None,
               *, last_token: bool = False, **head_kwargs: Any) -> torch.Tensor:
         """The head's output `key` for every response token, [B, R] (zeros on padding), or with
         `last_token` at each row's last real token, [B] (a reward model's score); collective.
         Micro-batches hold `micro_size` rows, or up to `max_tokens` tokens per rank when given."""
+        return self.infer_many(batch, prompt_len, micro_size, (key,), max_tokens, last_token=last_token,
+                               **head_kwargs)[key]
+
+    @torch.no_grad()
+    def infer_many(self, batch: Batch, prompt_len: int, micro_size: int, keys: tuple[str, ...],
+                   max_tokens: int | None = None, *, last_token: bool = False,
+                   **head_kwargs: Any) -> dict[str, torch.Tensor]:
+        """`infer` for several head outputs of the same forward passes: {key: [B, R] (or [B])}."""
         self.module.eval()
-        out_BR = torch.zeros(len(batch), 1 if last_token else batch["input_ids"].shape[1] - prompt_len)
+        width = 1 if last_token else batch["input_ids"].shape[1] - prompt_len
+        outs = {key: torch.zeros(len(batch), width) for key in keys}
         adaptive = False
         for plan, rows in self._micro_batches(batch, micro_size, max_tokens):
             micro = self.prepare(rows, prompt_len, plan.degree)
-            values_BR = self._to_rows(self.forward(micro, **head_kwargs)[key], micro, last_token)
+            head = self.forward(micro, **head_kwargs)
+            values = {key: self._to_rows(head[key], micro, last_token) for key in keys}
             adaptive |= plan.degree is not None
             if plan.reports:
-                out_BR[plan.rows] = values_BR
+                for key in keys:
+                    outs[key][plan.rows] = values[key]
         if adaptive and self.dims.ulysses_group is not None:
             # each micro-batch was reported by one rank of its sub-group: the Ulysses group's sum has them all
-            dist.all_reduce(out_BR, group=self.dims.ulysses_group)
-        return out_BR[:, 0] if last_token else out_BR
+            for key in keys:
+                dist.all_reduce(outs[key], group=self.dims.ulysses_group)
+        return {key: out[:, 0] if last_token else out for key, out in outs.items()}
 
     @torch.no_grad()
     def sp_self_check(self, rows: Batch, prompt_len: int, key: str, last_token: bool = False,

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from rlsp.models.attention import ULYSSES_ATTN_IMPL
-from rlsp.models.logprobs import compute_token_logprobs
+from rlsp.models.logprobs import compute_token_logprobs, compute_token_logprobs_sum_pi_squared
 from rlsp.parallel.tensor_parallel import TPInfo, tp_local_param, tp_local_tokens
 from rlsp.parallel.ulysses import SPContext
 
@@ -91,8 +91,10 @@ class TokenLogprobModel(nn.Module):
         sp_context: SPContext,
         temperature: float = 1.0,
         with_entropy: bool = False,
+        with_sum_pi_squared: bool = False,
     ) -> dict[str, torch.Tensor]:
-        """Local shards [S] in -> {"logprobs": [S] fp32, "entropy": [S] fp32 (only with_entropy)};
+        """Local shards [S] in -> {"logprobs": [S] fp32, "entropy": [S] fp32 (only with_entropy),
+        "sum_pi_squared": [S] fp32 (only with_sum_pi_squared: sum_v p_v^2, no gradient)};
         [S/tp] (this tp rank's block of the shard) under tensor + sequence parallelism.
 
         logprobs[i] = log p(labels_S[i] | tokens up to local token i of its sequence); entries where
@@ -104,8 +106,14 @@ class TokenLogprobModel(nn.Module):
         lm_head = self.lm.lm_head
         if getattr(lm_head, "bias", None) is not None:
             raise RuntimeError("lm_head has a bias; the vocab-chunked logprobs support a bias-free output layer only")
+        head = (hidden_SH, tp_local_param(lm_head.weight, tp), labels_S if tp is None else tp.local_tokens(labels_S))
+        if with_sum_pi_squared:  # the old-logprob pass of the optimal token baseline: no gradient, no entropy
+            if with_entropy or torch.is_grad_enabled():
+                raise RuntimeError("sum_pi_squared is computed without gradient and without the entropy")
+            logprobs_S, sum_sq_S = compute_token_logprobs_sum_pi_squared(*head, temperature=temperature,
+                                                                         chunk_size=self.chunk_size)
+            return {"logprobs": logprobs_S, "sum_pi_squared": sum_sq_S}
         logprobs_S, entropy_S = compute_token_logprobs(
-            hidden_SH, tp_local_param(lm_head.weight, tp), labels_S if tp is None else tp.local_tokens(labels_S),
-            temperature=temperature, chunk_size=self.chunk_size, with_entropy=with_entropy,
+            *head, temperature=temperature, chunk_size=self.chunk_size, with_entropy=with_entropy,
         )
         return {"logprobs": logprobs_S} if entropy_S is None else {"logprobs": logprobs_S, "entropy": entropy_S}

@@ -10,6 +10,10 @@ extra memory is O(C * V) in forward and backward instead of O(T * V): one fp32 [
 the probabilities when the entropy is in the loss), touched a few times per chunk instead of once
 per recorded op. An output the loss does not use gets no gradient work.
 
+`compute_token_logprobs_sum_pi_squared` is the no-gradient variant for the old-logprob pass that also
+returns sum_v p_v^2 per token (the optimal token baseline's path variance, verl's sum_pi_squared), from
+the same chunk of logits: exact per token, so any sequence sharding gives the unsharded values.
+
 Legend: T tokens, H hidden size, V vocabulary size, C chunk length.
 """
 
@@ -103,6 +107,20 @@ class _ChunkedLogprobs(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None
 
 
+def _check_head_inputs(hidden_TH: torch.Tensor, weight_VH: torch.Tensor, labels_T: torch.Tensor,
+                       temperature: float, chunk_size: int) -> None:
+    if hidden_TH.dim() != 2 or weight_VH.dim() != 2 or hidden_TH.shape[1] != weight_VH.shape[1]:
+        raise ValueError(
+            f"hidden {tuple(hidden_TH.shape)} and weight {tuple(weight_VH.shape)} must be [T, H] and [V, H]"
+        )
+    if labels_T.shape != hidden_TH.shape[:1]:
+        raise ValueError(f"labels {tuple(labels_T.shape)} must be [T={hidden_TH.shape[0]}]")
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature}; it must be > 0")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size}; it must be >= 1")
+
+
 def compute_token_logprobs(
     hidden_TH: torch.Tensor,
     weight_VH: torch.Tensor,
@@ -115,17 +133,35 @@ def compute_token_logprobs(
     """log softmax(hidden @ weight.T / temperature)[label] per token; entropy of the same
     distribution when `with_entropy` (else None). Outputs are fp32 (fp64 for fp64 inputs); the
     matmul runs in the model dtype. Exact: equal to the naive full-logits computation."""
-    if hidden_TH.dim() != 2 or weight_VH.dim() != 2 or hidden_TH.shape[1] != weight_VH.shape[1]:
-        raise ValueError(
-            f"hidden {tuple(hidden_TH.shape)} and weight {tuple(weight_VH.shape)} must be [T, H] and [V, H]"
-        )
-    if labels_T.shape != hidden_TH.shape[:1]:
-        raise ValueError(f"labels {tuple(labels_T.shape)} must be [T={hidden_TH.shape[0]}]")
-    if temperature <= 0:
-        raise ValueError(f"temperature={temperature}; it must be > 0")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size={chunk_size}; it must be >= 1")
+    _check_head_inputs(hidden_TH, weight_VH, labels_T, temperature, chunk_size)
     logprobs_T, entropy_T = _ChunkedLogprobs.apply(
         hidden_TH, weight_VH, labels_T.to(torch.int64), float(temperature), int(chunk_size), with_entropy
     )
     return logprobs_T, (entropy_T if with_entropy else None)
+
+
+@torch.no_grad()
+def compute_token_logprobs_sum_pi_squared(
+    hidden_TH: torch.Tensor, weight_VH: torch.Tensor, labels_T: torch.Tensor, *, temperature: float = 1.0,
+    chunk_size: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprobs_T, sum_pi_squared_T): as `compute_token_logprobs` (no gradient), plus sum_v p_v^2 of the
+    same temperature-scaled distribution per token, one [C, V] chunk of logits at a time."""
+    _check_head_inputs(hidden_TH, weight_VH, labels_T, temperature, chunk_size)
+    out_dtype = torch.promote_types(hidden_TH.dtype, torch.float32)
+    T = hidden_TH.shape[0]
+    logprobs_T = hidden_TH.new_empty((T,), dtype=out_dtype)
+    sum_sq_T = hidden_TH.new_empty((T,), dtype=out_dtype)
+    labels_T = labels_T.to(torch.int64)
+    for start in range(0, T, chunk_size):
+        end = min(start + chunk_size, T)
+        logits_CV = _chunk_logits(hidden_TH[start:end], weight_VH, temperature)
+        for r0 in range(0, end - start, _ROWS):  # [128, V] temporaries, as in _reduce_rows
+            block_RV = logits_CV[r0:r0 + _ROWS]
+            rows = slice(start + r0, start + r0 + block_RV.shape[0])
+            lse_R = torch.logsumexp(block_RV, dim=-1)
+            logprobs_T[rows] = block_RV.gather(-1, labels_T[rows, None])[:, 0] - lse_R
+            # p^2 = exp(2 (logit - lse)) straight from the log-probabilities
+            sum_sq_T[rows] = (block_RV - lse_R[:, None]).mul_(2.0).exp_().sum(-1)
+        del logits_CV
+    return logprobs_T, sum_sq_T

@@ -23,6 +23,7 @@ from rlsp.algos.adv_inputs import ESTIMATOR_DEFAULTS, AdvantageInputs
 from rlsp.algos.registry import estimator_uses, unused_settings, users_of
 from rlsp.data.batch import Batch
 from rlsp.trainer.baselines import baseline_errors
+from rlsp.trainer.off_policy import apply_rollout_correction, rollout_correction_settings, uses_rollout_logprobs
 
 # Estimator setting -> its config key.
 SETTING_KEYS = {"norm_adv_by_std": "algorithm.norm_adv_by_std_in_grpo", "gamma": "algorithm.gamma",
@@ -59,8 +60,17 @@ def advantage_inputs(batch: Batch, cfg: Any) -> AdvantageInputs:
         rows[field] = batch[key]
     if "reward_components" in uses:
         rows["reward_components"] = reward_components(batch, list(cfg.algorithm.gdpo_reward_keys or []))
+    if "rollout_is_weights_BR" in uses:  # verl hands the optimal token baseline the rollout IS weights
+        rows["rollout_is_weights_BR"] = rollout_is_weights(batch, cfg)
     return AdvantageInputs(batch["token_level_rewards"], batch["response_mask"], batch.meta["uid"],
                            **config_settings(cfg), **rows)
+
+
+def rollout_is_weights(batch: Batch, cfg: Any) -> torch.Tensor | None:
+    """The rollout-correction importance weights the actor's batch will get (None without them); the same
+    computation as the correction after the advantages (rlsp.trainer.off_policy), on the same fields."""
+    corrected, _ = apply_rollout_correction(batch, rollout_correction_settings(cfg))
+    return corrected["rollout_is_weights"] if "rollout_is_weights" in corrected else None
 
 
 def reward_components(batch: Batch, keys: list[str]) -> dict[str, torch.Tensor]:
@@ -95,7 +105,27 @@ def estimator_errors(cfg: Any) -> list[str]:
     if "reward_components" not in estimator_uses(name) and keys:
         errors.append(f"algorithm.gdpo_reward_keys={keys} has no effect with algorithm.adv_estimator={name!r}; leave "
                       f"it empty or pick an estimator that uses it: {users_of('reward_components')}")
-    return errors + baseline_errors(cfg) + gdpo_errors(cfg)
+    return errors + baseline_errors(cfg) + gdpo_errors(cfg) + sum_pi_squared_errors(cfg)
+
+
+def sum_pi_squared_errors(cfg: Any) -> list[str]:
+    """The optimal token baselines need the actor's sum of pi^2 from its old-logprob pass; nothing else reads it."""
+    name, spp = cfg.algorithm.adv_estimator, bool(cfg.actor_rollout_ref.actor.calculate_sum_pi_squared)
+    needs = "sum_pi_squared_BR" in estimator_uses(name)
+    if spp and not needs:
+        return [f"actor_rollout_ref.actor.calculate_sum_pi_squared=true has no effect with algorithm.adv_estimator="
+                f"{name!r}; leave it false or pick an estimator that reads it: {users_of('sum_pi_squared_BR')}"]
+    if not needs:
+        return []
+    errors = []
+    if not spp:
+        errors.append(f"algorithm.adv_estimator={name!r} needs actor_rollout_ref.actor.calculate_sum_pi_squared=true "
+                      "(the actor's old-logprob pass then also returns the sum of pi^2 per token)")
+    if uses_rollout_logprobs(cfg):
+        errors.append(f"algorithm.adv_estimator={name!r} needs the actor's old-logprob pass (old logprobs and sum of "
+                      "pi^2), which the rollout logprobs replace here (async_training.use_rollout_log_probs or "
+                      "algorithm.rollout_correction.bypass_mode): turn that off or pick another estimator")
+    return errors
 
 
 # Settings that change token_level_rewards, which gdpo does not read (its reward is the named components).

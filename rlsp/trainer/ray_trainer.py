@@ -174,7 +174,8 @@ class RayTrainer:
         a, cfg = self.cfg.actor_rollout_ref.actor, self.cfg
         return bool(a.reuse_update_logprobs and a.ppo_epochs == 1 and a.ppo_mini_batch_size == cfg.data.train_batch_size
                     and not cfg.algorithm.use_kl_in_reward and step > cfg.trainer.critic_warmup
-                    and not self.correction.enabled and self.distill is None)  # correction, distillation: on the driver
+                    and not self.correction.enabled and self.distill is None  # correction, distillation: on the driver
+                    and not a.calculate_sum_pi_squared)  # the optimal token baseline reads it from the separate pass
 
     def _rewards(self, batch: Batch) -> dict[str, float]:
         """token_level_rewards = scores, minus beta * KL(old || ref) per token with use_kl_in_reward."""

@@ -160,8 +160,8 @@ def test_gae_requires_values() -> None:
 
 def test_registry_names_and_errors() -> None:
     assert list_adv_estimators() == ["gae", "gdpo", "gpg", "grpo", "grpo_passk", "grpo_vectorized", "opo",
-                                     "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "rloo",
-                                     "rloo_vectorized"]
+                                     "optimal_token_baseline", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+                                     "remax", "rloo", "rloo_vectorized", "tir_optimal_token_baseline"]
     assert get_adv_estimator("grpo") is compute_grpo_advantages
     with pytest.raises(ValueError, match="legal names: gae, gdpo, gpg, grpo, grpo_passk"):
         get_adv_estimator("ppo")
@@ -176,7 +176,9 @@ def test_unused_non_default_kwargs_raise() -> None:
     with pytest.raises(ValueError, match="values_BR"):
         get_adv_estimator("reinforce_plus_plus")(AdvantageInputs(rewards, mask, ["a", "a"], values_BR=rewards))
     required = {"gae": {"values_BR": torch.zeros_like(rewards)}, "remax": {"reward_baselines_B": torch.zeros(2)},
-                "gdpo": {"reward_components": {"score": torch.tensor([1.0, 0.0])}}}
+                "gdpo": {"reward_components": {"score": torch.tensor([1.0, 0.0])}},
+                "optimal_token_baseline": {"old_logprobs_BR": -rewards, "sum_pi_squared_BR": mask},
+                "tir_optimal_token_baseline": {"old_logprobs_BR": -rewards, "sum_pi_squared_BR": mask}}
     for name in list_adv_estimators():  # defaults (plus the inputs an estimator needs) are accepted by every estimator
         extra = required.get(name, {})
         adv, ret = get_adv_estimator(name)(AdvantageInputs(rewards, mask, ["a", "a"], norm_adv_by_std=True, gamma=1.0, lam=1.0, **extra))

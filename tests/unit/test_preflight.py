@@ -24,7 +24,7 @@ def test_builtin_assets_resolve_to_local_files(tmp_path):
 @pytest.mark.parametrize(
     "key,val,needle",
     [
-        ("algorithm.adv_estimator", "ppo2", "legal values: ['gae', 'gpg', 'grpo'"),
+        ("algorithm.adv_estimator", "ppo2", "legal values: ['gae', 'gdpo', 'gpg', 'grpo'"),
         ("algorithm.gamma", 0.9, "algorithm.gamma=0.9 has no effect with algorithm.adv_estimator='grpo'"),
         ("algorithm.lam", 0.95, "pick an estimator that uses it: ['gae']"),
         ("actor_rollout_ref.actor.kl_loss_type", "k7", "kl_loss_type='k7' is not supported; legal values: ['k1', 'kl'"),

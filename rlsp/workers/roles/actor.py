@@ -93,12 +93,16 @@ class ActorRole:
 
     @register(Dispatch.BY_DP)
     def compute_log_prob(self, batch: Batch) -> Batch:
-        """Old logprobs [B, R] of the sampled tokens under the current policy."""
+        """Old logprobs [B, R] of the sampled tokens under the current policy; with actor.calculate_sum_pi_squared
+        also sum_pi_squared [B, R] (sum over the vocabulary of p^2 per token, from the same forward)."""
         r = self.cfg.actor_rollout_ref.rollout
-        lp = self.engine.infer(batch, self.ctx.prompt_len, r.log_prob_micro_batch_size_per_gpu, "logprobs",
-                               token_budget(r.log_prob_use_dynamic_bsz, r.log_prob_max_token_len_per_gpu),
-                               temperature=batch_temperature(batch, self.cfg))
-        return Batch.from_dict({"old_logprobs": lp})
+        head = {"with_sum_pi_squared": True} if self.cfg.actor_rollout_ref.actor.calculate_sum_pi_squared else {}
+        out = self.engine.infer_many(batch, self.ctx.prompt_len, r.log_prob_micro_batch_size_per_gpu,
+                                     ("logprobs", "sum_pi_squared") if head else ("logprobs",),
+                                     token_budget(r.log_prob_use_dynamic_bsz, r.log_prob_max_token_len_per_gpu),
+                                     temperature=batch_temperature(batch, self.cfg), **head)
+        out["old_logprobs"] = out.pop("logprobs")
+        return Batch.from_dict(out)
 
     @register(Dispatch.BY_DP)
     def update_actor(self, batch: Batch) -> dict[str, float]:
