@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from rlsp.config.compose import CONFIG_DIR, DEFAULT_CONFIG, refused_overrides, without_redundant_add
+from rlsp.config.compose import CONFIG_DIR, DEFAULT_CONFIG, refused_overrides, verl_argv, without_redundant_add
 from rlsp.config.layout import ParallelLayout
 from rlsp.config.schema_policy_loss import rewrite_policy_loss_overrides
 from rlsp.config.store import register_schema
@@ -103,8 +103,10 @@ def _init_ray(cfg: DictConfig, world_size: int) -> bool:
         # In a session of its own, Ray outlives a signal to this job's whole process group (Slurm's
         # scancel) long enough for the driver to stop the run cleanly (see rlsp.trainer.stopping).
         with ray_in_own_session():
-            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, world_size), include_dashboard=False,
-                     log_to_driver=True, object_store_memory=512 * 1024**2,
+            ray_init = cfg.ray_kwargs.ray_init  # verl's ray_kwargs.ray_init (start-up validation checks them)
+            ray.init(address="local", num_cpus=ray_init.num_cpus or max(os.cpu_count() or 1, world_size),
+                     include_dashboard=False,
+                     log_to_driver=True, object_store_memory=ray_init.object_store_memory or 512 * 1024**2,
                      _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False})
         log.info("started a private local Ray (%s)", ray.get_runtime_context().gcs_address)
         return True
@@ -242,5 +244,6 @@ def refuse_unsupported_overrides(argv: list[str]) -> None:
 if __name__ == "__main__":
     sys.argv[1:] = rewrite_policy_loss_overrides(sys.argv[1:])  # old policy-loss spellings -> the nested block
     sys.argv[1:] = without_redundant_add(sys.argv[1:])  # verl's `+key=value` for keys rlsp declares
+    sys.argv[1:] = verl_argv(sys.argv[1:])  # verl's other key spellings -> rlsp's keys
     refuse_unsupported_overrides(sys.argv[1:])
     main()

@@ -1,4 +1,5 @@
-"""Write tests/data/verl_commands.json: the argument lists of verl's example training commands.
+"""Write tests/data/verl_commands.json (or verl_commands_2026.json): the argument lists of verl's example
+training commands.
 
 `python scripts/extract_verl_commands.py <verl checkout> [<commit>]` reads the shell scripts under
 examples/grpo_trainer and examples/ppo_trainer of a verl checkout and keeps those that train a text
@@ -7,6 +8,14 @@ vision-language model. For each it records the script's path and the arguments o
 `python3 -m verl.trainer.main_ppo` command, with the script's own shell variables expanded (paths
 under $HOME stay as they are: tests/unit/test_verl_commands.py swaps model and data paths for local
 ones) and the trailing "$@" dropped.
+
+`python scripts/extract_verl_commands.py --2026 <root> <commit>` writes tests/data/verl_commands_2026.json from
+the algorithm folders of a newer verl (DIRS_2026). Those scripts build their commands with shell arithmetic,
+string variables holding several overrides and backend switches, which only a shell expands faithfully: each
+script runs under bash with an empty PATH (no program runs; every external command is a no-op returning 0)
+and `python`/`python3` (also behind `srun` or `ray job submit`) a shell function that records the arguments of the first `-m verl.trainer.main_ppo`
+call and stops the script. $HOME stays literal, the cluster size comes from SHELL_ENV, and `--config-path` /
+`--config-name` are recorded apart from the overrides.
 """
 
 from __future__ import annotations
@@ -15,12 +24,38 @@ import json
 import os
 import re
 import shlex
+import subprocess
 import sys
+import tempfile
 
 DIRS = ("examples/grpo_trainer", "examples/ppo_trainer")
 EXCLUDED_NAME = re.compile(r"megatron|npu|sgl|trtllm|_vl|vl-|vl_|glm41v|minicpmo", re.I)
 ENTRY = "verl.trainer.main_ppo"
-OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data", "verl_commands.json")
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data")
+OUT = os.path.join(DATA, "verl_commands.json")
+OUT_2026 = os.path.join(DATA, "verl_commands_2026.json")
+DIRS_2026 = tuple(f"examples/{name}" for name in (
+    "cispo_trainer", "gdpo", "gdpo_trainer", "gmpo_trainer", "gpg_trainer", "gspo_trainer", "on_policy_distillation_trainer",
+    "otb_trainer", "reinforce_plus_plus_trainer", "remax_trainer", "rloo_trainer", "rollout_correction", "sapo_trainer"))
+# Variables the scripts read from a Slurm/cluster environment without a default of their own: one 8-GPU node.
+SHELL_ENV = {"SLURM_GPUS_PER_NODE": "8", "SLURM_JOB_NUM_NODES": "1", "GPUS_PER_NODE": "8"}
+_SHELL_PRELUDE = r"""
+command_not_found_handle() { return 0; }
+_verl_record() {
+  if [ "$1" = "-m" ] && [ "$2" = "verl.trainer.main_ppo" ]; then
+    shift 2; printf '%s\0' "$@" > "$VERL_ARGS_OUT"; exit 0
+  fi
+  return 0
+}
+python() { _verl_record "$@"; }
+python3() { _verl_record "$@"; }
+_launch() {  # srun / ray job submit: skip the launcher's own arguments up to the python command
+  while [ $# -gt 0 ] && [ "$1" != python ] && [ "$1" != python3 ]; do shift; done
+  if [ $# -gt 0 ]; then "$@"; fi
+}
+srun() { _launch "$@"; }
+ray() { _launch "$@"; }
+"""
 
 
 def _variables(lines: list[str]) -> dict[str, str]:
@@ -62,6 +97,42 @@ def command_args(script: str) -> list[str] | None:
     return [a for a in args if a not in ("$@", '"$@"')]
 
 
+def command_args_bash(script_path: str) -> list[str] | None:
+    """The arguments of the script's first `python3 -m verl.trainer.main_ppo` as bash expands them (see the module
+    docstring), or None when it has no such command."""
+    with tempfile.TemporaryDirectory() as tmp:
+        prelude, out, empty = os.path.join(tmp, "prelude.sh"), os.path.join(tmp, "args"), os.path.join(tmp, "bin")
+        os.mkdir(empty)
+        with open(prelude, "w") as f:
+            f.write(_SHELL_PRELUDE)
+        env = {"PATH": empty, "HOME": "$HOME", "BASH_ENV": prelude, "VERL_ARGS_OUT": out, **SHELL_ENV}
+        subprocess.run(["/bin/bash", os.path.abspath(script_path)], cwd=tmp, env=env, capture_output=True, timeout=60)
+        if not os.path.exists(out):
+            return None
+        with open(out) as f:
+            args = [a for a in f.read().split("\0") if a]
+    # The working directory (a temporary one) stands for the script's $PWD.
+    return [a.replace(os.path.realpath(tmp), "$PWD").replace(tmp, "$PWD") for a in args]
+
+
+def split_config_flags(args: list[str]) -> tuple[str | None, list[str]]:
+    """(the --config-name given, the overrides without --config-path/--config-name)."""
+    name, rest, skip = None, [], False
+    for i, arg in enumerate(args):
+        if skip:
+            skip = False
+            continue
+        flag, eq, value = arg.partition("=")
+        if flag in ("--config-path", "--config-name", "-cp", "-cn"):
+            if not eq:
+                value, skip = (args[i + 1] if i + 1 < len(args) else ""), True
+            if flag in ("--config-name", "-cn"):
+                name = value.removesuffix(".yaml")
+            continue
+        rest.append(arg)
+    return name, rest
+
+
 def trains_text_with_fsdp_and_vllm(args: list[str]) -> bool:
     values = dict(a.partition("=")[::2] for a in args if "=" in a)
     if any(a.startswith("--config-name") and "megatron" in a for a in args):
@@ -83,7 +154,42 @@ def extract(root: str) -> list[dict[str, object]]:
     return found
 
 
+def extract_2026(root: str, commit: str) -> list[dict[str, object]]:
+    found = []
+    for folder in DIRS_2026:
+        if not os.path.isdir(os.path.join(root, folder)):
+            continue
+        for name in sorted(os.listdir(os.path.join(root, folder))):
+            if not name.endswith(".sh") or EXCLUDED_NAME.search(name):
+                continue
+            args = command_args_bash(os.path.join(root, folder, name))
+            if args is None:
+                continue
+            config_name, overrides = split_config_flags(args)
+            if "megatron" in (config_name or "") or not trains_text_with_fsdp_and_vllm(overrides):
+                continue
+            found.append({"script": f"{folder}/{name}", "commit": commit, "config_name": config_name or "ppo_trainer",
+                          "args": overrides})
+    return found
+
+
+def main_2026(root: str, commit: str) -> None:
+    commands = extract_2026(root, commit)
+    data = {"source": {"repository": "volcengine/verl", "commit": commit, "environment": SHELL_ENV,
+                       "selection": "newest stored version of every examples/<algorithm folder>/*.sh of DIRS_2026 that "
+                                    "trains a text model with FSDP and vLLM (no Megatron, NPU, SGLang, TensorRT-LLM "
+                                    "or vision-language scripts); expanded by bash with no program run"},
+            "commands": commands}
+    with open(OUT_2026, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    print(f"{len(commands)} commands -> {OUT_2026}")
+
+
 def main(argv: list[str]) -> None:
+    if argv and argv[0] == "--2026":
+        main_2026(argv[1], argv[2] if len(argv) > 2 else "unknown")
+        return
     root, commit = argv[0], (argv[1] if len(argv) > 1 else "unknown")
     commands = extract(root)
     data = {"source": {"repository": "volcengine/verl", "commit": commit,

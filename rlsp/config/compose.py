@@ -5,12 +5,16 @@
 overrides, without creating a run dir or its .hydra/ output. Both then run `validate_config`, whose
 first step maps verl's spellings onto rlsp's keys (rlsp.config.verl_compat).
 
-`override_problems` screens the overrides first: verl keys rlsp refuses are named with the reason
+Before that, verl's other spellings of a key (a newer or older verl release's name for a setting rlsp declares
+once, rlsp.config.verl_spellings) are rewritten onto rlsp's key, and a `+key=value` for a key the schema
+declares loses its `+` (verl commands add keys verl's schema lacks). `override_problems` then screens the
+overrides: verl keys rlsp refuses are named with the reason
 (Hydra alone would only say the key is not in the schema), misspelt keys with the nearest legal ones.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,10 +27,12 @@ from rlsp.config.schema_policy_loss import rewrite_policy_loss_override
 from rlsp.config.store import register_schema
 from rlsp.config.validate_keys import schema_keys, unknown_key_error
 from rlsp.config.verl_compat import refusal
+from rlsp.config.verl_spellings import rename_overrides
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
 DEFAULT_CONFIG = "rlsp"
 CONFIG_NAME_FLAGS = ("--config-name", "-cn")
+OPEN_MAPPINGS = ("actor_rollout_ref.rollout.engine_kwargs.vllm",)
 USAGE = "arguments: [--config-name NAME] key=value ... (the same as python -m rlsp.main)"
 
 
@@ -63,6 +69,13 @@ def without_redundant_add(overrides: list[str]) -> list[str]:
             for t in overrides]
 
 
+def open_mapping(key: str, declared: set[str]) -> bool:
+    """Whether `key` is an entry of a schema mapping whose entries the user names (its parent is declared as an
+    open dict, e.g. actor_rollout_ref.rollout.engine_kwargs.vllm)."""
+    parent = key.rpartition(".")[0]
+    return parent in OPEN_MAPPINGS or any(parent.startswith(f"{m}.") for m in OPEN_MAPPINGS)
+
+
 def override_problems(overrides: list[str]) -> tuple[list[str], list[str]]:
     """(the overrides that can be composed, one message per override that cannot: a syntax error, a verl
     key rlsp refuses (with the reason) or a key the schema does not declare (with the nearest ones))."""
@@ -76,13 +89,24 @@ def override_problems(overrides: list[str]) -> tuple[list[str], list[str]]:
             problems.append(f"cannot parse override {text!r}: {str(exc).splitlines()[0]}")
             continue
         key = parsed.key_or_group
-        if key.startswith("hydra") or "/" in key or key in declared:
+        if key.startswith("hydra") or "/" in key or key in declared or open_mapping(key, declared):
             keep.append(text)
         elif (parsed.is_add() or parsed.is_force_add()) and not refusal(key):
             keep.append(text)  # Hydra adds it; validate_config names it as an unknown key
         else:
             problems.append(unknown_key_error(key, legal, text))
     return keep, problems
+
+
+def verl_argv(argv: list[str]) -> list[str]:
+    """rlsp.main's arguments with verl's other key spellings rewritten onto rlsp's keys and a redundant `+`
+    dropped (as rlsp.check composes them); exits 2 naming a setting given twice with different values."""
+    flags = [a for a in argv if a.startswith("-") or "=" not in a and not a.startswith("~")]
+    renamed, problems = rename_overrides([a for a in argv if a not in flags])
+    if problems:
+        print("invalid rlsp config:\n  - " + "\n  - ".join(problems), file=sys.stderr)
+        raise SystemExit(2)
+    return flags + without_redundant_add(renamed)
 
 
 def refused_overrides(overrides: list[str]) -> list[str]:
@@ -108,7 +132,9 @@ def compose_config(config_name: str = DEFAULT_CONFIG, overrides: list[str] | Non
 def compose_collecting(line: CommandLine) -> tuple[DictConfig | None, list[str]]:
     """Compose `line`, leaving out every override that cannot be applied and naming each one, so all
     other checks can still run; None when even the config name fails."""
-    keep, problems = override_problems(without_redundant_add(line.overrides))
+    renamed, problems = rename_overrides(line.overrides)
+    keep, refused = override_problems(without_redundant_add(renamed))
+    problems += refused
     try:
         return compose_config(line.config_name, keep), problems
     except HydraException as exc:

@@ -14,6 +14,7 @@ from typing import Any
 
 from omegaconf import II
 
+from rlsp.config import schema_verl_runtime as verl_keys  # verl's engine/runtime keys, mixed into the sections
 from rlsp.config.schema_distill import DistillationConfig
 from rlsp.config.schema_engine import FSDPConfig, FusedKernelOptions, OptimConfig, TiledMLPConfig
 from rlsp.config.schema_policy_loss import PolicyLossConfig
@@ -74,7 +75,7 @@ __all__ = [
 
 
 @dataclass
-class DataConfig:
+class DataConfig(verl_keys.DataVerlKeys):
     train_files: Any = ARITH_TRAIN  # str or list[str] of parquet files
     val_files: Any = ARITH_TEST
     prompt_key: str = "prompt"
@@ -109,7 +110,7 @@ class ModelConfig:
 
 
 @dataclass
-class ActorConfig:
+class ActorConfig(verl_keys.ActorVerlKeys):
     strategy: str = "fsdp2"
     ppo_mini_batch_size: int = 16  # prompts per optimizer step (x rollout.n samples), verl semantics
     ppo_micro_batch_size_per_gpu: int = 32  # samples per forward/backward on one worker
@@ -146,7 +147,7 @@ class ActorConfig:
 
 
 @dataclass
-class RefConfig:
+class RefConfig(verl_keys.RefVerlKeys):
     # Parallel degrees of the frozen reference; None = the actor's value.
     ulysses_sequence_parallel_size: int | None = None
     ring_sequence_parallel_size: int | None = None
@@ -186,7 +187,7 @@ class CriticOptimConfig(OptimConfig):
 
 
 @dataclass
-class CriticConfig:
+class CriticConfig(verl_keys.CriticVerlKeys):
     """The value model (PPO with algorithm.adv_estimator=gae). Built only when an estimator needs it."""
 
     strategy: str = "fsdp2"
@@ -239,7 +240,7 @@ class AlgorithmConfig:
 
 
 @dataclass
-class TrainerConfig:
+class TrainerConfig(verl_keys.TrainerVerlKeys):
     project_name: str = "rlsp"
     experiment_name: str = "grpo_tiny"
     device: str = "auto"  # auto | cpu | cuda
@@ -281,4 +282,5 @@ class RLSPConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     rollout: RolloutPoolConfig = field(default_factory=RolloutPoolConfig)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+    ray_kwargs: verl_keys.RayKwargsConfig = field(default_factory=verl_keys.RayKwargsConfig)  # verl's Ray start-up arguments
     distillation: DistillationConfig = field(default_factory=DistillationConfig)  # on-policy distillation (schema_distill)

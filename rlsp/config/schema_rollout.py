@@ -10,6 +10,8 @@ from typing import Any
 
 from omegaconf import II
 
+from rlsp.config.schema_verl_runtime import RolloutVerlKeys
+
 
 @dataclass
 class ValKwargsConfig:
@@ -61,7 +63,7 @@ class AgentLoopConfig:
 
 
 @dataclass
-class RolloutConfig:
+class RolloutConfig(RolloutVerlKeys):
     name: str = "vllm"  # vllm | hf
     n: int = 8
     temperature: float = 1.0

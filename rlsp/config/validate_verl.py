@@ -18,6 +18,7 @@ from rlsp.config.choices import (
     choice_error,
 )
 from rlsp.config.run_length import warmup_errors
+from rlsp.config.validate_verl_runtime import check_verl_runtime_keys
 
 
 def _check_padding(cfg: Any, errors: list[str]) -> None:
@@ -101,8 +102,10 @@ def _check_run(cfg: Any, errors: list[str]) -> None:
 
 
 def check_verl_keys(cfg: Any, errors: list[str]) -> None:
-    """Every verl-meaning key: legal values, one-value keys, validation sampling, run length, warm-up."""
+    """Every verl-meaning key: legal values, one-value keys, validation sampling, run length, warm-up, and the
+    engine and runtime keys (rlsp.config.validate_verl_runtime)."""
     _check_choices(cfg, errors)
     _check_fixed(cfg, errors)
     _check_val_kwargs(cfg, errors)
     _check_run(cfg, errors)
+    check_verl_runtime_keys(cfg, errors)

@@ -19,6 +19,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from rlsp.config.verl_spellings import REWARD_LOOP_KEY, rlsp_key
+
 # verl's spelling -> the rlsp key that carries the setting.
 ALIASES = {
     "custom_reward_function.path": "reward.custom_function_path",
@@ -54,9 +56,33 @@ UNSUPPORTED_KEYS = {
     "actor_rollout_ref.rollout.engine_kwargs.sglang.*": "SGLang rollouts are not implemented (rlsp's engines: vllm, hf)",
     "actor_rollout_ref.rollout.engine_kwargs.trtllm.*": "TensorRT-LLM rollouts are not implemented (rlsp's engines: "
                                                         "vllm, hf)",
+    "*.model.override_config.*": "overriding entries of the model's config.json is not supported: rlsp builds the "
+                                 "model as its config.json says (edit a copy of the checkpoint's config.json, e.g. "
+                                 "max_position_embeddings)",
+    "ray_kwargs.ray_init.*": "rlsp starts its private Ray with num_cpus and object_store_memory only; for other "
+                             "ray.init arguments start Ray yourself and join it with trainer.ray_address",
 }
 # Keys of features being implemented now: refused by name until the schema declares them.
-NOT_YET_KEYS: dict[str, str] = {}
+_OTB = "the optimal token baseline's sum of squared token probabilities (actor.calculate_sum_pi_squared)"
+NOT_YET_KEYS: dict[str, str] = {
+    "actor_rollout_ref.actor.policy_loss.*": "verl's nested policy-loss block (actor.policy_loss.loss_mode and its keys)",
+    "algorithm.rollout_correction.loss_type": "rollout correction's bypass mode (algorithm.rollout_correction.loss_type)",
+    "algorithm.rollout_correction.bypass_mode": "rollout correction's bypass mode (algorithm.rollout_correction.bypass_mode)",
+    "algorithm.filter_groups.*": "DAPO's dynamic sampling (algorithm.filter_groups)",
+    "reward.reward_manager.*": "verl's reward managers (reward.reward_manager.name: naive, dapo)",
+    "reward.reward_kwargs.*": "the reward manager's arguments (DAPO's overlong_buffer_cfg, max_resp_len)",
+    "algorithm.gdpo_reward_keys": "the gdpo estimator's reward components (algorithm.gdpo_reward_keys)",
+    "algorithm.gdpo_reward_weights": "the gdpo estimator's reward components (algorithm.gdpo_reward_weights)",
+    "actor_rollout_ref.actor.calculate_sum_pi_squared": _OTB,
+    "actor_rollout_ref.actor.sum_pi_squared_checkpointing": _OTB,
+    "distillation.*": "on-policy distillation (distillation.*)",
+}
+# Values of those features, likewise: (key, value) -> the feature; an unknown-value error names them until then.
+NOT_YET_VALUES: dict[tuple[str, str], str] = {
+    **{("actor_rollout_ref.actor.policy_loss.loss_mode", v): f"the {v} policy loss"
+       for v in ("gspo", "sapo", "geo_mean", "clip_cov", "kl_cov", "dppo_tv", "dppo_kl")},
+    **{("algorithm.adv_estimator", v): f"the {v} advantage estimator" for v in ("remax", "gdpo", "optimal_token_baseline")},
+}
 
 # Accepted keys whose verl result rlsp reaches its own way (fnmatch patterns -> what rlsp does).
 VERL_NOTES = {
@@ -125,6 +151,35 @@ VERL_NOTES = {
                                 "hosting its engine",
     "reward_model.rollout.*": "the reward loop's vLLM engine (verl's keys); engine features rlsp does not use are "
                               "refused by value",
+    "actor_rollout_ref.rollout.calculate_log_probs": "true or false: rlsp's engine always returns the sampled tokens' "
+                                                     "logprobs (rollout correction and the rollout-vs-trainer logprob "
+                                                     "metrics read them)",
+    "actor_rollout_ref.rollout.enable_chunked_prefill": "vLLM's chunked prefill on GPU (verl's meaning); always off on "
+                                                        "CPU, where vLLM's seeded sampling cannot rewind after a split "
+                                                        "prefill",
+    "actor_rollout_ref.rollout.max_num_batched_tokens": "vLLM's token budget per scheduler step (verl's meaning); on "
+                                                        "CPU (no chunked prefill) raised to a whole sequence",
+    "actor_rollout_ref.rollout.engine_kwargs.vllm.*": "passed to vllm.LLM as keyword arguments (verl's meaning); "
+                                                      "arguments rlsp sets from its own keys are refused",
+    "actor_rollout_ref.rollout.checkpoint_engine.*": "backend naive or nccl: rlsp moves weights to its colocated "
+                                                     "engines in process, one tensor at a time (so no transfer bucket "
+                                                     "exists and update_weights_bucket_megabytes bounds nothing), and "
+                                                     "to a rollout pool through its weight board; engine_kwargs empty",
+    "actor_rollout_ref.rollout.data_parallel_size": "1 only: every rlsp engine is one tensor-parallel group of workers",
+    "actor_rollout_ref.rollout.expert_parallel_size": "1 only",
+    "*.entropy_from_logits_with_chunking": "true or false: rlsp's logprob/entropy head always works in vocabulary "
+                                           "chunks (never the full [tokens, vocab] logits), what verl's chunking is for",
+    "*.entropy_checkpointing": "true or false: rlsp's head always recomputes each chunk's logits in backward instead "
+                               "of keeping them, what verl's entropy checkpointing is for",
+    "*.checkpoint.*": "save_contents / load_contents [model, optimizer, extra] only (what a resume needs; hf_model is "
+                      "refused), async_save false only",
+    "data.filter_overlong_prompts_workers": "any value >= 1: rlsp counts prompt lengths in the driver (the parallel "
+                                            "filter processes of verl are not needed for that)",
+    "trainer.log_val_generations": "verl's meaning: the first N validation samples (prompt, response, score) of every "
+                                   "validation, in <trainer.default_local_dir>/val_generations.jsonl",
+    "ray_kwargs.ray_init.*": "num_cpus and object_store_memory of the private local Ray rlsp starts (no effect when "
+                             "joining a cluster with trainer.ray_address); num_cpus >= the run's workers, GPU runs only",
+    "ray_kwargs.timeline_json_file": "null only",
     "reward.reward_kwargs.max_resp_len": "null or data.max_response_length only (null means that value): the "
                                          "overlong penalty reaches -penalty_factor at the generation limit",
     "algorithm.filter_groups.*": "verl's dynamic sampling; the run still trains trainer.total_training_steps steps: "
@@ -162,14 +217,24 @@ def refusal(key: str) -> str | None:
 
 
 def verl_note(key: str) -> str | None:
-    """What rlsp does with the declared verl key `key`, when that differs from a plain same-name setting."""
-    return _match(key, VERL_NOTES)
+    """What rlsp does with the declared verl key `key` (or verl's other spelling of one: rlsp.config.verl_spellings),
+    when that differs from a plain same-name setting."""
+    target = rlsp_key(key)
+    if target == key:
+        return _match(key, VERL_NOTES)
+    note = f"verl's other spelling of {target} (rewritten onto it)"
+    if key.startswith("reward.reward_model."):
+        note += f"; sets {REWARD_LOOP_KEY}=true unless given (newer verl serves reward models by its reward loop only)"
+    more = _match(target, VERL_NOTES)
+    return f"{note}; {more}" if more else note
 
 
 def verl_status(key: str, declared: set[str]) -> str:
     """What rlsp does with verl key `key` (`declared`: the schema's keys), for docs/config.md."""
     if key in ALIASES:
         return f"verl's spelling of `{ALIASES[key]}` (mapped onto it)"
+    if rlsp_key(key) != key:
+        return f"verl's other spelling of `{rlsp_key(key)}` (rewritten onto it)"
     if key not in declared:
         reason = unsupported_reason(key)
         return f"refused: {reason}" if reason else "unknown to rlsp (refused as an unknown key)"

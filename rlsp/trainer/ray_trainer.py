@@ -43,6 +43,7 @@ from rlsp.trainer.reward_workers import build_scorer
 from rlsp.trainer.scoring import apply_rm_scores
 from rlsp.trainer.stopping import Terminated
 from rlsp.trainer.training_workers import check_sharded_forwards, start_training_workers
+from rlsp.trainer.val_generations import ValGenerationLog
 from rlsp.utils.logging import get_logger
 from rlsp.utils.timing import timed
 from rlsp.workers.worker import needs_reference
@@ -91,6 +92,7 @@ class RayTrainer:
         self.correction = rollout_correction_settings(cfg)
         self.shaping = build_overlong_shaping(cfg)  # the dapo reward manager's overlong reward shaping
         self.sampler = build_dynamic_sampler(cfg)  # DAPO's dynamic sampling (algorithm.filter_groups)
+        self.val_log = ValGenerationLog.build(cfg, self.tokenizer)  # trainer.log_val_generations (None: off)
         self.wg: RayWorkerGroup | None = None
         self.reward_servers: RewardServers | None = None
         self.critic_wg: RayWorkerGroup | None = None
@@ -286,6 +288,8 @@ class RayTrainer:
         batch = self.rollout_wg.call("rollout", "generate", _prompt_batch(padded), sampling)
         batch = batch.select_rows(slice(0, len(items) * sampling["n"]))  # each prompt's samples are contiguous
         scores = self.scorer.score_rows(batch)
+        if self.val_log is not None:
+            self.val_log.write(batch, scores)
         agent = {f"val/{k}": v for k, v in compute_agent_metrics(batch).items()}
         return {"val/accuracy": float((scores >= 1.0).mean()), "val/reward_mean": float(scores.mean()),
                 "val/num_prompts": float(len(items)), "val/num_samples": float(len(scores)), **agent}

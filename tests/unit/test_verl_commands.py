@@ -28,7 +28,8 @@ import pytest
 
 from rlsp.check import main as check_main
 from rlsp.config.validate_keys import schema_keys
-from rlsp.config.verl_compat import in_progress
+from rlsp.config.verl_compat import ALIASES, in_progress
+from rlsp.config.verl_spellings import rlsp_key
 from rlsp.data.preprocess import preprocess
 from rlsp.models.tiny import TinyModelSpec, build_tiny_reward_model, ensure_tiny_model
 
@@ -49,7 +50,11 @@ MIN_ACCEPTED = 23  # see the module docstring
 def local(tmp_path_factory) -> dict[str, str]:
     """A long-context tiny model, a PEFT adapter directory, and GSM8K/MATH parquet (4096 training rows:
     verl's largest train_batch_size in these commands)."""
-    tmp = tmp_path_factory.mktemp("verl")
+    return build_local(tmp_path_factory.mktemp("verl"), 4096)
+
+
+def build_local(tmp: Path, train_rows: int) -> dict[str, str]:
+    """The local stand-ins of verl's model and data paths under `tmp`, with `train_rows` GSM8K training rows."""
     model = ensure_tiny_model(str(tmp / "model"), TinyModelSpec(max_position_embeddings=16384))
     reward_model = build_tiny_reward_model(TinyModelSpec(max_position_embeddings=16384), str(tmp / "reward_model"))
     adapter = tmp / "adapter"
@@ -58,7 +63,7 @@ def local(tmp_path_factory) -> dict[str, str]:
                                                               "target_modules": ["q_proj", "v_proj"]}))
     (adapter / "adapter_model.safetensors").write_bytes(b"")  # present: its contents are read by the workers
     files = {}
-    for task, rows in (("gsm8k", 4096), ("math", 64)):
+    for task, rows in (("gsm8k", train_rows), ("math", 64)):
         lines = (DATA / f"{task}_sample.jsonl").read_text().splitlines()
         for split, n in (("train", rows), ("test", 16)):
             src = tmp / f"{task}_{split}.jsonl"
@@ -100,6 +105,11 @@ def _problems(output: str) -> list[str]:
     return [line[4:] for line in lines[start + 1:] if line.startswith("  - ")]
 
 
+def spelled_as(keys: list[str]) -> list[str]:
+    """rlsp's keys for verl's other spellings among `keys` (verl_compat.ALIASES, verl_spellings)."""
+    return [ALIASES.get(k, rlsp_key(k)) for k in keys]
+
+
 def _pending(key: str, declared: set[str]) -> bool:
     """A key of a feature in progress that the schema does not declare yet."""
     return key not in declared and in_progress(key)
@@ -113,8 +123,9 @@ def test_every_verl_command_is_accepted_or_refused_by_name(local, capsys):
         problems = _problems(capsys.readouterr().out)
         keys = [a.partition("=")[0] for a in command["args"]]
         assert (rc == 0) == (not problems), (command["script"], rc, problems)
-        for problem in problems:  # every refusal names a key of the command and says why
-            assert any(k in problem for k in keys), (command["script"], problem)
+        named = set(keys) | set(spelled_as(keys))
+        for problem in problems:  # every refusal names a key of the command (or rlsp's spelling of it) and says why
+            assert any(k in problem for k in named), (command["script"], problem)
             assert "not supported" in problem or "not implemented" in problem, (command["script"], problem)
         pending = [k for k in keys if _pending(k, declared)]
         rest = [p for p in problems if not any(p.startswith(f"{k} is not supported") for k in pending)]

@@ -27,6 +27,7 @@ import torch
 
 from rlsp.agent.runner import AgentRunner
 from rlsp.config.validate_agent import agent_loops_enabled
+from rlsp.config.validate_verl_runtime import vllm_engine_options
 from rlsp.data.batch import Batch
 from rlsp.rollout import SamplingConfig, build_rollout_engine
 from rlsp.rollout.segments import SegmentedOutput, generate_in_segments
@@ -70,7 +71,9 @@ class RolloutRole:
             # worker replaces with the actor's by a sync before anything is generated.
             return {"enforce_eager": r.enforce_eager, "gpu_memory_utilization": r.gpu_memory_utilization,
                     "cpu_kvcache_space_gib": r.cpu_kvcache_space_gib, "distributed_executor_backend": "external_launcher",
-                    "load_format": r.load_format, "tensor_parallel_size": r.tensor_model_parallel_size}
+                    "load_format": r.load_format, "tensor_parallel_size": r.tensor_model_parallel_size,
+                    **vllm_engine_options(r, self.ctx.prompt_len + self.cfg.data.max_response_length,
+                                          on_gpu=self.ctx.device.type == "cuda")}  # verl's engine options
         return {"device": str(self.ctx.device)}  # resolved (cuda:<i>), like the training engines' device
 
     @register(Dispatch.BY_DP)

@@ -1,0 +1,104 @@
+"""verl's engine and runtime keys that rlsp declares with verl's names and defaults: Ray start-up (`ray_kwargs.*`),
+the rollout engine's vLLM options and weight-transfer settings, entropy memory switches, checkpoint contents,
+validation-sample logging. Mixed into the sections of rlsp/config/schema.py (one base class per section), so
+each section keeps its own fields there. No torch import here.
+
+What each key does in rlsp (some are verl's results reached another way) is in rlsp.config.verl_compat
+(VERL_NOTES) and docs/config.md; legal values are checked by rlsp.config.validate_verl_runtime.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# What a checkpoint holds (verl's names): rlsp always writes the model, optimizer and extra (scheduler,
+# RNG, data position) state, what a resume needs. verl's fourth entry, hf_model, is refused by name.
+CHECKPOINT_CONTENTS = ("model", "optimizer", "extra")
+DEFAULT_CHECKPOINT_CONTENTS = ["model", "optimizer", "extra"]
+
+
+@dataclass
+class CheckpointContentsConfig:
+    """verl's `<role>.checkpoint.*`: what a checkpoint of the role saves and loads."""
+
+    save_contents: list[str] = field(default_factory=lambda: list(DEFAULT_CHECKPOINT_CONTENTS))
+    load_contents: list[str] | None = None  # None: save_contents (verl's ${.save_contents})
+    async_save: bool = False  # false only: rlsp writes a checkpoint before the next step starts
+
+
+@dataclass
+class EntropyMemoryKeys:
+    """verl's switches for the memory of the entropy computation (rlsp computes it vocab-chunked either way)."""
+
+    entropy_from_logits_with_chunking: bool = False
+    entropy_checkpointing: bool = False
+
+
+@dataclass
+class ActorVerlKeys(EntropyMemoryKeys):
+    checkpoint: CheckpointContentsConfig = field(default_factory=CheckpointContentsConfig)
+
+
+@dataclass
+class RefVerlKeys(EntropyMemoryKeys):
+    pass
+
+
+@dataclass
+class CriticVerlKeys:
+    checkpoint: CheckpointContentsConfig = field(default_factory=CheckpointContentsConfig)
+
+
+@dataclass
+class CheckpointEngineConfig:
+    """verl's `rollout.checkpoint_engine.*`: how trained weights reach the rollout engine."""
+
+    backend: str = "naive"  # naive | nccl (verl's); rlsp picks its transfer from the layout (see VERL_NOTES)
+    update_weights_bucket_megabytes: int = 2048  # verl's transfer bucket; rlsp sends one tensor at a time
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # empty only
+
+
+@dataclass
+class RolloutEngineKwargs:
+    """verl's `rollout.engine_kwargs.<engine>.*`: extra engine arguments (sglang / trtllm are refused by name)."""
+
+    vllm: dict[str, Any] = field(default_factory=dict)  # passed to vllm.LLM(...) as keyword arguments
+
+
+@dataclass
+class RolloutVerlKeys:
+    """verl's vLLM engine options of the policy's rollout engine (rlsp/workers/roles/rollout.py passes them on)."""
+
+    calculate_log_probs: bool = False  # true or false: rlsp's engine always returns the sampled tokens' logprobs
+    enable_chunked_prefill: bool = True  # vLLM's chunked prefill (GPU; off on CPU, see VERL_NOTES)
+    max_num_batched_tokens: int = 8192  # tokens per vLLM scheduler step
+    max_num_seqs: int = 256  # sequences per vLLM scheduler step
+    data_parallel_size: int = 1  # 1 only: every engine is one tensor-parallel group of policy workers
+    expert_parallel_size: int = 1  # 1 only
+    engine_kwargs: RolloutEngineKwargs = field(default_factory=RolloutEngineKwargs)
+    checkpoint_engine: CheckpointEngineConfig = field(default_factory=CheckpointEngineConfig)
+
+
+@dataclass
+class DataVerlKeys:
+    filter_overlong_prompts_workers: int = 1  # verl's filter processes; rlsp counts prompt lengths in the driver
+
+
+@dataclass
+class TrainerVerlKeys:
+    log_val_generations: int = 0  # validation samples (prompt, response, score) written per validation
+
+
+@dataclass
+class RayInitConfig:
+    """Arguments of the private local Ray that rlsp starts (ignored when joining a cluster: trainer.ray_address)."""
+
+    num_cpus: int | None = None  # CPUs Ray may schedule; None: this machine's cores (at least one per worker)
+    object_store_memory: int | None = None  # bytes of Ray's object store; None: rlsp's 512 MiB
+
+
+@dataclass
+class RayKwargsConfig:
+    ray_init: RayInitConfig = field(default_factory=RayInitConfig)
+    timeline_json_file: str | None = None  # null only: Ray timelines are not written (timing/* metrics are)

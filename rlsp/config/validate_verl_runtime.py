@@ -1,0 +1,124 @@
+"""Start-up checks of verl's engine and runtime keys (rlsp.config.schema_verl_runtime), and the vLLM options
+of the rollout engine built from them.
+
+Values only (no torch, no files): `check_verl_runtime_keys` appends one message per refused value, naming the
+key, the value and what is legal. `vllm_engine_options` is what rlsp/workers/roles/rollout.py passes to
+vllm.LLM on top of the options it sets itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from rlsp.config.schema_verl_runtime import CHECKPOINT_CONTENTS
+
+ROLLOUT = "actor_rollout_ref.rollout"
+# Weight-transfer back-ends of verl's checkpoint engine that rlsp accepts (see VERL_NOTES).
+CHECKPOINT_ENGINE_BACKENDS = ("naive", "nccl")
+# vllm.LLM arguments rlsp sets from its own keys: engine_kwargs.vllm may not set them a second time.
+OWN_VLLM_OPTIONS = {
+    "model": "actor_rollout_ref.model.path", "dtype": f"{ROLLOUT}.dtype", "seed": "trainer.seed",
+    "max_model_len": "data.max_prompt_length + data.max_response_length", "enforce_eager": f"{ROLLOUT}.enforce_eager",
+    "gpu_memory_utilization": f"{ROLLOUT}.gpu_memory_utilization", "load_format": f"{ROLLOUT}.load_format",
+    "tensor_parallel_size": f"{ROLLOUT}.tensor_model_parallel_size", "enable_prefix_caching": "(always on)",
+    "distributed_executor_backend": "(rlsp's external_launcher)", "logprobs_mode": "(processed_logprobs)",
+    "enable_chunked_prefill": f"{ROLLOUT}.enable_chunked_prefill",
+    "max_num_batched_tokens": f"{ROLLOUT}.max_num_batched_tokens", "max_num_seqs": f"{ROLLOUT}.max_num_seqs",
+    "enable_sleep_mode": "(on for GPU)",
+}
+
+
+def vllm_engine_options(rollout: Any, max_model_len: int, on_gpu: bool) -> dict[str, Any]:
+    """The vllm.LLM keyword arguments of verl's rollout keys: scheduler limits, chunked prefill and
+    engine_kwargs.vllm. On CPU chunked prefill stays off (vLLM's seeded sampling cannot rewind a CPU generator
+    after a split prefill, see rlsp/rollout/vllm_engine.py), so a step must hold a whole prompt: the token
+    budget is raised to max_model_len there."""
+    tokens = int(rollout.max_num_batched_tokens)
+    options = {"max_num_batched_tokens": tokens if on_gpu else max(tokens, max_model_len),
+               "max_num_seqs": int(rollout.max_num_seqs), **OmegaConf.to_container(rollout.engine_kwargs.vllm, resolve=True)}
+    if on_gpu:
+        options["enable_chunked_prefill"] = bool(rollout.enable_chunked_prefill)
+    return options
+
+
+def _positive_int(key: str, value: Any, errors: list[str]) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        errors.append(f"{key}={value!r} must be an integer >= 1")
+
+
+def _check_rollout(cfg: Any, errors: list[str]) -> None:
+    r = cfg.actor_rollout_ref.rollout
+    for key in ("max_num_batched_tokens", "max_num_seqs"):
+        _positive_int(f"{ROLLOUT}.{key}", r[key], errors)
+    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if not r.enable_chunked_prefill and isinstance(r.max_num_batched_tokens, int) and r.max_num_batched_tokens < longest:
+        errors.append(f"{ROLLOUT}.max_num_batched_tokens={r.max_num_batched_tokens} is smaller than a whole sequence "
+                      f"(data.max_prompt_length + data.max_response_length = {longest}) with {ROLLOUT}."
+                      "enable_chunked_prefill=false: vLLM could not schedule a long prompt; raise it or enable "
+                      "chunked prefill")
+    for key in ("data_parallel_size", "expert_parallel_size"):
+        if r[key] != 1:
+            errors.append(f"{ROLLOUT}.{key}={r[key]} is not supported: every rlsp rollout engine is one tensor-parallel "
+                          f"group of policy workers ({ROLLOUT}.tensor_model_parallel_size); legal values: [1]")
+    for key in sorted(set(r.engine_kwargs.vllm) & set(OWN_VLLM_OPTIONS)):
+        errors.append(f"{ROLLOUT}.engine_kwargs.vllm.{key} is set by rlsp from {OWN_VLLM_OPTIONS[key]}; set that "
+                      "instead")
+    if r.engine_kwargs.vllm and r.name != "vllm":
+        errors.append(f"{ROLLOUT}.engine_kwargs.vllm is only read by the vllm engine ({ROLLOUT}.name={r.name!r})")
+    ce, key = r.checkpoint_engine, f"{ROLLOUT}.checkpoint_engine"
+    if ce.backend not in CHECKPOINT_ENGINE_BACKENDS:
+        errors.append(f"{key}.backend={ce.backend!r} is not supported: rlsp moves weights in process (colocated "
+                      f"engines) or through its weight board (a rollout pool); legal values: {list(CHECKPOINT_ENGINE_BACKENDS)}")
+    _positive_int(f"{key}.update_weights_bucket_megabytes", ce.update_weights_bucket_megabytes, errors)
+    if ce.engine_kwargs:
+        errors.append(f"{key}.engine_kwargs={OmegaConf.to_container(ce.engine_kwargs)} is not supported: rlsp's weight "
+                      "transfer has no engine options; legal: {}")
+
+
+def _check_checkpoint(prefix: str, ckpt: Any, errors: list[str]) -> None:
+    for name in ("save_contents", "load_contents"):
+        contents = ckpt[name]
+        if contents is None and name == "load_contents":
+            continue
+        if "hf_model" in contents:
+            errors.append(f"{prefix}.checkpoint.{name}={list(contents)}: hf_model (an HF-format copy in every checkpoint) "
+                          "is not supported: rlsp writes the trained actor in HF format once, at the end "
+                          "(trainer.save_final_model=true: <trainer.default_local_dir>/actor_hf); legal: "
+                          f"{list(CHECKPOINT_CONTENTS)}")
+        elif sorted(contents) != sorted(CHECKPOINT_CONTENTS):
+            errors.append(f"{prefix}.checkpoint.{name}={list(contents)} is not supported: rlsp checkpoints always hold "
+                          "model, optimizer and extra (scheduler, RNG and data position: what a resume needs); "
+                          f"legal: {list(CHECKPOINT_CONTENTS)}")
+    if ckpt.async_save:
+        errors.append(f"{prefix}.checkpoint.async_save=true is not supported: rlsp writes each checkpoint before the "
+                      "next step starts; legal values: [false]")
+
+
+def _check_runtime(cfg: Any, errors: list[str]) -> None:
+    t, ray_init = cfg.trainer, cfg.ray_kwargs.ray_init
+    _positive_int("data.filter_overlong_prompts_workers", cfg.data.filter_overlong_prompts_workers, errors)
+    if not isinstance(t.log_val_generations, int) or t.log_val_generations < 0:
+        errors.append(f"trainer.log_val_generations={t.log_val_generations!r} must be an integer >= 0")
+    if ray_init.num_cpus is not None:
+        workers = t.nnodes * t.n_gpus_per_node
+        if t.device == "cpu":
+            errors.append(f"ray_kwargs.ray_init.num_cpus={ray_init.num_cpus} with trainer.device=cpu is not supported: "
+                          "CPU workers share this machine's cores equally (Ray needs all of them); leave it null")
+        elif not isinstance(ray_init.num_cpus, int) or ray_init.num_cpus < workers:
+            errors.append(f"ray_kwargs.ray_init.num_cpus={ray_init.num_cpus} is fewer than the run's {workers} workers "
+                          "(each holds one CPU slot); raise it or leave it null")
+    if ray_init.object_store_memory is not None:
+        _positive_int("ray_kwargs.ray_init.object_store_memory", ray_init.object_store_memory, errors)
+    if cfg.ray_kwargs.timeline_json_file is not None:
+        errors.append(f"ray_kwargs.timeline_json_file={cfg.ray_kwargs.timeline_json_file!r} is not supported: rlsp "
+                      "does not write Ray timelines (every step logs timing/* metrics); legal values: [null]")
+
+
+def check_verl_runtime_keys(cfg: Any, errors: list[str]) -> None:
+    """verl's engine and runtime keys: rollout engine options, checkpoint contents, Ray start-up."""
+    _check_rollout(cfg, errors)
+    _check_checkpoint("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor.checkpoint, errors)
+    _check_checkpoint("critic", cfg.critic.checkpoint, errors)
+    _check_runtime(cfg, errors)
