@@ -76,7 +76,8 @@ def start_training_workers(cfg: DictConfig, layout: ParallelLayout) -> TrainingW
 def check_sharded_forwards(cfg: DictConfig, layout: ParallelLayout, wg: RayWorkerGroup,
                            critic_wg: RayWorkerGroup | None, batch: Batch) -> float:
     """Stop the run if a sharded forward (Ulysses, ring, tensor parallel) disagrees with an unsharded
-    one on real rows: the actor, the reference where its layout differs, the critic, the reward model.
+    one on real rows: the actor, the reference where its layout differs, the critic, the reward model, the
+    distillation teachers.
     Returns the largest difference seen."""
     tol = cfg.trainer.sp_self_check_tol
     ref_differs = needs_reference(cfg) and layout.ref != layout.actor
@@ -84,7 +85,7 @@ def check_sharded_forwards(cfg: DictConfig, layout: ParallelLayout, wg: RayWorke
     scorer = wg if layout.reward_model is not None and not cfg.reward_model.use_reward_loop else None
     worst = 0.0
     for role, group in (("actor", wg), ("ref", wg if ref_differs else None), ("critic", critic_wg),
-                        ("reward_model", scorer)):
+                        ("reward_model", scorer), ("teacher", wg if layout.teachers else None)):
         degrees = layout.role(role) if group is not None else None
         if degrees is not None and (degrees.sp_size > 1 or degrees.tp > 1):
             what = {"critic": "value", "reward_model": "score"}.get(role, "logprob")
