@@ -25,6 +25,7 @@ from rlsp.config.choices import (
 from rlsp.config.layout import CRITIC_ESTIMATORS, ParallelLayout, RoleLayout, World
 from rlsp.config.validate_agent import check_multi_turn
 from rlsp.config.validate_async import check_async, check_off_policy
+from rlsp.config.validate_cov import check_cov_settings
 from rlsp.config.validate_dapo import check_dapo
 from rlsp.config.validate_distill import check_distillation
 from rlsp.config.validate_gpu_memory import check_gpu_memory
@@ -204,6 +205,7 @@ def _check_critic(cfg: Any, layout: ParallelLayout, errors: list[str]) -> None:
 def _check_algorithm(cfg: Any, errors: list[str]) -> None:
     alg = cfg.algorithm
     check_policy_loss_keys(cfg.actor_rollout_ref.actor, errors)
+    check_cov_settings(cfg.actor_rollout_ref.actor, errors)
     _require(0.0 <= alg.gamma <= 1.0, f"algorithm.gamma={alg.gamma} must be in [0, 1]", errors)
     _require(0.0 <= alg.lam <= 1.0, f"algorithm.lam={alg.lam} must be in [0, 1]", errors)
     k = alg.kl_ctrl

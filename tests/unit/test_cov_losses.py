@@ -9,12 +9,16 @@ import math
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from rlsp.algos.aggregation import AGGREGATION_MODES, LossScale, aggregate_loss
 from rlsp.algos.clip_cov import compute_clip_cov_loss
 from rlsp.algos.cov_select import pick_clip_cov, pick_count, pick_top_cov, selection_seed
 from rlsp.algos.kl_cov import compute_kl_cov_loss
 from rlsp.algos.registry import get_policy_loss
+from rlsp.check import run_checks
+from rlsp.config.schema import RLSPConfig
+from rlsp.config.validate import validate_config
 
 F64 = torch.float64
 B, R = 3, 6
@@ -183,3 +187,42 @@ def test_aggregation_every_mode(name: str, mode: str) -> None:
         for t in range(R):
             want = token_grad[b, t].item() * share if mask[b, t] else 0.0
             assert grad[b, t].item() == pytest.approx(want, abs=1e-12)
+
+
+def _cfg(**overrides):
+    cfg = OmegaConf.structured(RLSPConfig)
+    for key, val in {"data.train_batch_size": 4, "actor_rollout_ref.actor.ppo_mini_batch_size": 4,
+                     "actor_rollout_ref.rollout.n": 2, "trainer.n_gpus_per_node": 1, **overrides}.items():
+        OmegaConf.update(cfg, key, val)
+    return cfg
+
+
+PL = "actor_rollout_ref.actor.policy_loss."
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"clip_cov_ratio": 0.0}, r"policy_loss.clip_cov_ratio=0.0 must be in \(0, 1\]"),
+    ({"loss_mode": "kl_cov", "kl_cov_ratio": 2.0}, r"policy_loss.kl_cov_ratio=2.0 must be in \(0, 1\]"),
+    ({"clip_cov_lb": 5.0, "clip_cov_ub": 1.0}, "clip_cov_lb=5.0 must be < actor_rollout_ref.actor.policy_loss.clip_cov_ub=1.0"),
+    ({"loss_mode": "kl_cov", "ppo_kl_coef": -0.1}, "ppo_kl_coef=-0.1 must be >= 0"),
+    ({"loss_mode": "kl_cov", "clip_cov_ub": 9.0}, "clip_cov_ub=9.0 has no effect with .*loss_mode='kl_cov'.*\\['clip_cov'\\]"),
+])
+def test_start_up_refuses_bad_settings(overrides: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        validate_config(_cfg(**{PL + k: v for k, v in overrides.items()}))
+
+
+@pytest.mark.parametrize("args", [
+    [f"{PL}loss_mode=clip_cov", f"{PL}clip_cov_ratio=0.0002", f"{PL}clip_cov_lb=1.0", f"{PL}clip_cov_ub=5.0",
+     "actor_rollout_ref.actor.clip_ratio_high=0.28"],
+    [f"{PL}loss_mode=kl_cov", f"{PL}kl_cov_ratio=0.002", f"{PL}ppo_kl_coef=1.0"],
+    [f"{PL}loss_mode=dppo_tv", "actor_rollout_ref.actor.clip_ratio=0.15", "actor_rollout_ref.actor.clip_ratio_c=10000"],
+    [f"{PL}loss_mode=dppo_kl", "actor_rollout_ref.actor.clip_ratio_low=0.05", "actor_rollout_ref.actor.clip_ratio_high=0.05"],
+    ["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.loss_type=reinforce",
+     "algorithm.rollout_correction.rollout_is=sequence", "algorithm.rollout_correction.rollout_rs=seq_mean_k1",
+     "algorithm.rollout_correction.rollout_rs_threshold=0.999_1.001"],
+])
+def test_rlsp_check_accepts_the_losses_with_their_keys(args: list[str], tmp_path) -> None:
+    report = run_checks(["trainer.device=cpu", f"trainer.cache_dir={tmp_path / 'cache'}",
+                         f"trainer.default_local_dir={tmp_path / 'run'}", *args])
+    assert report.problems == [], report.render()
