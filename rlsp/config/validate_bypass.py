@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlsp.config.validate_policy_loss import policy_loss_kwargs
+from rlsp.config.validate_policy_loss import POLICY_LOSS_KEY_DEFAULTS, _at_default, policy_loss_kwargs
 
 RC = "algorithm.rollout_correction."
 BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")  # verl's names
-CLIP_DEFAULTS = {"clip_ratio": (0.2,), "clip_ratio_low": (None, 0.2), "clip_ratio_high": (None, 0.2), "clip_ratio_c": (3.0,)}
+CLIP_KEYS = ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c")  # vanilla's, which reinforce does not read
 
 
 def check_bypass_mode(cfg: Any, errors: list[str]) -> None:
@@ -47,10 +47,10 @@ def check_bypass_mode(cfg: Any, errors: list[str]) -> None:
                       f"weight: {RC}rollout_is={rc.rollout_is!r} would count it twice (verl computes it for metrics only); "
                       "drop rollout_is or use loss_type=reinforce")
     if rc.loss_type == "reinforce":
-        for key, defaults in CLIP_DEFAULTS.items():
-            if actor[key] not in defaults:
+        for key in CLIP_KEYS:
+            if not _at_default(key, actor[key]):
                 errors.append(f"actor_rollout_ref.actor.{key}={actor[key]} has no effect with {RC}loss_type='reinforce' "
-                              f"(no ratio clip); leave it at {defaults[0]} or use loss_type=ppo_clip")
+                              f"(no ratio clip); leave it at {POLICY_LOSS_KEY_DEFAULTS[key]} or use loss_type=ppo_clip")
 
 
 def actor_policy_loss(cfg: Any) -> tuple[str, dict[str, Any]]:
