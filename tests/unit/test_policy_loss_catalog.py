@@ -16,7 +16,9 @@ from rlsp.algos.cispo import compute_cispo_loss
 from rlsp.algos.gpg_loss import compute_gpg_loss
 from rlsp.algos.registry import get_policy_loss, list_policy_losses
 from rlsp.check import run_checks
+from rlsp.config.compose import parse_command_line
 from rlsp.config.schema import RLSPConfig
+from rlsp.config.schema_policy_loss import rewrite_policy_loss_override, rewrite_policy_loss_overrides
 from rlsp.config.validate_policy_loss import (
     POLICY_LOSS_KEY_DEFAULTS,
     POLICY_LOSS_KEYS,
@@ -194,3 +196,19 @@ def test_rlsp_check_names_a_clip_key_the_loss_ignores(check_args: list[str]) -> 
     assert report.problems == [
         "actor_rollout_ref.actor.clip_ratio_high=0.28 has no effect with actor_rollout_ref.actor.policy_loss.loss_mode="
         f"'gpg'; leave it at None or pick a policy loss that uses it: {users}"], report.problems
+
+
+@pytest.mark.parametrize("given,rewritten", [
+    ("actor_rollout_ref.actor.policy_loss=cispo", "actor_rollout_ref.actor.policy_loss.loss_mode=cispo"),
+    ("++actor_rollout_ref.actor.policy_loss=gspo", "++actor_rollout_ref.actor.policy_loss.loss_mode=gspo"),
+    ("actor_rollout_ref.actor.tau_pos=0.5", "actor_rollout_ref.actor.policy_loss.tau_pos=0.5"),
+    ("actor_rollout_ref.actor.tau_neg=2", "actor_rollout_ref.actor.policy_loss.tau_neg=2"),
+    ("actor_rollout_ref.actor.policy_loss.loss_mode=sapo", "actor_rollout_ref.actor.policy_loss.loss_mode=sapo"),
+    ("~actor_rollout_ref.actor.policy_loss", "~actor_rollout_ref.actor.policy_loss"),  # a deletion stays one
+    ("actor_rollout_ref.actor.clip_ratio=0.3", "actor_rollout_ref.actor.clip_ratio=0.3"),
+    ("critic.policy_loss=cispo", "critic.policy_loss=cispo"),
+])
+def test_old_spellings_are_rewritten_onto_the_nested_block(given: str, rewritten: str) -> None:
+    assert rewrite_policy_loss_override(given) == rewritten
+    assert rewrite_policy_loss_overrides([given, "trainer.seed=1"]) == [rewritten, "trainer.seed=1"]
+    assert parse_command_line(["--config-name", "verl", given]).overrides == [rewritten]
