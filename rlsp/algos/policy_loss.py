@@ -1,6 +1,12 @@
 """Per-token policy-gradient losses, registered by name ("vanilla" = PPO clip with dual clip).
 
-Losses are returned per token (0 where masked out); turning them into a scalar is the job of
+Every registered policy loss shares one signature::
+
+    fn(logprobs, old_logprobs, advantages, mask, *, <the keys it reads>, context=None) -> (loss_tokens, metrics)
+
+The actor passes exactly the keys rlsp/config/validate_policy_loss.py lists for the loss (POLICY_LOSS_KEYS)
+and a loss context (rlsp/algos/loss_context.py) with row and micro-batch statistics for losses that need
+them. Losses are returned per token (0 where masked out); turning them into a scalar is the job of
 rlsp.algos.aggregation, so that the normalisation is the global one.
 
 Shape legend: "..." any shape shared by all inputs ([B, R] padded or [T] packed).
