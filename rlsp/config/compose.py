@@ -69,7 +69,7 @@ def without_redundant_add(overrides: list[str]) -> list[str]:
             for t in overrides]
 
 
-def open_mapping(key: str, declared: set[str]) -> bool:
+def open_mapping(key: str) -> bool:
     """Whether `key` is an entry of a schema mapping whose entries the user names (its parent is declared as an
     open dict, e.g. actor_rollout_ref.rollout.engine_kwargs.vllm)."""
     parent = key.rpartition(".")[0]
@@ -89,8 +89,10 @@ def override_problems(overrides: list[str]) -> tuple[list[str], list[str]]:
             problems.append(f"cannot parse override {text!r}: {str(exc).splitlines()[0]}")
             continue
         key = parsed.key_or_group
-        if key.startswith("hydra") or "/" in key or key in declared or open_mapping(key, declared):
+        if key.startswith("hydra") or "/" in key or key in declared:
             keep.append(text)
+        elif open_mapping(key):  # a new entry: Hydra needs the `+` that verl's commands may leave out
+            keep.append(text if parsed.is_add() or parsed.is_force_add() or parsed.is_delete() else f"+{text}")
         elif (parsed.is_add() or parsed.is_force_add()) and not refusal(key):
             keep.append(text)  # Hydra adds it; validate_config names it as an unknown key
         else:
