@@ -176,9 +176,11 @@ def extract_2026(root: str, commit: str) -> list[dict[str, object]]:
 def main_2026(root: str, commit: str) -> None:
     commands = extract_2026(root, commit)
     data = {"source": {"repository": "volcengine/verl", "commit": commit, "environment": SHELL_ENV,
-                       "selection": "newest stored version of every examples/<algorithm folder>/*.sh of DIRS_2026 that "
-                                    "trains a text model with FSDP and vLLM (no Megatron, NPU, SGLang, TensorRT-LLM "
-                                    "or vision-language scripts); expanded by bash with no program run"},
+                       "selection": "examples/{cispo,gmpo,gpg,gspo,otb,reinforce_plus_plus,remax,rloo,sapo}_trainer, "
+                                    "examples/rollout_correction, examples/gdpo(_trainer) and "
+                                    "examples/on_policy_distillation_trainer /*.sh (the newest version stored) that "
+                                    "train a text model with FSDP and vLLM (no Megatron, NPU, SGLang, TensorRT-LLM or "
+                                    "vision-language scripts), expanded by bash with no program run"},
             "commands": commands}
     with open(OUT_2026, "w") as f:
         json.dump(data, f, indent=1)

@@ -13,10 +13,19 @@ from rlsp.config.choices import REFUSED_VALUES
 from rlsp.config.schema import RLSPConfig
 from rlsp.config.validate_keys import schema_keys
 from rlsp.config.verl_compat import ALIASES, verl_status
+from rlsp.config.verl_spellings import PREFIX_RENAMES, RENAMES
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "config.md"
 VERL_COMMANDS = ROOT / "tests" / "data" / "verl_commands.json"
+VERL_COMMANDS_2026 = ROOT / "tests" / "data" / "verl_commands_2026.json"
+# What tests/unit/test_verl_commands_2026.py pins (its REFUSED table): the refused scripts and why.
+VERL_2026_RESULT = """10 of the 16 are accepted. Refused: the cispo script's `actor.clip_ratio_low=10` (verl's "no lower
+bound on the importance weight"; rlsp keeps it in (0, 1)), one gmpo script's `checkpoint.save_contents=['hf_model']`
+and one DAPO script's `model.override_config.max_position_embeddings` (both by name), the two rollout-correction
+scripts (verl's default `rollout.n=1` with a group estimator; one also combines `loss_type=ppo_clip` with
+`rollout_is`), and the SAPO script (`val_kwargs` sampling settings with `do_sample=false`, `algorithm.lam` with grpo:
+settings that would have no effect)."""
 VERL_HEADER = """
 ## Coming from verl
 
@@ -95,9 +104,9 @@ def _rows(cls: type, prefix: str) -> list[str]:
     return rows
 
 
-def _verl_keys() -> tuple[dict[str, int], dict[str, object]]:
+def _verl_keys(path: Path = VERL_COMMANDS) -> tuple[dict[str, int], dict[str, object]]:
     """(key -> number of verl example scripts using it, the data file's source note)."""
-    data = json.loads(VERL_COMMANDS.read_text())
+    data = json.loads(path.read_text())
     counts: dict[str, int] = {}
     for command in data["commands"]:
         for key in {a.lstrip("+").partition("=")[0] for a in command["args"]}:
@@ -114,12 +123,34 @@ def render_verl() -> str:
     status = {key: verl_status(key, declared).replace("|", "\\|") for key in counts}
     rows = "\n".join(f"| `{key}` | {n} | {status[key]} |" for key, n in sorted(counts.items()))
     n_scripts = len(json.loads(VERL_COMMANDS.read_text())["commands"])
+    renames = "\n".join([f"- `{verl}*` is `{ours}*`" for verl, ours in PREFIX_RENAMES.items()]
+                         + [f"- `{verl}` is `{ours}`" for verl, ours in RENAMES.items()])
     return (VERL_HEADER + f"\nValues refused, with the reason (`key` is the end of the full key):\n\n{values}\n"
             f"\nverl's spellings of rlsp keys, mapped onto them when the config is composed (setting both to "
             f"different values is an error):\n\n{aliases}\n"
+            "\nverl's other spellings (one verl release's name for a setting another release, and rlsp, name "
+            "differently), rewritten on the command line by rlsp.main and rlsp.check (both spellings with different "
+            "values are refused; `reward.reward_model.*` also sets `reward_model.use_reward_loop=true` unless given, "
+            f"as newer verl serves reward models through its reward loop only):\n\n{renames}\n"
             f"\nEvery key of verl's example commands: the {n_scripts} scripts of {source['selection']} at verl commit "
             f"`{source['commit'][:12]}`, listed in `tests/data/verl_commands.json` and checked by "
-            "`tests/unit/test_verl_commands.py`.\n\n| key | scripts | in rlsp |\n|---|---|---|\n" + rows + "\n")
+            "`tests/unit/test_verl_commands.py`.\n\n| key | scripts | in rlsp |\n|---|---|---|\n" + rows + "\n"
+            + render_verl_2026(declared))
+
+
+def render_verl_2026(declared: set[str]) -> str:
+    """The keys of verl's algorithm-folder examples (tests/data/verl_commands_2026.json) not in the table above."""
+    old, _ = _verl_keys()
+    counts, source = _verl_keys(VERL_COMMANDS_2026)
+    n_scripts = len(json.loads(VERL_COMMANDS_2026.read_text())["commands"])
+    new = {k: n for k, n in counts.items() if k not in old}
+    status = {k: verl_status(k, declared).replace("|", "\\|") for k in new}
+    rows = "\n".join(f"| `{k}` | {n} | {status[k]} |" for k, n in sorted(new.items()))
+    return (f"\nverl's algorithm-folder examples: the {n_scripts} scripts of {source['selection']} at verl commit "
+            f"`{source['commit'][:12]}` (`tests/data/verl_commands_2026.json`, written by "
+            "`scripts/extract_verl_commands.py --2026`), checked by `tests/unit/test_verl_commands_2026.py`. "
+            f"{VERL_2026_RESULT}\n\nTheir keys that the table above does not list:\n\n"
+            "| key | scripts | in rlsp |\n|---|---|---|\n" + rows + "\n")
 
 
 def render() -> str:
