@@ -12,10 +12,10 @@ which tokens are picked and how many.
 
 The picks here work on the micro-batch's response tokens in one canonical order (row-major over its
 [B, R] rows, verl's order: the loss context's ``to_batch``), whatever the sequence-parallel sharding:
-the loss gathers the scores to every rank, every rank picks the same tokens, and each keeps its own. clip_cov's random choice is drawn
-from a generator seeded by :func:`selection_seed`, a digest of the micro-batch's advantages and
-mask: data every rank of an sp group holds bit for bit, so all shards (and one rank holding the
-whole micro-batch) draw the same tokens.
+the loss gathers the scores to every rank, every rank picks the same tokens, and each keeps its own.
+clip_cov's random choice is drawn from a generator seeded by :func:`selection_seed`, a digest of the
+micro-batch's advantages and mask: data every rank of an sp group holds bit for bit, so all shards
+(and one rank holding the whole micro-batch) draw the same tokens.
 
 Shape legend: N response tokens of the micro-batch in canonical order (rlsp.algos.loss_context).
 """
