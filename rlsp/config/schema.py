@@ -140,8 +140,7 @@ class ActorConfig(verl_keys.ActorVerlKeys):
     # budget (use_dynamic_bsz) holds the micro-batch; the group's other ranks take other micro-batches
     sequence_parallel_adaptive: bool = False
     logprob_chunk_size: int = 1024
-    # the old-logprob pass also returns sum_v p_v^2 per token (optimal_token_baseline needs it; verl's key)
-    calculate_sum_pi_squared: bool = False
+    calculate_sum_pi_squared: bool = False  # the old-logprob pass also returns sum_v p_v^2 per token (optimal token baselines)
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
@@ -233,10 +232,8 @@ class AlgorithmConfig:
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)  # DAPO's dynamic sampling
-    # gdpo: the reward components (keys of the reward function's returned dict) normalised separately,
-    # and their weights in the sum (None: all 1; else one per key)
-    gdpo_reward_keys: list[str] = field(default_factory=list)
-    gdpo_reward_weights: list[float] | None = None
+    gdpo_reward_keys: list[str] = field(default_factory=list)  # gdpo: reward-function dict entries normalised separately
+    gdpo_reward_weights: list[float] | None = None  # gdpo: one weight per key (None: all 1)
 
 
 @dataclass

@@ -219,3 +219,18 @@ def test_rlsp_check_names_a_setting_the_estimator_ignores(check_args: list[str])
     report = run_checks([*check_args, "algorithm.adv_estimator=opo", "algorithm.norm_adv_by_std_in_grpo=false"])
     assert any("algorithm.norm_adv_by_std_in_grpo=False has no effect with algorithm.adv_estimator='opo'" in p
                for p in report.problems), report.problems
+
+
+@pytest.mark.parametrize("name,extra", [
+    ("remax", []),
+    ("gdpo", ["+algorithm.gdpo_reward_keys=[accuracy_reward,format_reward]", "+algorithm.gdpo_reward_weights=[1.0,0.5]"]),
+    ("optimal_token_baseline", ["actor_rollout_ref.actor.calculate_sum_pi_squared=true"]),
+    ("tir_optimal_token_baseline", ["actor_rollout_ref.actor.calculate_sum_pi_squared=true"]),
+])
+def test_rlsp_check_accepts_the_input_needing_estimators_with_verl_spellings(name: str, extra: list[str],
+                                                                            check_args: list[str]) -> None:
+    assert run_checks([*check_args, f"algorithm.adv_estimator={name}", *extra]).problems == []
+    if extra:  # without what they need they are refused, naming the key
+        problems = run_checks([*check_args, f"algorithm.adv_estimator={name}"]).problems
+        key = "gdpo_reward_keys" if name == "gdpo" else "calculate_sum_pi_squared=true"
+        assert len(problems) == 1 and key in problems[0], problems
