@@ -227,13 +227,13 @@ class AlgorithmConfig:
     norm_adv_by_std_in_grpo: bool = True
     gamma: float = 1.0  # discount (GAE, REINFORCE++)
     lam: float = 1.0  # GAE lambda
+    gdpo_reward_keys: list[str] = field(default_factory=list)  # gdpo: reward-function dict entries normalised separately
+    gdpo_reward_weights: list[float] | None = None  # gdpo: one weight per key (None: all 1)
     use_kl_in_reward: bool = False  # subtract kl_ctrl.kl_coef * KL(actor || ref) from the token rewards
     kl_penalty: str = "kl"  # estimator of that KL: kl | abs | mse | low_var_kl
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)  # DAPO's dynamic sampling
-    gdpo_reward_keys: list[str] = field(default_factory=list)  # gdpo: reward-function dict entries normalised separately
-    gdpo_reward_weights: list[float] | None = None  # gdpo: one weight per key (None: all 1)
 
 
 @dataclass

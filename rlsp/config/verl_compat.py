@@ -133,6 +133,9 @@ VERL_NOTES = {
     "*.optim.clip_grad": "verl's spelling of optim.grad_clip (mapped onto it)",
     "custom_reward_function.*": "verl's spelling of reward.custom_function_path / reward.custom_function_name "
                                 "(mapped onto them)",
+    "actor_rollout_ref.actor.policy_loss.loss_mode": "verl's names; gspo, geo_mean and sapo: verl aggregates them with "
+                                                    "seq-mean-token-mean whatever actor.loss_agg_mode says, rlsp "
+                                                    "follows loss_agg_mode (set seq-mean-token-mean to match verl)",
     "data.truncation": "error, left, right or middle, verl's meaning, for prompts longer than data.max_prompt_length "
                        "that data.filter_overlong_prompts did not drop",
     "data.return_raw_chat": "true or false: rlsp keeps every prompt's chat messages with its rows either way (a reward "
