@@ -212,3 +212,10 @@ def test_old_spellings_are_rewritten_onto_the_nested_block(given: str, rewritten
     assert rewrite_policy_loss_override(given) == rewritten
     assert rewrite_policy_loss_overrides([given, "trainer.seed=1"]) == [rewritten, "trainer.seed=1"]
     assert parse_command_line(["--config-name", "verl", given]).overrides == [rewritten]
+
+
+def test_rlsp_check_notes_verls_aggregation_of_the_sequence_losses(check_args: list[str]) -> None:
+    report = run_checks([*check_args, "actor_rollout_ref.actor.policy_loss.loss_mode=sapo"])
+    assert report.problems == [], report.render()
+    assert ("actor_rollout_ref.actor.policy_loss.loss_mode: verl's names; gspo, geo_mean and sapo: verl aggregates "
+            "them with seq-mean-token-mean whatever actor.loss_agg_mode says") in report.render()
