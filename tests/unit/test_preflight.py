@@ -28,7 +28,7 @@ def test_builtin_assets_resolve_to_local_files(tmp_path):
         ("algorithm.gamma", 0.9, "algorithm.gamma=0.9 has no effect with algorithm.adv_estimator='grpo'"),
         ("algorithm.lam", 0.95, "pick an estimator that uses it: ['gae']"),
         ("actor_rollout_ref.actor.kl_loss_type", "k7", "kl_loss_type='k7' is not supported; legal values: ['k1', 'kl'"),
-        ("actor_rollout_ref.actor.policy_loss.loss_mode", "gspo2", "loss_mode='gspo2' is unknown; legal values: ['cispo'"),
+        ("actor_rollout_ref.actor.policy_loss.loss_mode", "gspo2", "loss_mode='gspo2' is unknown; legal values: ["),
         ("data.max_response_length", 500, "exceeds the model's max_position_embeddings"),
         ("actor_rollout_ref.model.path", "/nonexistent/model", "is not a local directory"),
         ("data.train_files", "/nonexistent/train.parquet", "does not exist"),
