@@ -27,7 +27,7 @@ from rlsp.config.schema_policy_loss import rewrite_policy_loss_override
 from rlsp.config.store import register_schema
 from rlsp.config.validate_keys import schema_keys, unknown_key_error
 from rlsp.config.verl_compat import refusal
-from rlsp.config.verl_spellings import rename_overrides
+from rlsp.config.verl_spellings import rename_overrides, rlsp_key
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
 DEFAULT_CONFIG = "rlsp"
@@ -136,7 +136,7 @@ def compose_collecting(line: CommandLine) -> tuple[DictConfig | None, list[str]]
     other checks can still run; None when even the config name fails."""
     renamed, problems = rename_overrides(line.overrides)
     keep, refused = override_problems(without_redundant_add(renamed))
-    problems += refused
+    problems += [_as_written(p, line.overrides) for p in refused]
     try:
         return compose_config(line.config_name, keep), problems
     except HydraException as exc:
@@ -153,6 +153,16 @@ def compose_collecting(line: CommandLine) -> tuple[DictConfig | None, list[str]]
         return compose_config(line.config_name, good), problems
     except HydraException as exc:
         return None, [*problems, f"{' '.join(good)}: {_first_line(exc)}"]
+
+
+def _as_written(problem: str, overrides: list[str]) -> str:
+    """A refusal of rlsp's key that the command spelled verl's other way names the spelling written too."""
+    for text in overrides:
+        key = text.lstrip("+~").partition("=")[0]
+        target = rlsp_key(key)
+        if target != key and problem.startswith(f"{target} is not supported"):
+            return f"{key} (verl's other spelling of {target}){problem[len(target):]}"
+    return problem
 
 
 def _first_line(exc: Exception) -> str:

@@ -189,3 +189,11 @@ def test_val_generations_log(tmp_path):
         {"validation": 1, "sample": 0, "prompt": "12+3=", "response": "15", "score": 0.5},
         {"validation": 1, "sample": 1, "prompt": "7-2=", "response": "5", "score": 1.0},
     ]
+
+
+def test_a_refused_key_is_named_as_written():
+    _, problems = compose_collecting(CommandLine("verl", ["reward.reward_model.enable_resource_pool=False"]))
+    assert problems == ["reward.reward_model.enable_resource_pool (verl's other spelling of "
+                        "reward_model.enable_resource_pool) is not supported: a reward-model pool of its own is not "
+                        "supported: the reward model runs on the policy workers (reward_model.ulysses_sequence_parallel_"
+                        "size and model.fsdp_config shard it there)"]
