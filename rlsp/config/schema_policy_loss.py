@@ -2,8 +2,9 @@
 rewrite of the older flat spelling onto it. No torch import here.
 
 `loss_mode` names a registered policy loss (rlsp/algos); the other keys are the settings of particular
-losses, with verl's defaults. Which loss reads which key is `POLICY_LOSS_KEYS` in rlsp/config/validate.py:
-a key set off its default for a loss that does not read it is refused at start-up.
+losses, with verl's defaults. Which loss reads which key is `POLICY_LOSS_KEYS` in
+rlsp/config/validate_policy_loss.py: a key set off its default for a loss that does not read it is refused
+at start-up.
 
 Two command-line spellings are rewritten before Hydra composes the config (`rlsp.main` and `rlsp.check`
 both call :func:`rewrite_policy_loss_overrides`):
