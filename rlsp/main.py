@@ -46,6 +46,7 @@ from rlsp.config.layout import ParallelLayout
 from rlsp.config.schema_policy_loss import rewrite_policy_loss_overrides
 from rlsp.config.store import register_schema
 from rlsp.config.validate import validate_config
+from rlsp.config.verl_compat import verl_key_notes
 from rlsp.trainer.checkpoint import finished_step, latest_checkpoint
 from rlsp.trainer.stopping import (
     SIGTERM_EXIT_CODE,
@@ -234,11 +235,14 @@ def main(cfg: DictConfig) -> None:
 
 def refuse_unsupported_overrides(argv: list[str]) -> None:
     """Exit 2 naming every verl key of the command that rlsp refuses, with the reason, before Hydra (whose
-    own error would only say that the key is not in the schema)."""
+    own error would only say that the key is not in the schema); else log what rlsp does with each verl key
+    of the command that it handles its own way (as rlsp.check prints it)."""
     refused = refused_overrides([a for a in argv if "=" in a and not a.startswith("-")])
     if refused:
         log.error("invalid rlsp config:\n  - %s", "\n  - ".join(refused))
         raise SystemExit(2)
+    if notes := verl_key_notes(argv):  # verl keys rlsp handles its own way: said once, never silently
+        log.info("verl keys of this command:\n  %s", "\n  ".join(notes))
 
 
 if __name__ == "__main__":

@@ -229,6 +229,12 @@ def verl_note(key: str) -> str | None:
     return f"{note}; {more}" if more else note
 
 
+def verl_key_notes(overrides: list[str]) -> list[str]:
+    """`key: note` for every override whose verl key rlsp handles its own way (what rlsp.main logs at start-up)."""
+    keys = dict.fromkeys(text.lstrip("+~").partition("=")[0] for text in overrides if not text.startswith("-"))
+    return [f"{key}: {note}" for key in keys if (note := verl_note(key))]
+
+
 def verl_status(key: str, declared: set[str]) -> str:
     """What rlsp does with verl key `key` (`declared`: the schema's keys), for docs/config.md."""
     if key in ALIASES:

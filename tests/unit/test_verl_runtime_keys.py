@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from rlsp.config.compose import CommandLine, compose_collecting, verl_argv
 from rlsp.config.schema import RLSPConfig
 from rlsp.config.validate_verl_runtime import check_verl_runtime_keys, vllm_engine_options
-from rlsp.config.verl_compat import refusal, verl_note, verl_status
+from rlsp.config.verl_compat import refusal, verl_key_notes, verl_note, verl_status
 from rlsp.config.verl_spellings import rename_overrides, rlsp_key
 from rlsp.data.batch import Batch
 from rlsp.models.tokenizer import build_char_tokenizer
@@ -197,3 +197,13 @@ def test_a_refused_key_is_named_as_written():
                         "reward_model.enable_resource_pool) is not supported: a reward-model pool of its own is not "
                         "supported: the reward model runs on the policy workers (reward_model.ulysses_sequence_parallel_"
                         "size and model.fsdp_config shard it there)"]
+
+
+def test_start_up_notes_of_a_command():
+    notes = verl_key_notes(["--config-name", "verl", "actor_rollout_ref.rollout.calculate_log_probs=True",
+                            "+actor_rollout_ref.ref.entropy_from_logits_with_chunking=True", "data.train_batch_size=8",
+                            "actor_rollout_ref.rollout.calculate_log_probs=False"])
+    assert notes == [f"actor_rollout_ref.rollout.calculate_log_probs: {verl_note('actor_rollout_ref.rollout.calculate_log_probs')}",
+                     "actor_rollout_ref.ref.entropy_from_logits_with_chunking: "
+                     f"{verl_note('actor_rollout_ref.ref.entropy_from_logits_with_chunking')}"]
+    assert notes[0].startswith("actor_rollout_ref.rollout.calculate_log_probs: true or false: rlsp's engine always")
