@@ -72,7 +72,6 @@ NOT_YET_KEYS: dict[str, str] = {
     "algorithm.gdpo_reward_weights": "the gdpo estimator's reward components (algorithm.gdpo_reward_weights)",
     "actor_rollout_ref.actor.calculate_sum_pi_squared": _OTB,
     "actor_rollout_ref.actor.sum_pi_squared_checkpointing": _OTB,
-    "distillation.*": "on-policy distillation (distillation.*)",
 }
 # Values of those features, likewise: (key, value) -> the feature; an unknown-value error names them until then.
 NOT_YET_VALUES: dict[tuple[str, str], str] = {
