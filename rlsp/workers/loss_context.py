@@ -25,7 +25,10 @@ class MicroBatchContext(LossContext):
 
     def __init__(self, micro: MicroBatch, device: torch.device) -> None:
         self._micro = micro
-        self._mask_BR = micro.rows["response_mask"].to(device).bool()
+        self._device = device
+        # Row bookkeeping stays on the host, where the packing indices live (as the engine's _to_rows does);
+        # only the gathered values and the results travel to `device`.
+        self._mask_BR = micro.rows["response_mask"].detach().cpu().bool()
         self._row_ids = self._mask_BR.nonzero()[:, 0]
 
     @property
@@ -40,12 +43,11 @@ class MicroBatchContext(LossContext):
         micro = self._micro
         if values.shape != (micro.out_len,):
             raise ValueError(f"a loss context reads this rank's head outputs [{micro.out_len}]; got {tuple(values.shape)}")
-        stream_T = micro.gather(values.detach().contiguous())  # collective over the shard groups
+        stream_T = micro.gather(values.detach().contiguous()).cpu()  # collective over the shard groups
         rows_BR = stream_to_response(stream_T, micro.packed, micro.prompt_len, micro.response_len)
-        return rows_BR[self._mask_BR.to(rows_BR.device)]
+        return rows_BR[self._mask_BR].to(self._device)
 
     def from_batch(self, values_N: torch.Tensor) -> torch.Tensor:
-        mask_BR = self._mask_BR.to(values_N.device)
-        rows_BR = torch.zeros(mask_BR.shape, dtype=values_N.dtype, device=values_N.device)
-        rows_BR[mask_BR] = values_N.detach()
-        return self._micro.response_values_local(rows_BR)
+        rows_BR = torch.zeros(self._mask_BR.shape, dtype=values_N.dtype)
+        rows_BR[self._mask_BR] = values_N.detach().cpu()
+        return self._micro.response_values_local(rows_BR).to(self._device)
