@@ -200,13 +200,24 @@ def unsupported_reason(key: str) -> str | None:
     reason = _match(key, UNSUPPORTED_KEYS)
     if reason is not None:
         return reason
-    feature = _match(key, NOT_YET_KEYS)
+    feature = _pending_feature(key)
     return None if feature is None else f"{feature}: not implemented in rlsp yet"
+
+
+def _pending_feature(key: str) -> str | None:
+    """The NOT_YET_KEYS feature of `key`, unless the schema declares that feature's section by now (then an
+    undeclared key under it is a plain unknown key, e.g. a misspelt one, named with the nearest legal keys)."""
+    for pattern, text in NOT_YET_KEYS.items():
+        if fnmatch.fnmatchcase(key, pattern) or fnmatch.fnmatchcase(f"{key}.*", pattern):
+            from rlsp.config.validate_keys import schema_keys  # noqa: PLC0415  (validate_keys imports this module)
+
+            return None if pattern.removesuffix(".*") in schema_keys() else text
+    return None
 
 
 def in_progress(key: str) -> bool:
     """Whether undeclared `key` belongs to a feature being implemented (NOT_YET_KEYS)."""
-    return _match(key, UNSUPPORTED_KEYS) is None and _match(key, NOT_YET_KEYS) is not None
+    return _match(key, UNSUPPORTED_KEYS) is None and _pending_feature(key) is not None
 
 
 def refusal(key: str) -> str | None:
