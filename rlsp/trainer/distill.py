@@ -11,7 +11,7 @@ behaviour policy's (`old_logprobs`: the actor's forward, or the engine's with ro
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 from transformers import AutoConfig, AutoTokenizer
@@ -22,10 +22,12 @@ from rlsp.algos.distillation import (
     distillation_metrics,
 )
 from rlsp.config.validate_distill import TeacherSpec, distillation_enabled, teacher_specs
-from rlsp.controller.worker_group import RayWorkerGroup
 from rlsp.data.batch import Batch
 from rlsp.utils.timing import timed
 from rlsp.workers.roles.teacher import route_rows
+
+if TYPE_CHECKING:  # preflight (and rlsp.check) import this module without starting Ray
+    from rlsp.controller.worker_group import RayWorkerGroup
 
 
 def _vocab_problem(spec: TeacherSpec, student_tok: Any) -> str | None:
@@ -44,6 +46,15 @@ def _vocab_problem(spec: TeacherSpec, student_tok: Any) -> str | None:
     if vocab_size < len(student):
         return f"{where}: the teacher's model has vocab_size={vocab_size} < the tokenizer's {len(student)} tokens"
     return None
+
+
+def teacher_vocab_problems(cfg: DictConfig, student_tokenizer: Any | None = None) -> list[str]:
+    """One message per teacher that cannot score the student's token ids (none with distillation off); run
+    by preflight (so `rlsp.check` reports them) and again when the trainer starts."""
+    if not distillation_enabled(cfg):
+        return []
+    tok = student_tokenizer or AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.path)
+    return [p for spec in teacher_specs(cfg) if (p := _vocab_problem(spec, tok)) is not None]
 
 
 def _route_problems(specs: Sequence[TeacherSpec], key: str, datasets: Iterable[Any]) -> list[str]:
@@ -70,8 +81,7 @@ class Distillation:
         if not distillation_enabled(cfg):
             return None
         specs = teacher_specs(cfg)
-        problems = [p for spec in specs if (p := _vocab_problem(spec, student_tokenizer)) is not None]
-        problems += _route_problems(specs, str(cfg.distillation.teacher_key), datasets)
+        problems = teacher_vocab_problems(cfg, student_tokenizer) + _route_problems(specs, str(cfg.distillation.teacher_key), datasets)
         if problems:
             raise ValueError("invalid distillation setup:\n  - " + "\n  - ".join(problems))
         return cls(cfg, specs)

@@ -20,6 +20,7 @@ from rlsp.parallel.tensor_parallel import check_tp_support
 from rlsp.rewards.loader import load_custom_reward_fn
 from rlsp.rollout.support import check_rollout_support
 from rlsp.trainer.assets import copy_to_shm, resolve_data_files, resolve_model_path
+from rlsp.trainer.distill import teacher_vocab_problems
 from rlsp.trainer.estimator_inputs import estimator_errors
 from rlsp.trainer.off_policy import check_rollout_correction_names
 from rlsp.trainer.preflight_agent import agent_errors
@@ -144,6 +145,8 @@ def preflight_errors(cfg: DictConfig, layout: ParallelLayout | None, device_type
         except (ValueError, RuntimeError, FileNotFoundError, AttributeError, TypeError) as exc:
             errors.append(str(exc))
     errors += reward_model_errors(cfg)
+    if os.path.isdir(cfg.actor_rollout_ref.model.path):  # the teachers must score the student's token ids
+        errors += teacher_vocab_problems(cfg)
     if os.path.isdir(cfg.actor_rollout_ref.model.path):  # else _check_model named the missing model
         errors += agent_errors(cfg, _policy_tokenizer(cfg))
     return errors
