@@ -86,6 +86,19 @@ def private_auth_token() -> None:
         os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
 
 
+def _private_ray_resources(cfg: DictConfig, world_size: int) -> dict[str, int]:
+    """num_cpus and object_store_memory of the private local Ray: verl's ray_kwargs.ray_init where set."""
+    from rlsp.utils.device import target_device_type
+
+    ray_init = cfg.ray_kwargs.ray_init  # start-up validation checks the values
+    if ray_init.num_cpus is not None and target_device_type(cfg.trainer.device) == "cpu":
+        # CPU workers each reserve cores // workers: fewer Ray CPUs would leave them unplaced forever.
+        raise RuntimeError(f"ray_kwargs.ray_init.num_cpus={ray_init.num_cpus} on a CPU run: CPU workers share this "
+                           "machine's cores equally (Ray needs all of them); leave it null")
+    return {"num_cpus": ray_init.num_cpus or max(os.cpu_count() or 1, world_size),
+            "object_store_memory": ray_init.object_store_memory or 512 * 1024**2}
+
+
 def _init_ray(cfg: DictConfig, world_size: int) -> bool:
     """Start or join Ray (see the module docstring); False if this process was already connected."""
     import ray
@@ -104,10 +117,8 @@ def _init_ray(cfg: DictConfig, world_size: int) -> bool:
         # In a session of its own, Ray outlives a signal to this job's whole process group (Slurm's
         # scancel) long enough for the driver to stop the run cleanly (see rlsp.trainer.stopping).
         with ray_in_own_session():
-            ray_init = cfg.ray_kwargs.ray_init  # verl's ray_kwargs.ray_init (start-up validation checks them)
-            ray.init(address="local", num_cpus=ray_init.num_cpus or max(os.cpu_count() or 1, world_size),
-                     include_dashboard=False,
-                     log_to_driver=True, object_store_memory=ray_init.object_store_memory or 512 * 1024**2,
+            ray.init(address="local", **_private_ray_resources(cfg, world_size), include_dashboard=False,
+                     log_to_driver=True,
                      _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False})
         log.info("started a private local Ray (%s)", ray.get_runtime_context().gcs_address)
         return True
