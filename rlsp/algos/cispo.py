@@ -12,8 +12,8 @@ REINFORCE-style gradient scaled by a bounded weight:
 
 As in verl, eps_low / eps_high are the PPO keys ``clip_ratio_low`` / ``clip_ratio_high`` (both
 defaulting to ``clip_ratio`` = 0.2), and the log-ratio is clamped to [-20, 20] before ``exp``. The paper
-puts no lower bound on the weight (a large eps_low) and tunes only eps_high; verl and rlsp keep the
-symmetric 0.2 default. ``clip_ratio_c`` (the dual-clip bound) is not used by CISPO: the actor passes a
+puts no lower bound on the weight and tunes only eps_high: clip_ratio_low >= 1 drops the lower bound
+(verl's CISPO example sets 10); verl and rlsp keep the symmetric 0.2 default. ``clip_ratio_c`` (the dual-clip bound) is not used by CISPO: the actor passes a
 loss only the keys it reads (rlsp/config/validate_policy_loss.py), and start-up validation refuses the others
 set off their defaults.
 
@@ -62,9 +62,9 @@ def compute_cispo_loss(
     "ppo_kl" (old_logprobs - logprobs), each with "<name>_sum", plus "num_tokens". A token-level loss:
     ``context`` is accepted like every loss's and not read.
     """
-    if not 0.0 <= clip_ratio_low <= 1.0 or clip_ratio_high < 0.0:
-        raise ValueError(f"cispo needs 0 <= clip_ratio_low <= 1 and clip_ratio_high >= 0, "
-                         f"got {clip_ratio_low}, {clip_ratio_high}")
+    if clip_ratio_low < 0.0 or clip_ratio_high < 0.0:
+        raise ValueError(f"cispo needs clip_ratio_low >= 0 and clip_ratio_high >= 0 (clip_ratio_low >= 1: no lower "
+                         f"bound), got {clip_ratio_low}, {clip_ratio_high}")
     log_ratio = (logprobs - old_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
     clipped = ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)

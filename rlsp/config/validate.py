@@ -252,7 +252,12 @@ def _check_ranges(cfg: Any, errors: list[str]) -> None:
         ("actor_rollout_ref.actor.clip_ratio_low", actor.clip_ratio_low),
         ("actor_rollout_ref.actor.clip_ratio_high", actor.clip_ratio_high),
     ):
-        _require(val is None or 0.0 < val < 1.0, f"{key}={val} must be in (0, 1)", errors)
+        # CISPO clips only the importance weight, from below at 1 - clip_ratio_low: a value >= 1 drops that bound
+        # (verl's CISPO example sets clip_ratio_low=10, as the paper leaves the weight unbounded below).
+        unbounded = key.endswith("_low") and actor.policy_loss.loss_mode == "cispo"
+        _require(val is None or 0.0 < val < 1.0 or (unbounded and val >= 1.0),
+                 f"{key}={val} must be in (0, 1)" + (" (or >= 1 with cispo: no lower bound)" if unbounded else ""),
+                 errors)
     scale = actor.loss_scale_factor
     _require(scale is None or scale > 0, f"actor_rollout_ref.actor.loss_scale_factor={scale} must be > 0 (or null: "
              "data.max_response_length)", errors)
