@@ -2,7 +2,7 @@
 
 Run length: `trainer.total_training_steps` when set explicitly, else `trainer.total_epochs` x the
 batches of one epoch (full batches of `data.train_batch_size` prompts from the training set after
-filtering). The number of prompts is known only once the dataset is read, so the driver (and
+filtering; with dynamic sampling's `data.gen_batch_size`, batches of that many prompts, as verl's loader). The number of prompts is known only once the dataset is read, so the driver (and
 `rlsp.check`) call `resolve_total_steps` right after reading it, before any worker starts; from then
 on the config carries the number.
 
@@ -23,20 +23,26 @@ def batches_per_epoch(num_prompts: int, train_batch_size: int) -> int:
     return num_prompts // train_batch_size
 
 
+def data_batch(cfg: Any) -> tuple[str, int]:
+    """(key, prompts) of one data batch: data.gen_batch_size when set (dynamic sampling), else data.train_batch_size."""
+    gen = cfg.data.get("gen_batch_size")
+    return ("data.train_batch_size", int(cfg.data.train_batch_size)) if gen is None else ("data.gen_batch_size", int(gen))
+
+
 def planned_steps(cfg: Any, num_prompts: int) -> tuple[int, int]:
     """(the run's training steps, the steps the epochs hold) for a training set of `num_prompts`."""
     t = cfg.trainer
-    available = batches_per_epoch(num_prompts, cfg.data.train_batch_size) * t.total_epochs
+    available = batches_per_epoch(num_prompts, data_batch(cfg)[1]) * t.total_epochs
     return (available if t.total_training_steps is None else int(t.total_training_steps)), available
 
 
 def run_length_errors(cfg: Any, num_prompts: int) -> list[str]:
     """Why the run length cannot be met with `num_prompts` training prompts (empty when it can)."""
-    t, batch = cfg.trainer, cfg.data.train_batch_size
+    t, (key, batch) = cfg.trainer, data_batch(cfg)
     per_epoch = batches_per_epoch(num_prompts, batch)
     steps, available = planned_steps(cfg, num_prompts)
     if per_epoch < 1:
-        return [f"data.train_batch_size={batch} exceeds the {num_prompts} training prompts: not one full batch"]
+        return [f"{key}={batch} exceeds the {num_prompts} training prompts: not one full batch"]
     if t.total_training_steps is not None and steps > available:
         return [f"trainer.total_training_steps={steps} exceeds trainer.total_epochs={t.total_epochs} x {per_epoch} "
                 f"batches per epoch = {available} steps; raise trainer.total_epochs or lower total_training_steps"]

@@ -80,6 +80,7 @@ class DataConfig(verl_keys.DataVerlKeys):
     val_files: Any = ARITH_TEST
     prompt_key: str = "prompt"
     train_batch_size: int = 16  # prompts per step
+    gen_batch_size: int | None = None  # dynamic sampling's generation batch (prompts per round; verl's DAPO key); null: train_batch_size
     max_prompt_length: int = 32
     max_response_length: int = 8
     filter_overlong_prompts: bool = True

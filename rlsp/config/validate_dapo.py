@@ -4,7 +4,8 @@
   shaping `reward.reward_kwargs.{overlong_buffer_cfg.*, max_resp_len}` (verl's older spellings
   `reward_model.reward_manager` and `reward_model.overlong_buffer.*` are mapped onto these first, by
   rlsp.config.verl_compat);
-* dynamic sampling `algorithm.filter_groups.{enable, metric, max_num_gen_batches}`.
+* dynamic sampling `algorithm.filter_groups.{enable, metric, max_num_gen_batches}` and its generation batch
+  `data.gen_batch_size`.
 
 Every value that would be ignored or could not work is refused here, naming the key, the value and what is
 legal. No torch import here.
@@ -16,6 +17,7 @@ import math
 from typing import Any
 
 from rlsp.config.choices import FILTER_GROUP_METRICS, REWARD_MANAGERS, choice_error
+from rlsp.config.validate_async import rollout_pool_enabled
 
 BUF = "reward.reward_kwargs.overlong_buffer_cfg."
 MAX_LEN = "reward.reward_kwargs.max_resp_len"
@@ -82,6 +84,20 @@ def _check_filter_groups(cfg: Any, errors: list[str]) -> None:
                       "(seq_final_reward then equals seq_reward)")
 
 
+def _check_gen_batch_size(cfg: Any, errors: list[str]) -> None:
+    gen, train = cfg.data.gen_batch_size, cfg.data.train_batch_size
+    if gen is None or gen == train:
+        return
+    if not _is_int(gen) or gen < 1:
+        errors.append(f"data.gen_batch_size={gen!r} must be an integer >= 1 or null (= data.train_batch_size)")
+    elif not cfg.algorithm.filter_groups.enable:
+        errors.append(f"data.gen_batch_size={gen} differs from data.train_batch_size={train}: only dynamic sampling "
+                      f"({FG}enable=true) generates batches of another size than it trains on; set it to null or {train}")
+    elif rollout_pool_enabled(cfg):
+        errors.append(f"data.gen_batch_size={gen} differs from data.train_batch_size={train}: the asynchronous rollout "
+                      f"pool generates in units of a training batch; set it to null or {train}")
+
+
 def check_dapo(cfg: Any, errors: list[str]) -> None:
     """Append one message per problem in the reward-manager, overlong-shaping and filter-groups keys."""
     name = cfg.reward.reward_manager.name
@@ -90,3 +106,4 @@ def check_dapo(cfg: Any, errors: list[str]) -> None:
     _check_max_resp_len(cfg, errors)
     _check_overlong_buffer(cfg, errors)
     _check_filter_groups(cfg, errors)
+    _check_gen_batch_size(cfg, errors)

@@ -2,8 +2,9 @@
 
 A prompt group whose samples all get the same `metric` value has zero GRPO advantage everywhere: it
 carries no gradient, only noise in the batch size. After scoring, such groups are dropped, and more
-prompt batches (the next batches of the data stream) are generated and scored until
-`data.train_batch_size` prompts with informative groups are collected; the collection is then trimmed to
+prompt batches (the next batches of the data stream, of `data.gen_batch_size` prompts, verl's key; null:
+train_batch_size) are generated and scored until `data.train_batch_size` prompts with informative groups
+are collected; the collection is then trimmed to
 exactly that many prompts (the first ones collected). `max_num_gen_batches` (<= 0: no limit) bounds the
 generation rounds of one step; running out of them stops the run with a RuntimeError naming the key.
 
@@ -141,13 +142,15 @@ class GroupCollector:
 class DynamicSampler:
     """Collects a step's informative groups for the synchronous and the asynchronous trainer."""
 
-    def __init__(self, metric: str, train_batch_size: int, max_num_gen_batches: int) -> None:
+    def __init__(self, metric: str, train_batch_size: int, max_num_gen_batches: int,
+                 gen_batch_size: int | None = None) -> None:
         if metric not in FILTER_GROUP_METRICS:
             raise ValueError(f"algorithm.filter_groups.metric={metric!r}; legal values: {list(FILTER_GROUP_METRICS)}")
         self.metric, self.train_batch_size, self.max_num_gen_batches = metric, train_batch_size, max_num_gen_batches
+        self.gen_batch_size = gen_batch_size or train_batch_size  # prompts per generation round (data batch)
 
     def collector(self) -> GroupCollector:
-        return GroupCollector(self.metric, self.train_batch_size, self.train_batch_size, self.max_num_gen_batches)
+        return GroupCollector(self.metric, self.train_batch_size, self.gen_batch_size, self.max_num_gen_batches)
 
     def collect(self, trainer: RayTrainer, step: int, items: list[dict[str, Any]], batches: Iterator,
                 timing: dict[str, float]) -> tuple[Batch, dict[str, float]]:
@@ -202,5 +205,7 @@ def build_dynamic_sampler(cfg: Any) -> DynamicSampler | None:
     fg = cfg.algorithm.filter_groups
     if not fg.enable:
         return None
-    return DynamicSampler(str(fg.metric), int(cfg.data.train_batch_size), int(fg.max_num_gen_batches))
+    gen = cfg.data.gen_batch_size
+    return DynamicSampler(str(fg.metric), int(cfg.data.train_batch_size), int(fg.max_num_gen_batches),
+                          None if gen is None else int(gen))
 

@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 from rlsp.algos.kl_ctrl import apply_kl_penalty, build_kl_controller
 from rlsp.algos.registry import compute_advantages
 from rlsp.config.layout import ParallelLayout
-from rlsp.config.run_length import resolve_total_steps
+from rlsp.config.run_length import data_batch, resolve_total_steps
 from rlsp.controller.reward_servers import RewardServers
 from rlsp.controller.worker_group import RayWorkerGroup
 from rlsp.data.balance import balanced_order
@@ -350,7 +350,7 @@ class RayTrainer:
         # Dynamic sampling consumes extra batches: its steps may need epochs beyond total_epochs.
         epochs = range(first_epoch, self.cfg.trainer.total_epochs) if self.sampler is None else itertools.count(first_epoch)
         for epoch in epochs:
-            for i, items in enumerate(iterate_batches(self.train_set, d.train_batch_size, d.seed, epoch, d.shuffle)):
+            for i, items in enumerate(iterate_batches(self.train_set, data_batch(self.cfg)[1], d.seed, epoch, d.shuffle)):
                 if epoch == first_epoch and i < skip:
                     continue
                 self.data_pos = (epoch, i + 1)

@@ -4,7 +4,8 @@
 The reward function scores 0 for every prompt whose answer is odd (those groups never differ: filtered)
 and one bit of the response's hash otherwise (samples of one prompt mostly differ), so each step needs
 extra generation batches:
-* every step trains on exactly data.train_batch_size prompts x rollout.n samples, each group informative;
+* every step trains on exactly data.train_batch_size prompts x rollout.n samples, each group informative,
+  out of generation rounds of data.gen_batch_size prompts;
 * each row's token scores are its reward plus eq. 13's penalty of its length;
 * the counts add up (kept + filtered = generated, kept - trimmed = train_batch_size) and the data position
   counts every batch consumed;
@@ -59,16 +60,18 @@ class RecordingTrainer(RayTrainer):
         return super().train_on(step, batch, t0, timing)
 
 
-def _check_counts(metrics: dict, prompts: int, unit: float = 1.0) -> None:
-    """Generation is counted in data batches; the async pool delivers units of `unit` batch each."""
+def _check_counts(metrics: dict, needed: int, per_batch: int, unit: float = 1.0) -> None:
+    """Generation is counted in data batches of `per_batch` prompts; the async pool delivers units of `unit`
+    batch each; a step trains on `needed` prompts."""
     gen = metrics["train/num_gen_batches"]
     assert gen / unit == int(gen / unit) and gen >= 1
-    assert metrics["train/num_groups_kept"] + metrics["train/num_groups_filtered"] == gen * prompts
-    assert metrics["train/num_groups_kept"] - metrics["train/num_groups_trimmed"] == prompts
+    assert metrics["train/num_groups_kept"] + metrics["train/num_groups_filtered"] == gen * per_batch
+    assert metrics["train/num_groups_kept"] - metrics["train/num_groups_trimmed"] == needed
 
 
 def test_filtered_steps_train_on_exactly_train_batch_size_prompts(tmp_path, ray_session):  # noqa: F811
-    trainer = RecordingTrainer(*_cfg(tmp_path, **_dapo(tmp_path)))
+    # verl's DAPO setting: generation rounds of data.gen_batch_size = 8 prompts for 4 trained ones
+    trainer = RecordingTrainer(*_cfg(tmp_path, **_dapo(tmp_path), **{"data.gen_batch_size": 8}))
     trainer.trained = []
     try:
         trainer.start_workers()
@@ -84,11 +87,11 @@ def test_filtered_steps_train_on_exactly_train_batch_size_prompts(tmp_path, ray_
         # token scores = reward + penalty, penalty = -(L - (8 - 4)) / 4 * 0.5 above 4 tokens (eq. 13)
         expected = [s + min(0.0, -(n - 4) / 4 * 0.5) for s, n in zip(rows["score"], rows["lengths"])]
         torch.testing.assert_close(rows["tokens"], torch.tensor(expected, dtype=torch.float64), rtol=0, atol=1e-6)
-        _check_counts(metrics, 4)
+        _check_counts(metrics, 4, 8)
         assert metrics["reward/overlong_reward/mean"] <= 0.0 and 0.0 <= metrics["reward/overlong/ratio"] <= 1.0
         assert metrics["reward/errors"] == 0.0 and 0.0 <= metrics["reward/accuracy"] <= 1.0
     assert sum(m["train/num_groups_filtered"] for _, m in steps) > 0  # odd answers were filtered
-    # The data position counts every generation batch (epoch 0, batches consumed).
+    # The data position counts every generation batch (epoch 0, batches of 8 prompts consumed).
     assert trainer.data_pos == (0, int(sum(m["train/num_gen_batches"] for _, m in steps)))
 
 
@@ -104,6 +107,6 @@ def test_filtered_groups_on_the_async_rollout_pool(tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2]
     for r in lines:
-        _check_counts(r, 4, unit=0.5)  # units of ppo_mini_batch_size = 2 prompts
+        _check_counts(r, 4, 4, unit=0.5)  # units of ppo_mini_batch_size = 2 prompts
         assert r["async/staleness_max"] == 0.0  # extra units come from the current weights
     assert sum(r["train/num_groups_filtered"] for r in lines) > 0

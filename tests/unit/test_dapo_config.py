@@ -92,6 +92,29 @@ def test_bad_values_are_refused_by_name(overrides, needle):
     assert needle in _errors(**overrides)
 
 
+def test_gen_batch_size_sets_the_generation_round_and_the_run_length():
+    from rlsp.config.run_length import planned_steps
+
+    cfg = make(**{"algorithm.filter_groups.enable": True, "algorithm.filter_groups.metric": "acc",
+                  "data.gen_batch_size": 48, "trainer.total_epochs": 2})
+    validate_config(cfg)
+    assert build_dynamic_sampler(cfg).collector().prompts_per_batch == 48
+    # verl's rule: the loader's batches are generation batches: 2 epochs x (2048 // 48 = 42) = 84 steps
+    assert planned_steps(cfg, 2048) == (84, 84)
+    assert planned_steps(make(), 2048)[0] == 30 * (2048 // 16)
+    assert build_dynamic_sampler(make(**{"algorithm.filter_groups.enable": True, "algorithm.filter_groups.metric":
+                                         "acc"})).collector().prompts_per_batch == 16  # null: train_batch_size
+    msg = _errors(**{"data.gen_batch_size": 48})
+    assert "data.gen_batch_size=48 differs from data.train_batch_size=16: only dynamic sampling" in msg
+    msg = _errors(**{"algorithm.filter_groups.enable": True, "algorithm.filter_groups.metric": "acc",
+                     "data.gen_batch_size": 0})
+    assert "data.gen_batch_size=0 must be an integer >= 1 or null" in msg
+    msg = _errors(**{"algorithm.filter_groups.enable": True, "algorithm.filter_groups.metric": "acc",
+                     "data.gen_batch_size": 32, "rollout.n_gpus_per_node": 1, "trainer.n_gpus_per_node": 1})
+    assert "data.gen_batch_size=32 differs from data.train_batch_size=16: the asynchronous rollout pool" in msg
+    validate_config(make(**{"data.gen_batch_size": 16}))  # equal: accepted without filtering
+
+
 def test_max_resp_len_equal_to_the_generation_limit_is_accepted():
     validate_config(make(**DAPO_ON, **{"reward.reward_kwargs.max_resp_len": 8}))
     validate_config(make(**{"reward.reward_kwargs.max_resp_len": 8, BUF + "len": 0}))  # off: len not read
@@ -102,7 +125,8 @@ def test_verl_dapo_commands_pass_rlsp_check(tmp_path):
               f"trainer.cache_dir={tmp_path / 'cache'}", "data.max_response_length=8",
               "actor_rollout_ref.actor.clip_ratio_low=0.2", "actor_rollout_ref.actor.clip_ratio_high=0.28",
               "actor_rollout_ref.actor.loss_agg_mode=token-mean", "algorithm.filter_groups.enable=True",
-              "algorithm.filter_groups.metric=acc", "algorithm.filter_groups.max_num_gen_batches=10"]
+              "algorithm.filter_groups.metric=acc", "algorithm.filter_groups.max_num_gen_batches=10",
+              "data.train_batch_size=16", "data.gen_batch_size=48"]
     new = ["reward.reward_manager.name=dapo", "+reward.reward_kwargs.overlong_buffer_cfg.enable=True",
            "+reward.reward_kwargs.overlong_buffer_cfg.len=4", "+reward.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
            "+reward.reward_kwargs.overlong_buffer_cfg.log=False", "+reward.reward_kwargs.max_resp_len=8"]
