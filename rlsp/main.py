@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from rlsp.config.compose import CONFIG_DIR, DEFAULT_CONFIG, refused_overrides, verl_argv, without_redundant_add
+from rlsp.config.compose import CONFIG_DIR, DEFAULT_CONFIG, refused_overrides, verl_argv
 from rlsp.config.layout import ParallelLayout
 from rlsp.config.schema_policy_loss import rewrite_policy_loss_overrides
 from rlsp.config.store import register_schema
@@ -258,7 +258,6 @@ def refuse_unsupported_overrides(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     sys.argv[1:] = rewrite_policy_loss_overrides(sys.argv[1:])  # old policy-loss spellings -> the nested block
-    sys.argv[1:] = without_redundant_add(sys.argv[1:])  # verl's `+key=value` for keys rlsp declares
     sys.argv[1:] = verl_argv(sys.argv[1:])  # verl's other key spellings -> rlsp's keys
     refuse_unsupported_overrides(sys.argv[1:])
     main()

@@ -3,6 +3,9 @@
     prompts -> generate (vLLM on every worker) -> score (rule rewards, or the reward model) -> old logprobs (actor)
     -> ref logprobs (reference) -> values (critic) -> rewards (- KL penalty) -> advantages
     -> update critic -> update actor (after the critic warm-up) -> sync weights to the rollout engine
+
+With DAPO's dynamic sampling (algorithm.filter_groups) generate -> score repeats over further prompt batches
+until enough groups are informative (rlsp/trainer/dynamic_sampling.py); the rest of the step is unchanged.
 """
 
 from __future__ import annotations
