@@ -20,8 +20,7 @@ DOC = ROOT / "docs" / "config.md"
 VERL_COMMANDS = ROOT / "tests" / "data" / "verl_commands.json"
 VERL_COMMANDS_2026 = ROOT / "tests" / "data" / "verl_commands_2026.json"
 # What tests/unit/test_verl_commands_2026.py pins (its REFUSED table): the refused scripts and why.
-VERL_2026_RESULT = """10 of the 16 are accepted. Refused: the cispo script's `actor.clip_ratio_low=10` (verl's "no lower
-bound on the importance weight"; rlsp keeps it in (0, 1)), one gmpo script's `checkpoint.save_contents=['hf_model']`
+VERL_2026_RESULT = """11 of the 16 are accepted. Refused: one gmpo script's `checkpoint.save_contents=['hf_model']`
 and one DAPO script's `model.override_config.max_position_embeddings` (both by name), the two rollout-correction
 scripts (verl's default `rollout.n=1` with a group estimator; one also combines `loss_type=ppo_clip` with
 `rollout_is`), and the SAPO script (`val_kwargs` sampling settings with `do_sample=false`, `algorithm.lam` with grpo:

@@ -32,9 +32,6 @@ COMMANDS = json.loads((DATA / "verl_commands_2026.json").read_text())["commands"
 _N = ("actor_rollout_ref.rollout.n", "must be >= 2")  # verl's default n=1 with a group estimator
 # script -> (key, words of the reason) of every refusal it must get; a command not listed must be accepted.
 REFUSED: dict[str, list[tuple[str, str]]] = {
-    # rlsp's cispo keeps clip_ratio_low in (0, 1); verl's 10 means "no lower bound on the IS weight"
-    "examples/cispo_trainer/run_cispo_qwen2_5_0_5b_gsm8k.sh": [("actor_rollout_ref.actor.clip_ratio_low",
-                                                                  "must be in (0, 1)")],
     "examples/gmpo_trainer/run_qwen2_5-7b_math.sh": [("actor_rollout_ref.actor.checkpoint.save_contents",
                                                       "hf_model (an HF-format copy in every checkpoint) is not supported")],
     "examples/gmpo_trainer/test_dapo_7b_math.sh": [("actor_rollout_ref.model.override_config.max_position_embeddings",
