@@ -5,7 +5,9 @@ does not recompute old logprobs, the loss's old_logprobs are the engine's (pi_ro
 loss is replaced by this one, chosen by `algorithm.rollout_correction.loss_type`:
 
     ppo_clip (default)   rlsp's "vanilla" PPO clip (dual clip included) with r = pi_theta / pi_rollout:
-                         the ratio already is the importance weight, so no weight multiplies it
+                         the ratio already is the importance weight, so no weight multiplies it; with
+                         `rollout_is` set its weights are reported ("rollout_is_weight"), not applied
+                         (verl's meaning: metrics only), and `rollout_rs` rejects tokens as with reinforce
     reinforce            loss_t = -A_t * w_t * logp_t,  d loss / d logp_t = -A_t * w_t, with w the
                          truncated importance weight pi_theta / pi_rollout (detached) of
                          `rollout_is` (token | sequence), or w = 1 with rollout_is=null (plain REINFORCE)
@@ -20,7 +22,9 @@ rlsp/algos/rollout_correction.py says. Row-level quantities (sequence weights, s
 the batch mean) see the whole micro-batch: the loss context gathers the logprobs of every shard, so
 a sequence-parallel micro-batch is corrected exactly as one rank holding it would be.
 
-Metrics: those of the PPO clip (ppo_clip), or "ppo_kl" = mean(rollout logp - logp) (reinforce, verl's).
+Metrics: those of the PPO clip (ppo_clip), or "ppo_kl" = mean(rollout logp - logp) (reinforce, verl's); with
+`rollout_is` set also "rollout_is_weight" (the truncated weights' token mean; the actor logs it as
+rollout_corr/rollout_is_mean).
 
 Shape legend: "..." a loss's token shape; N response tokens of the micro-batch (the loss context's
 order); B' its rows that have response tokens, L the longest of them.
@@ -90,17 +94,18 @@ def compute_bypass_loss(
     if loss_type not in BYPASS_LOSS_TYPES:
         raise ValueError(f"algorithm.rollout_correction.loss_type={loss_type!r} is not supported; legal values: "
                          f"{list(BYPASS_LOSS_TYPES)}")
-    if loss_type == "ppo_clip" and rollout_is is not None:
-        raise ValueError(f"algorithm.rollout_correction.loss_type='ppo_clip' takes pi_theta / pi_rollout inside the "
-                         f"clip; rollout_is={rollout_is!r} weights would count it twice")
     settings = RolloutCorrection(rollout_is, float(rollout_is_threshold), bool(rollout_is_batch_normalize), rollout_rs,
                                  rollout_rs_threshold)
     with torch.no_grad():
         weights, keep = micro_batch_correction(logprobs.detach(), old_logprobs, mask, settings, context)
     keep = keep.to(mask.dtype)
     if loss_type == "ppo_clip":
-        return compute_ppo_clip_loss(logprobs, old_logprobs, advantages, keep, clip_ratio_low=clip_ratio_low,
-                                     clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c)
-    loss = -advantages * weights * logprobs
-    loss_tokens = torch.where(keep.bool(), loss, torch.zeros_like(loss))
-    return loss_tokens, token_metrics({"ppo_kl": old_logprobs - logprobs}, keep, loss.dtype)
+        loss_tokens, metrics = compute_ppo_clip_loss(logprobs, old_logprobs, advantages, keep, clip_ratio_low=clip_ratio_low,
+                                                     clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c)
+    else:
+        loss = -advantages * weights * logprobs
+        loss_tokens = torch.where(keep.bool(), loss, torch.zeros_like(loss))
+        metrics = token_metrics({"ppo_kl": old_logprobs - logprobs}, keep, loss.dtype)
+    if rollout_is is not None:  # reported either way; only reinforce multiplies the loss by them
+        metrics.update(token_metrics({"rollout_is_weight": weights}, keep, loss_tokens.dtype))
+    return loss_tokens, metrics

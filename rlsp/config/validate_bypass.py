@@ -5,7 +5,8 @@ With bypass_mode=true the rollout engine's logprobs are the old policy (no train
 loss is verl's "bypass_mode" (rlsp/algos/bypass.py), which applies the rollout correction inside the
 loss from the current logprobs. verl silently replaces whatever `policy_loss.loss_mode` says by that
 loss; rlsp refuses a loss_mode other than vanilla instead, and every other combination that would be
-ignored or would count the importance ratio twice.
+ignored. With loss_type=ppo_clip the clipped ratio already is the importance weight: `rollout_is` weights are
+then reported (rollout_corr/rollout_is_mean), not applied, as verl computes them for metrics only.
 """
 
 from __future__ import annotations
@@ -42,10 +43,6 @@ def check_bypass_mode(cfg: Any, errors: list[str]) -> None:
     if a.use_rollout_log_probs or a.compute_prox_log_prob:
         errors.append(f"{RC}bypass_mode=true already takes the rollout logprobs as the old policy; leave async_training."
                       "use_rollout_log_probs and async_training.compute_prox_log_prob false")
-    if rc.loss_type == "ppo_clip" and rc.rollout_is is not None:
-        errors.append(f"{RC}loss_type='ppo_clip' clips the ratio pi_theta / pi_rollout, which already is the importance "
-                      f"weight: {RC}rollout_is={rc.rollout_is!r} would count it twice (verl computes it for metrics only); "
-                      "drop rollout_is or use loss_type=reinforce")
     if rc.loss_type == "reinforce":
         for key in CLIP_KEYS:
             if not _at_default(key, actor[key]):

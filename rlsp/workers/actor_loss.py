@@ -24,6 +24,10 @@ from rlsp.engine.fsdp_engine import LossFn
 from rlsp.engine.micro import MicroBatch
 from rlsp.workers.loss_context import MicroBatchContext
 
+# Token-mean metrics a policy loss may report (as "<name>_sum"), and the names they are logged under (verl's).
+LOSS_METRICS = {"pg_clipfrac": "actor/pg_clipfrac", "pg_clipfrac_lower": "actor/pg_clipfrac_lower",
+                "ppo_kl": "actor/ppo_kl", "rollout_is_weight": "rollout_corr/rollout_is_mean"}
+
 
 @dataclass(frozen=True)
 class ActorLossConfig:
@@ -65,9 +69,9 @@ def make_actor_loss(cfg: ActorLossConfig, global_tokens: float, global_seqs: flo
             diff_S = (micro.response_local("rollout_logprobs").to(logprobs_S.device) - old_S).abs() * mask_S
             metrics["rollout/logprob_diff"] = diff_S.sum() / global_tokens
             metrics["rollout/logprob_diff_max"] = diff_S.max() if diff_S.numel() else diff_S.new_zeros(())
-        for name in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):  # those the loss reports (gpg: none)
+        for name, key in LOSS_METRICS.items():  # those the loss reports (gpg: none)
             if f"{name}_sum" in pg_metrics:
-                metrics[f"actor/{name}"] = pg_metrics[f"{name}_sum"] / global_tokens
+                metrics[key] = pg_metrics[f"{name}_sum"] / global_tokens
         if cfg.use_kl_loss:
             ref_S = micro.response_local("ref_logprobs").to(logprobs_S.device)
             kl_loss = weighted_sum(compute_kl(logprobs_S, ref_S, cfg.kl_loss_type), mask_S, weights_S, divisor)

@@ -127,10 +127,20 @@ def test_ppo_clip_is_the_clipped_ratio_to_the_rollout_policy() -> None:
     assert metrics["pg_clipfrac_sum"].item() == clipped and clipped > 0
 
 
-def test_ppo_clip_refuses_importance_weights_and_bad_loss_types() -> None:
+def test_ppo_clip_reports_importance_weights_without_applying_them() -> None:
+    """verl's meaning of ppo_clip + rollout_is: the clipped ratio is the weight; the weights are metrics only."""
     lp, rollout, adv, mask = _inputs()
-    with pytest.raises(ValueError, match="count it twice"):
-        compute_bypass_loss(lp, rollout, adv, mask, rollout_is="token")
+    plain, plain_metrics = compute_bypass_loss(lp, rollout, adv, mask)
+    loss, metrics = compute_bypass_loss(lp, rollout, adv, mask, rollout_is="token", rollout_is_threshold=1.05)
+    assert torch.equal(loss, plain) and "rollout_is_weight_sum" not in plain_metrics
+    want = sum(min(math.exp(a - b), 1.05) for a, b, m in zip(lp.flatten().tolist(), rollout.flatten().tolist(),
+                                                               mask.flatten().tolist()) if m)
+    assert metrics["rollout_is_weight_sum"].item() == pytest.approx(want, abs=1e-12)
+    assert metrics["pg_clipfrac_sum"].item() == plain_metrics["pg_clipfrac_sum"].item()
+
+
+def test_bad_loss_types_are_refused() -> None:
+    lp, rollout, adv, mask = _inputs()
     with pytest.raises(ValueError, match=r"loss_type='pg'.*legal values: \['ppo_clip', 'reinforce'\]"):
         compute_bypass_loss(lp, rollout, adv, mask, loss_type="pg")
 
@@ -203,7 +213,6 @@ def test_defaults_and_bypass_wiring() -> None:
     ({f"{RC}bypass_mode": True, "actor_rollout_ref.actor.policy_loss.loss_mode": "cispo"},
      "loss_mode='cispo' would be ignored.*async_training.use_rollout_log_probs=true"),
     ({f"{RC}bypass_mode": True, "async_training.use_rollout_log_probs": True}, "already takes the rollout logprobs"),
-    ({f"{RC}bypass_mode": True, f"{RC}rollout_is": "token"}, "would count it twice"),
     ({f"{RC}bypass_mode": True, f"{RC}loss_type": "reinforce", "actor_rollout_ref.actor.clip_ratio_high": 0.28},
      "clip_ratio_high=0.28 has no effect with algorithm.rollout_correction.loss_type='reinforce'"),
     ({f"{RC}bypass_mode": True, f"{RC}rollout_rs": "seq_mean_k1", f"{RC}rollout_rs_threshold": "2_1_0"}, "rollout_rs_threshold"),

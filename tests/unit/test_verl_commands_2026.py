@@ -37,8 +37,7 @@ REFUSED: dict[str, list[tuple[str, str]]] = {
     "examples/gmpo_trainer/test_dapo_7b_math.sh": [("actor_rollout_ref.model.override_config.max_position_embeddings",
                                                     "overriding entries of the model's config.json is not supported")],
     "examples/rollout_correction/run_with_rollout_corr.sh": [_N],
-    "examples/rollout_correction/run_with_rollout_corr_multi_rs.sh": [
-        _N, ("algorithm.rollout_correction.loss_type", "would count it twice")],
+    "examples/rollout_correction/run_with_rollout_corr_multi_rs.sh": [_N],
     "examples/sapo_trainer/run_qwen30b_sapo.sh": [("actor_rollout_ref.rollout.val_kwargs.do_sample",
                                                    "would have no effect"), ("algorithm.lam", "has no effect")],
 }
