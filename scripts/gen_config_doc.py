@@ -20,8 +20,8 @@ DOC = ROOT / "docs" / "config.md"
 VERL_COMMANDS = ROOT / "tests" / "data" / "verl_commands.json"
 VERL_COMMANDS_2026 = ROOT / "tests" / "data" / "verl_commands_2026.json"
 # What tests/unit/test_verl_commands_2026.py pins (its REFUSED table): the refused scripts and why.
-VERL_2026_RESULT = """11 of the 16 are accepted. Refused: one gmpo script's `checkpoint.save_contents=['hf_model']`
-and one DAPO script's `model.override_config.max_position_embeddings` (both by name), the two rollout-correction
+VERL_2026_RESULT = """12 of the 16 are accepted. Refused: one DAPO script's
+`model.override_config.max_position_embeddings` (by name), the two rollout-correction
 scripts (verl's default `rollout.n=1` with a group estimator), and the SAPO script (`val_kwargs` sampling settings with `do_sample=false`, `algorithm.lam` with grpo:
 settings that would have no effect)."""
 VERL_HEADER = """

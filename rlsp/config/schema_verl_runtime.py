@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # What a checkpoint holds (verl's names): rlsp always writes the model, optimizer and extra (scheduler,
-# RNG, data position) state, what a resume needs. verl's fourth entry, hf_model, is refused by name.
+# RNG, data position) state, what a resume needs. verl's fourth entry, hf_model, in the actor's save_contents
+# adds an HF-format copy of the actor to every checkpoint (<global_step_N>/actor_hf).
 CHECKPOINT_CONTENTS = ("model", "optimizer", "extra")
+HF_MODEL = "hf_model"
 DEFAULT_CHECKPOINT_CONTENTS = ["model", "optimizer", "extra"]
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from rlsp.config.schema_verl_runtime import CHECKPOINT_CONTENTS
+from rlsp.config.schema_verl_runtime import CHECKPOINT_CONTENTS, HF_MODEL
 
 ROLLOUT = "actor_rollout_ref.rollout"
 # Weight-transfer back-ends of verl's checkpoint engine that rlsp accepts (see VERL_NOTES).
@@ -82,10 +82,16 @@ def _check_checkpoint(prefix: str, ckpt: Any, errors: list[str]) -> None:
         contents = ckpt[name]
         if contents is None and name == "load_contents":
             continue
-        if "hf_model" in contents:
+        if name == "save_contents" and prefix == "actor_rollout_ref.actor" and HF_MODEL in contents:
+            rest = sorted(set(contents) - {HF_MODEL})  # the resumable parts are written either way
+            if rest and rest != sorted(CHECKPOINT_CONTENTS):
+                errors.append(f"{prefix}.checkpoint.{name}={list(contents)} is not supported: rlsp checkpoints always "
+                              f"hold model, optimizer and extra (what a resume needs), hf_model adds an HF-format copy; "
+                              f"legal: {list(CHECKPOINT_CONTENTS)}, ['hf_model'] or {[*CHECKPOINT_CONTENTS, HF_MODEL]}")
+        elif HF_MODEL in contents:
             errors.append(f"{prefix}.checkpoint.{name}={list(contents)}: hf_model (an HF-format copy in every checkpoint) "
-                          "is not supported: rlsp writes the trained actor in HF format once, at the end "
-                          "(trainer.save_final_model=true: <trainer.default_local_dir>/actor_hf); legal: "
+                          "is supported for the actor's save_contents only (rlsp resumes from its own shards; the "
+                          "critic has no HF export); legal: "
                           f"{list(CHECKPOINT_CONTENTS)}")
         elif sorted(contents) != sorted(CHECKPOINT_CONTENTS):
             errors.append(f"{prefix}.checkpoint.{name}={list(contents)} is not supported: rlsp checkpoints always hold "

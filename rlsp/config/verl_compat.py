@@ -170,8 +170,10 @@ VERL_NOTES = {
                                            "chunks (never the full [tokens, vocab] logits), what verl's chunking is for",
     "*.entropy_checkpointing": "true or false: rlsp's head always recomputes each chunk's logits in backward instead "
                                "of keeping them, what verl's entropy checkpointing is for",
-    "*.checkpoint.*": "save_contents / load_contents [model, optimizer, extra] only (what a resume needs; hf_model is "
-                      "refused), async_save false only",
+    "*.checkpoint.*": "save_contents / load_contents [model, optimizer, extra]: what a resume needs, always written; "
+                      "hf_model in the actor's save_contents adds an HF-format copy of the actor to every checkpoint "
+                      "(<global_step_N>/actor_hf; ['hf_model'] alone still writes the resumable parts); async_save "
+                      "false only",
     "data.filter_overlong_prompts_workers": "any value >= 1: rlsp counts prompt lengths in the driver (the parallel "
                                             "filter processes of verl are not needed for that)",
     "trainer.log_val_generations": "verl's meaning: the first N validation samples (prompt, response, score) of every "

@@ -25,6 +25,7 @@ from rlsp.algos.kl_ctrl import apply_kl_penalty, build_kl_controller
 from rlsp.algos.registry import compute_advantages
 from rlsp.config.layout import ParallelLayout
 from rlsp.config.run_length import data_batch, resolve_total_steps
+from rlsp.config.schema_verl_runtime import HF_MODEL
 from rlsp.controller.reward_servers import RewardServers
 from rlsp.controller.worker_group import RayWorkerGroup
 from rlsp.data.balance import balanced_order
@@ -143,7 +144,10 @@ class RayTrainer:
             wg.call_worker("save_rng", tmp)
         state = TrainerState(step=step, epoch=self.data_pos[0], batch_in_epoch=self.data_pos[1],
                              kl_ctrl=self.kl_ctrl.state_dict(), layout=self.layout.describe())
-        return self.ckpt.commit(tmp, step, state, self.metrics.jsonl_lines(), OmegaConf.to_yaml(self.cfg, resolve=True))
+        path = self.ckpt.commit(tmp, step, state, self.metrics.jsonl_lines(), OmegaConf.to_yaml(self.cfg, resolve=True))
+        if HF_MODEL in self.cfg.actor_rollout_ref.actor.checkpoint.save_contents:  # verl's HF copy per checkpoint
+            export_hf(path, os.path.join(path, "actor_hf"))
+        return path
 
     def load_checkpoint(self, path: str) -> None:
         """Continue from `path`: weights, optimizers, schedules (resharded if the layout changed), data

@@ -13,6 +13,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import ray
@@ -22,6 +23,7 @@ from omegaconf import OmegaConf
 from rlsp.config.schema import RLSPConfig
 from rlsp.config.validate import validate_config
 from rlsp.main import _init_ray
+from rlsp.trainer.checkpoint import step_dir
 from rlsp.trainer.preflight import preflight
 from rlsp.trainer.ray_trainer import RayTrainer, _prompt_batch
 
@@ -64,7 +66,8 @@ def _main(tmp_path, *overrides: str, config_name: str | None = None) -> subproce
 
 
 def test_main_runs_grpo_and_writes_metrics(tmp_path):
-    proc = _main(tmp_path)
+    # verl's hf_model checkpoint content: every checkpoint also holds the actor in HF format.
+    proc = _main(tmp_path, "actor_rollout_ref.actor.checkpoint.save_contents=[hf_model]")
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2, 3]
@@ -87,6 +90,12 @@ def test_main_runs_grpo_and_writes_metrics(tmp_path):
         deltas = [float((a - b).abs().max()) for a, b in zip(trained.parameters(), initial.parameters())]
     assert len(deltas) > 0 and max(deltas) > 1e-5
     assert (tmp_path / "run" / "actor_hf" / "generation_config.json").exists()
+    # The last checkpoint's HF copy is the same step's weights as the final export, bit for bit; the
+    # resumable shards are written as well.
+    last = Path(step_dir(str(tmp_path / "run"), 3))
+    copy = AutoModelForCausalLM.from_pretrained(last / "actor_hf")
+    assert all(torch.equal(a, b) for a, b in zip(copy.parameters(), trained.parameters()))
+    assert (last / "actor" / ".metadata").exists()
 
 
 def test_main_hf_rollout_rloo_with_sp2(tmp_path):

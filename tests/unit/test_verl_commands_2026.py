@@ -32,8 +32,6 @@ COMMANDS = json.loads((DATA / "verl_commands_2026.json").read_text())["commands"
 _N = ("actor_rollout_ref.rollout.n", "must be >= 2")  # verl's default n=1 with a group estimator
 # script -> (key, words of the reason) of every refusal it must get; a command not listed must be accepted.
 REFUSED: dict[str, list[tuple[str, str]]] = {
-    "examples/gmpo_trainer/run_qwen2_5-7b_math.sh": [("actor_rollout_ref.actor.checkpoint.save_contents",
-                                                      "hf_model (an HF-format copy in every checkpoint) is not supported")],
     "examples/gmpo_trainer/test_dapo_7b_math.sh": [("actor_rollout_ref.model.override_config.max_position_embeddings",
                                                     "overriding entries of the model's config.json is not supported")],
     "examples/rollout_correction/run_with_rollout_corr.sh": [_N],

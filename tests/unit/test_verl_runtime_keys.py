@@ -110,6 +110,8 @@ def test_defaults_pass():
     ("actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs", {"x": 1}, "engine_kwargs={'x': 1} is not supported"),
     ("actor_rollout_ref.actor.checkpoint.save_contents", ["model"], "save_contents=['model'] is not supported"),
     ("critic.checkpoint.load_contents", ["model", "hf_model"], "hf_model (an HF-format copy in every checkpoint)"),
+    ("critic.checkpoint.save_contents", ["hf_model"], "the actor's save_contents only"),
+    ("actor_rollout_ref.actor.checkpoint.save_contents", ["model", "hf_model"], "legal: ['model', 'optimizer', 'extra'], ['hf_model']"),
     ("actor_rollout_ref.actor.checkpoint.async_save", True, "async_save=true is not supported"),
     ("data.filter_overlong_prompts_workers", 0, "filter_overlong_prompts_workers=0 must be an integer >= 1"),
     ("trainer.log_val_generations", -1, "log_val_generations=-1 must be an integer >= 0"),
