@@ -1,4 +1,5 @@
-"""The parallel layout of a run, computed once from the config by `validate_config` and passed down.
+"""The parallel layout of a run, built once from the config (`rlsp.config.layout_build.build_layout`,
+called by `validate_config`) and passed down: nothing re-decides placement from the raw config.
 
 A run has one or two pools of worker processes (`World`): the policy pool hosts the actor,
 reference and rollout roles (and the critic when it is colocated, verl's "hybrid" layout); a separate
@@ -30,6 +31,14 @@ from dataclasses import dataclass
 
 # Advantage estimators that need a value model (critic workers).
 CRITIC_ESTIMATORS = ("gae",)
+# How rewards are computed, which decides what runs where (`ParallelLayout.reward_mode`):
+#   rules          rule/custom reward functions in the driver (reward_model.num_workers=1)
+#   rules_pool     the same functions over reward_model.num_workers Ray actors
+#   model_fsdp     a frozen reward model on the policy workers, FSDP2 (reward_model.use_reward_loop=false)
+#   model_vllm     verl's reward loop: a vLLM pooling engine in the policy workers' processes
+#   model_servers  the reward loop's engines in processes of their own beside the policy workers (a rollout
+#                  engine of another tensor-parallel degree shares the policy workers)
+REWARD_MODES = ("rules", "rules_pool", "model_fsdp", "model_vllm", "model_servers")
 
 
 @dataclass(frozen=True)
@@ -162,8 +171,21 @@ class ParallelLayout:
     rollout: World | None = None  # a rollout pool of its own (async training); None: engines on the policy workers
     rollout_tp: int = 1  # vLLM tensor parallelism: consecutive ranks of the rollout pool that run one engine together
     reward_model: RoleLayout | None = None  # the frozen reward model's split of the policy pool (reward_model.enable)
-    reward_servers: bool = False  # the reward loop's engines in processes beside the policy workers, not in them
+    reward_mode: str = "rules"  # one of REWARD_MODES
     teachers: bool = False  # distillation teachers on the policy workers, in the reference's layout (distillation.enabled)
+    has_reference: bool = True  # the reference model is placed: KL loss (use_kl_loss) or KL in the reward
+
+    def __post_init__(self) -> None:
+        if self.reward_mode not in REWARD_MODES:
+            raise ValueError(f"reward_mode={self.reward_mode!r}; legal values: {list(REWARD_MODES)}")
+        if (self.reward_model is not None) != self.reward_mode.startswith("model_"):
+            raise ValueError(f"reward_mode={self.reward_mode!r} does not match reward_model="
+                             f"{'set' if self.reward_model is not None else 'None'}")
+
+    @property
+    def reward_servers(self) -> bool:
+        """The reward loop's engines run in processes beside the policy workers, not in them."""
+        return self.reward_mode == "model_servers"
 
     # Shorthands for the policy pool and the actor's split (the ones every run has).
     @property

@@ -22,22 +22,21 @@ from rlsp.config.choices import (
     ROLLOUT_ENGINES,
     choice_error,
 )
-from rlsp.config.layout import CRITIC_ESTIMATORS, ParallelLayout, RoleLayout, World
+from rlsp.config.layout import CRITIC_ESTIMATORS, ParallelLayout
+from rlsp.config.layout_build import build_layout
 from rlsp.config.validate_agent import check_multi_turn
-from rlsp.config.validate_async import check_async, check_off_policy
+from rlsp.config.validate_async import check_off_policy
 from rlsp.config.validate_cov import check_cov_settings
 from rlsp.config.validate_dapo import check_dapo
-from rlsp.config.validate_distill import check_distillation
 from rlsp.config.validate_gpu_memory import check_gpu_memory
 from rlsp.config.validate_keys import check_known_keys
 from rlsp.config.validate_lora import check_lora, check_rollout_loading
 from rlsp.config.validate_memory import check_memory_options
 from rlsp.config.validate_offload import check_offload
 from rlsp.config.validate_policy_loss import POLICY_LOSS_KEYS, check_policy_loss_keys, policy_loss_users
-from rlsp.config.validate_reward import check_reward_model
-from rlsp.config.validate_rollout_tp import check_rollout_tp
 from rlsp.config.validate_verl import check_verl_keys
 from rlsp.config.verl_compat import apply_verl_spellings
+from rlsp.utils.divisors import divisors
 
 __all__ = ["DTYPE_NAMES", "LOGGERS", "POLICY_LOSS_KEYS", "policy_loss_users", "validate_config"]  # the legal-value lists live in rlsp.config.choices
 
@@ -46,86 +45,9 @@ __all__ = ["DTYPE_NAMES", "LOGGERS", "POLICY_LOSS_KEYS", "policy_loss_users", "v
 GROUP_ESTIMATORS = ("grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized", "opo", "gpg", "gdpo",
                     "optimal_token_baseline", "tir_optimal_token_baseline")
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _require(cond: bool, msg: str, errors: list[str]) -> None:
     if not cond:
         errors.append(msg)
-
-
-def _check_world(prefix: str, nnodes: int, per_node: int, errors: list[str]) -> World | None:
-    if nnodes < 1 or per_node < 1:
-        errors.append(f"{prefix}nnodes={nnodes} and {prefix}n_gpus_per_node={per_node} must be >= 1")
-        return None
-    return World(nnodes, per_node)
-
-
-def _role_degrees(cfg: Any, role: str) -> tuple[str, dict[str, Any]]:
-    """(key prefix, the role's degrees) with the reference's unset degrees taken from the actor."""
-    arr = cfg.actor_rollout_ref
-    keys = ("ulysses_sequence_parallel_size", "ring_sequence_parallel_size", "tensor_model_parallel_size",
-            "sequence_parallel", "sequence_parallel_adaptive")
-    if role == "critic":
-        return "critic.", {k: cfg.critic[k] for k in keys} | {"fsdp_size": cfg.critic.model.fsdp_config.fsdp_size}
-    actor = {k: arr.actor[k] for k in keys}
-    if role == "actor":
-        return "actor_rollout_ref.actor.", actor | {"fsdp_size": arr.actor.fsdp_config.fsdp_size}
-    ref = {k: actor[k] if arr.ref[k] is None else arr.ref[k] for k in keys}
-    return "actor_rollout_ref.ref.", ref | {"fsdp_size": arr.ref.fsdp_config.fsdp_size}
-
-
-def _check_role(cfg: Any, role: str, world: World, errors: list[str]) -> RoleLayout | None:
-    """The role's layout over `world`, or None after naming every degree that does not fit it."""
-    prefix, d = _role_degrees(cfg, role)
-    uly, ring, tp = (d["ulysses_sequence_parallel_size"], d["ring_sequence_parallel_size"],
-                     d["tensor_model_parallel_size"])
-    n_err = len(errors)
-    for key, val in (("ulysses_sequence_parallel_size", uly), ("ring_sequence_parallel_size", ring),
-                     ("tensor_model_parallel_size", tp)):
-        _require(isinstance(val, int) and val >= 1, f"{prefix}{key}={val} must be an integer >= 1", errors)
-    if len(errors) > n_err:
-        return None
-    per_node, total = world.procs_per_node, world.world_size
-    if uly * tp > per_node or per_node % (uly * tp):
-        errors.append(f"{prefix}ulysses_sequence_parallel_size={uly} x tensor_model_parallel_size={tp} must divide "
-                      f"the {per_node} workers per node (their all-to-alls and all-gathers stay inside a node); "
-                      f"legal values: {_divisors(per_node)} (for ulysses x tp)")
-    elif total % (uly * ring * tp):
-        errors.append(f"ulysses {uly} x ring {ring} x tp {tp} = {uly * ring * tp} ranks per data-parallel group "
-                      f"does not divide the {total} workers ({prefix}ring_sequence_parallel_size={ring}); legal ring "
-                      f"sizes here: {_divisors(total // (uly * tp))}")
-    fsdp_ranks = total // tp
-    size = d["fsdp_size"]
-    _require(size == -1 or (isinstance(size, int) and size >= 1 and fsdp_ranks % size == 0),
-             f"{prefix.replace('critic.', 'critic.model.')}fsdp_config.fsdp_size={size} must be -1 (shard over all "
-             f"{fsdp_ranks} non-TP ranks) or a divisor of {fsdp_ranks}: legal values -1, {_divisors(fsdp_ranks)}",
-             errors)
-    adaptive = bool(d["sequence_parallel_adaptive"])
-    if adaptive and (uly == 1 or ring > 1 or tp > 1):
-        errors.append(f"{prefix}sequence_parallel_adaptive=true varies the Ulysses degree per micro-batch: it needs "
-                      f"ulysses_sequence_parallel_size > 1 (got {uly}), ring_sequence_parallel_size=1 (got {ring}) "
-                      f"and tensor_model_parallel_size=1 (got {tp})")
-    if len(errors) > n_err:
-        return None
-    return RoleLayout(world, ulysses=uly, ring=ring, tp=tp, sequence_parallel=bool(d["sequence_parallel"]),
-                      fsdp_size=size, adaptive=adaptive)
-
-
-def _check_parallel(cfg: Any, errors: list[str]) -> ParallelLayout | None:
-    t, critic = cfg.trainer, cfg.critic
-    policy = _check_world("trainer.", t.nnodes, t.n_gpus_per_node, errors)
-    if policy is None:
-        return None
-    actor, ref = _check_role(cfg, "actor", policy, errors), _check_role(cfg, "ref", policy, errors)
-    if actor is None or ref is None:
-        return None
-    if cfg.algorithm.adv_estimator not in CRITIC_ESTIMATORS:
-        return ParallelLayout(policy, actor, ref)
-    world = policy if critic.colocate else _check_world("critic.", critic.nnodes, critic.n_gpus_per_node, errors)
-    mesh = None if world is None else _check_role(cfg, "critic", world, errors)
-    return None if mesh is None else ParallelLayout(policy, actor, ref, mesh, critic_colocated=bool(critic.colocate))
 
 
 def _check_adaptive(cfg: Any, layout: ParallelLayout, errors: list[str]) -> None:
@@ -154,7 +76,7 @@ def _check_batches(cfg: Any, layout: ParallelLayout, errors: list[str]) -> None:
     _require(
         mini >= 1 and d.train_batch_size % mini == 0,
         f"actor_rollout_ref.actor.ppo_mini_batch_size={mini} must divide data.train_batch_size="
-        f"{d.train_batch_size}; legal values: {_divisors(d.train_batch_size)}",
+        f"{d.train_batch_size}; legal values: {divisors(d.train_batch_size)}",
         errors,
     )
     _require(
@@ -186,7 +108,7 @@ def _check_critic(cfg: Any, layout: ParallelLayout, errors: list[str]) -> None:
              f"the critic's dp={dp} ranks", errors)
     _require(c.ppo_mini_batch_size >= 1 and batch % c.ppo_mini_batch_size == 0,
              f"critic.ppo_mini_batch_size={c.ppo_mini_batch_size} must divide data.train_batch_size={batch}; "
-             f"legal values: {_divisors(batch)}", errors)
+             f"legal values: {divisors(batch)}", errors)
     _require(c.ppo_mini_batch_size >= 1 and (c.ppo_mini_batch_size * n) % dp == 0,
              f"critic.ppo_mini_batch_size*rollout.n={c.ppo_mini_batch_size * n} samples must split evenly over "
              f"the critic's dp={dp} ranks", errors)
@@ -282,7 +204,7 @@ def validate_config(cfg: Any) -> ParallelLayout:
     if errors:  # typos first: the other checks would trip over a misspelled section
         raise ValueError("invalid rlsp config:\n  - " + "\n  - ".join(errors))
     apply_verl_spellings(cfg, errors)  # verl's spellings onto rlsp's keys, as composed configs get them
-    layout = _check_parallel(cfg, errors)
+    layout = build_layout(cfg, errors)  # the one place placement is decided (with the validators it asks)
     if layout is not None:
         _check_adaptive(cfg, layout, errors)
         _check_batches(cfg, layout, errors)
@@ -292,9 +214,6 @@ def validate_config(cfg: Any) -> ParallelLayout:
     _check_choices(cfg, errors)
     _check_ranges(cfg, errors)
     check_off_policy(cfg, errors)
-    layout = check_async(cfg, layout, errors)
-    layout = check_rollout_tp(cfg, layout, errors)
-    layout = check_reward_model(cfg, layout, errors)
     check_gpu_memory(cfg, layout, errors)
     check_offload(cfg, layout, errors)
     check_lora(cfg, layout, errors)
@@ -302,7 +221,6 @@ def validate_config(cfg: Any) -> ParallelLayout:
     check_verl_keys(cfg, errors)
     check_multi_turn(cfg, errors)
     check_dapo(cfg, errors)
-    layout = check_distillation(cfg, layout, errors)
     if errors:
         raise ValueError("invalid rlsp config:\n  - " + "\n  - ".join(errors))
     assert layout is not None

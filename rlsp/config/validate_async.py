@@ -1,15 +1,14 @@
 """Config checks for off-policy training: `async_training.*`, the rollout pool (`rollout.*`) and how
 they combine with `algorithm.rollout_correction.*` (its option names are checked in preflight, against
-the registries). Returns the layout with the rollout pool added when there is one.
+the registries). `check_async` returns the rollout pool (a piece of the layout) when there is one.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
-from rlsp.config.layout import ParallelLayout, World
+from rlsp.config.layout import World
 
 ASYNC = "async_training."
 ROLLOUT_IS_LEVELS = (None, "token", "sequence")
@@ -63,8 +62,8 @@ def check_off_policy(cfg: Any, errors: list[str]) -> None:
                       f"rollout_is/rollout_rs or set {ASYNC}compute_prox_log_prob=true")
 
 
-def check_async(cfg: Any, layout: ParallelLayout | None, errors: list[str]) -> ParallelLayout | None:
-    """Validate async_training and the rollout pool; the layout gains the pool when it is configured."""
+def check_async(cfg: Any, errors: list[str]) -> World | None:
+    """Validate async_training and the rollout pool; returns the pool when one is configured and valid."""
     a, pool = cfg.async_training, cfg.rollout
     n_err = len(errors)
     if not a.staleness_threshold >= 0:
@@ -75,8 +74,8 @@ def check_async(cfg: Any, layout: ParallelLayout | None, errors: list[str]) -> P
     if int(pool.n_gpus_per_node) < 0 or int(pool.nnodes) < 1:
         errors.append(f"rollout.nnodes={pool.nnodes} must be >= 1 and rollout.n_gpus_per_node={pool.n_gpus_per_node} "
                       ">= 0 (0 = engines on the policy workers)")
-    if len(errors) > n_err or layout is None:
-        return layout
+    if len(errors) > n_err:
+        return None
     if not rollout_pool_enabled(cfg):
         if a.partial_rollout:
             errors.append(f"{ASYNC}partial_rollout=true continues generations with weights pushed while they run: "
@@ -85,13 +84,13 @@ def check_async(cfg: Any, layout: ParallelLayout | None, errors: list[str]) -> P
             errors.append(f"{ASYNC}staleness_threshold={a.staleness_threshold} / trigger_parameter_sync_step="
                           f"{a.trigger_parameter_sync_step} generate while the trainer trains: that needs a rollout "
                           "pool of its own (rollout.n_gpus_per_node > 0); colocated engines share the trainer's processes")
-        return layout
+        return None
     _check_pool_batches(cfg, World(int(pool.nnodes), int(pool.n_gpus_per_node)), errors)
     _check_partial_rollout(cfg, errors)
     if cfg.trainer.critic_warmup > 0:
         errors.append(f"trainer.critic_warmup={cfg.trainer.critic_warmup} is not supported with a rollout pool "
                       "(policy versions count actor updates); set it to 0")
-    return dataclasses.replace(layout, rollout=World(int(pool.nnodes), int(pool.n_gpus_per_node)))
+    return World(int(pool.nnodes), int(pool.n_gpus_per_node))
 
 
 def _check_pool_batches(cfg: Any, world: World, errors: list[str]) -> None:

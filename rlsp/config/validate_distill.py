@@ -8,14 +8,12 @@ of the data) run in rlsp.trainer.distill before any worker starts.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from rlsp.config.choices import DTYPE_NAMES, KL_ESTIMATOR_NAMES
-from rlsp.config.layout import ParallelLayout
 from rlsp.config.schema_distill import DEFAULT_TEACHER, TeacherInferenceConfig, TeacherModelConfig
 
 PREFIX = "distillation"
@@ -142,13 +140,13 @@ def _check_clip(cfg: Any, errors: list[str]) -> None:
                       "advantage; legal: vanilla")
 
 
-def check_distillation(cfg: Any, layout: ParallelLayout | None, errors: list[str]) -> ParallelLayout | None:
-    """Every `distillation.*` problem into `errors`; the layout with the teachers placed on the policy
-    workers (unchanged when distillation is off)."""
+def check_distillation(cfg: Any, errors: list[str]) -> bool:
+    """Every `distillation.*` problem into `errors`; True when teachers are placed on the policy workers
+    (the layout's `teachers`)."""
     if not distillation_enabled(cfg):
-        return layout
+        return False
     _check_section(cfg, errors)
-    return dataclasses.replace(layout, teachers=True) if layout is not None else None
+    return True
 
 
 def _check_section(cfg: Any, errors: list[str]) -> None:

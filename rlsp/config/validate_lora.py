@@ -84,8 +84,7 @@ def check_lora(cfg: Any, layout: ParallelLayout | None, errors: list[str]) -> No
         errors.append(f"actor_rollout_ref.model.lora_rank={rank} with actor_rollout_ref.actor.tensor_model_parallel_size="
                       f"{layout.actor.tp}: LoRA is not supported with tensor parallelism (the adapters would need their "
                       "own column/row split of the layers TP shards); legal: tensor_model_parallel_size=1, or lora_rank=0")
-    needs_reference = cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-    if needs_reference and layout.ref != layout.actor:
+    if layout.has_reference and layout.ref != layout.actor:
         errors.append(f"with LoRA the reference is the actor's own model with the adapters switched off, so it runs on "
                       f"the actor's layout ({layout.actor.describe()}), not {layout.ref.describe()}: leave the "
                       "actor_rollout_ref.ref parallel keys and ref.fsdp_config.fsdp_size at their defaults")

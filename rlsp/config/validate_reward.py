@@ -16,18 +16,14 @@ tokenizer) is checked in rlsp.trainer.preflight.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from rlsp.config.choices import STRATEGIES, choice_error
-from rlsp.config.layout import ParallelLayout, RoleLayout
-from rlsp.config.validate_reward_loop import check_reward_loop
+from rlsp.config.layout import RoleLayout, World
+from rlsp.config.validate_reward_loop import RewardPlacement, RolloutPlacement, check_reward_loop
+from rlsp.utils.divisors import divisors
 
 P = "reward_model."
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _check_keys(rm: Any, errors: list[str]) -> None:
@@ -45,31 +41,35 @@ def _check_keys(rm: Any, errors: list[str]) -> None:
             errors.append(f"{P}{key}={rm[key]} must be an integer >= 1")
 
 
-def check_reward_model(cfg: Any, layout: ParallelLayout | None, errors: list[str]) -> ParallelLayout | None:
-    """The layout with the reward model's `RoleLayout` when it is enabled, after checking its keys."""
+def check_reward_model(cfg: Any, policy: World | None, rollout: RolloutPlacement,
+                       errors: list[str]) -> RewardPlacement:
+    """Where rewards are computed (the layout's `reward_mode` and the reward model's `RoleLayout`, None
+    without one), after checking the keys; `policy` None: the policy pool is not valid itself."""
     rm = cfg.reward_model
     workers = rm.num_workers
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+    valid_workers = not isinstance(workers, bool) and isinstance(workers, int) and workers >= 1
+    if not valid_workers:
         errors.append(f"{P}num_workers={workers!r} must be an integer >= 1 (reward-loop processes scoring rule rewards)")
+    rules = (None, "rules_pool" if valid_workers and workers > 1 else "rules")
     if not rm.enable:
-        return layout
+        return rules
     n_err = len(errors)
     _check_keys(rm, errors)
     if rm.use_reward_loop:
-        return check_reward_loop(cfg, layout, errors) if len(errors) == n_err else layout
+        return check_reward_loop(cfg, policy, rollout, errors) or rules if len(errors) == n_err else rules
     uly, size = rm.ulysses_sequence_parallel_size, rm.model.fsdp_config.fsdp_size
     if isinstance(uly, bool) or not isinstance(uly, int) or uly < 1:
         errors.append(f"{P}ulysses_sequence_parallel_size={uly!r} must be an integer >= 1")
-        return layout
-    if layout is None:
-        return layout
-    world = layout.policy
+        return rules
+    if policy is None:
+        return rules
+    world = policy
     if world.procs_per_node % uly:
         errors.append(f"{P}ulysses_sequence_parallel_size={uly} must divide the {world.procs_per_node} workers per node "
-                      f"(its all-to-alls stay inside a node); legal values: {_divisors(world.procs_per_node)}")
+                      f"(its all-to-alls stay inside a node); legal values: {divisors(world.procs_per_node)}")
     if size != -1 and (not isinstance(size, int) or size < 1 or world.world_size % size):
         errors.append(f"{P}model.fsdp_config.fsdp_size={size} must be -1 (shard over all {world.world_size} policy "
-                      f"workers) or a divisor of {world.world_size}: legal values -1, {_divisors(world.world_size)}")
+                      f"workers) or a divisor of {world.world_size}: legal values -1, {divisors(world.world_size)}")
     if len(errors) > n_err:
-        return layout
-    return dataclasses.replace(layout, reward_model=RoleLayout(world, ulysses=uly, fsdp_size=size))
+        return rules
+    return RoleLayout(world, ulysses=uly, fsdp_size=size), "model_fsdp"

@@ -11,18 +11,20 @@ use are refused by value, naming the legal one.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from rlsp.config.choices import DTYPE_NAMES, REWARD_ENGINES, choice_error
-from rlsp.config.layout import ParallelLayout, RoleLayout
+from rlsp.config.layout import RoleLayout, World
+from rlsp.utils.divisors import divisors
 
 R = "reward_model.rollout."
 TP_KEY = R + "tensor_model_parallel_size"
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+# (the reward model's split of the policy pool or None, the layout's reward_mode)
+RewardPlacement = tuple[RoleLayout | None, str]
+# (the rollout pool of its own or None, the rollout engines' tp degree)
+RolloutPlacement = tuple[World | None, int]
 
 
 def _positive_int(value: Any) -> bool:
@@ -57,26 +59,28 @@ def _check_engine_keys(r: Any, errors: list[str]) -> None:
                       f"the {R}* keys only; legal value: {{}}")
 
 
-def check_reward_loop(cfg: Any, layout: ParallelLayout | None, errors: list[str]) -> ParallelLayout | None:
-    """The layout with the reward engine's `RoleLayout` (tp only), after checking `reward_model.rollout.*`."""
+def check_reward_loop(cfg: Any, policy: World | None, rollout: RolloutPlacement,
+                      errors: list[str]) -> RewardPlacement | None:
+    """The reward engine's `RoleLayout` (tp only) and mode (model_vllm, or model_servers beside a rollout
+    engine of another tp degree), after checking `reward_model.rollout.*`; None when that fails."""
     r = cfg.reward_model.rollout
     n_err = len(errors)
     _check_engine_keys(r, errors)
-    if layout is None or len(errors) > n_err:
-        return layout
-    tp, world = r.tensor_model_parallel_size, layout.policy
+    if policy is None or len(errors) > n_err:
+        return None
+    tp, world, (pool, rollout_tp) = r.tensor_model_parallel_size, policy, rollout
     if world.procs_per_node % tp:
         errors.append(f"{TP_KEY}={tp} must divide the {world.procs_per_node} policy workers per node "
                       f"(trainer.n_gpus_per_node): an engine's ranks all-reduce every layer and stay inside a node; "
-                      f"legal values: {_divisors(world.procs_per_node)}")
-    rollout = cfg.actor_rollout_ref.rollout
-    beside_other_tp = layout.rollout is None and rollout.name == "vllm" and tp != layout.rollout_tp
+                      f"legal values: {divisors(world.procs_per_node)}")
+    rollout_name = cfg.actor_rollout_ref.rollout.name
+    beside_other_tp = pool is None and rollout_name == "vllm" and tp != rollout_tp
     if beside_other_tp and tp > 1:
-        errors.append(f"{TP_KEY}={tp} with actor_rollout_ref.rollout.tensor_model_parallel_size={layout.rollout_tp} "
+        errors.append(f"{TP_KEY}={tp} with actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp} "
                       f"is not supported: a reward engine of tp > 1 runs in the policy workers' processes next to the "
                       f"vLLM rollout engine, and vLLM keeps one tensor-parallel degree per process (tp 1 runs in a "
                       f"process of its own beside each worker); legal value: "
-                      f"{' or '.join(map(str, sorted({1, layout.rollout_tp})))}")
+                      f"{' or '.join(map(str, sorted({1, rollout_tp})))}")
     if len(errors) > n_err:
-        return layout
-    return dataclasses.replace(layout, reward_model=RoleLayout(world, tp=tp), reward_servers=beside_other_tp)
+        return None
+    return RoleLayout(world, tp=tp), "model_servers" if beside_other_tp else "model_vllm"

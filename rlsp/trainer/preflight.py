@@ -144,7 +144,7 @@ def preflight_errors(cfg: DictConfig, layout: ParallelLayout | None, device_type
             load_custom_reward_fn(cfg.reward.custom_function_path, cfg.reward.custom_function_name)
         except (ValueError, RuntimeError, FileNotFoundError, AttributeError, TypeError) as exc:
             errors.append(str(exc))
-    errors += reward_model_errors(cfg)
+    errors += reward_model_errors(cfg, layout)
     if os.path.isdir(cfg.actor_rollout_ref.model.path):  # the teachers must score the student's token ids
         errors += teacher_vocab_problems(cfg)
     if os.path.isdir(cfg.actor_rollout_ref.model.path):  # else _check_model named the missing model

@@ -15,6 +15,7 @@ import os
 from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
+from rlsp.config.layout import ParallelLayout
 from rlsp.data.rm_inputs import same_tokenizer
 from rlsp.models.loading import check_sp_support, read_model_config, tokenizer_problem
 from rlsp.models.reward import check_reward_config
@@ -36,8 +37,9 @@ def _reward_loop_errors(rm: DictConfig, config: object) -> list[str]:
     return errors
 
 
-def reward_model_errors(cfg: DictConfig) -> list[str]:
-    """Every problem with the reward model's files (none when it is off)."""
+def reward_model_errors(cfg: DictConfig, layout: ParallelLayout | None) -> list[str]:
+    """Every problem with the reward model's files (none when it is off); its Ulysses degree is the
+    layout's (`layout` None: the config's degrees are invalid, validation names them)."""
     rm = cfg.reward_model
     if not rm.enable or not rm.model.path:
         return []
@@ -54,7 +56,8 @@ def reward_model_errors(cfg: DictConfig) -> list[str]:
     errors = [missing] if missing else []
     if rm.use_reward_loop:
         return errors + _reward_loop_errors(rm, config)
-    for check, key in ((check_reward_config, "model.path"), (lambda c: check_sp_support(c, rm.ulysses_sequence_parallel_size),
+    uly = layout.reward_model.ulysses if layout is not None and layout.reward_model is not None else 1
+    for check, key in ((check_reward_config, "model.path"), (lambda c: check_sp_support(c, uly),
                                                               "ulysses_sequence_parallel_size")):
         try:
             check(config)

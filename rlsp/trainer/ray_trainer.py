@@ -50,7 +50,6 @@ from rlsp.trainer.training_workers import check_sharded_forwards, start_training
 from rlsp.trainer.val_generations import ValGenerationLog
 from rlsp.utils.logging import get_logger
 from rlsp.utils.timing import timed
-from rlsp.workers.worker import needs_reference
 
 log = get_logger("rlsp.trainer")
 
@@ -240,7 +239,7 @@ class RayTrainer:
         elif not self._reuses_update_logprobs(step):
             with timed("timing/old_logprob_s", timing):
                 batch.update(self.wg.call("actor", "compute_log_prob", batch))
-        if needs_reference(self.cfg):
+        if self.layout.has_reference:
             with timed("timing/ref_s", timing):
                 batch.update(self.wg.call("ref", "compute_ref_log_prob", batch))
         if self.critic_wg is not None:

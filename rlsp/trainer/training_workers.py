@@ -21,7 +21,6 @@ from rlsp.data.batch import Batch
 from rlsp.engine.fsdp_engine import assert_sp_matches
 from rlsp.utils.device import resolve_device_type
 from rlsp.utils.logging import get_logger
-from rlsp.workers.worker import needs_reference
 
 log = get_logger("rlsp.trainer")
 
@@ -80,7 +79,7 @@ def check_sharded_forwards(cfg: DictConfig, layout: ParallelLayout, wg: RayWorke
     distillation teachers.
     Returns the largest difference seen."""
     tol = cfg.trainer.sp_self_check_tol
-    ref_differs = needs_reference(cfg) and layout.ref != layout.actor
+    ref_differs = layout.has_reference and layout.ref != layout.actor
     # The reward loop's engine is served like a rollout engine: no sharded-vs-unsharded forward to compare.
     scorer = wg if layout.reward_model is not None and not cfg.reward_model.use_reward_loop else None
     worst = 0.0

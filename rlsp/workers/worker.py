@@ -23,12 +23,14 @@ from torch.distributed.constants import default_pg_timeout
 from transformers import AutoTokenizer
 
 from rlsp.config.layout import ParallelLayout
+from rlsp.data.batch import Batch
 from rlsp.utils.device import backend_for, device_for, resolve_device_type
 from rlsp.utils.dtypes import resolve_dtype
 from rlsp.utils.logging import get_logger
 from rlsp.utils.seeding import seed_everything
+from rlsp.workers.columns import RowsSpec, assemble, row_report
 from rlsp.workers.context import RoleContext
-from rlsp.workers.dispatch import Dispatch, register
+from rlsp.workers.dispatch import Dispatch, declared_fields, register
 from rlsp.workers.roles import ROLE_CLASSES
 
 log = get_logger("rlsp.worker")
@@ -56,16 +58,12 @@ def loopback_interface() -> str | None:
     return None
 
 
-def needs_reference(cfg: DictConfig) -> bool:
-    return bool(cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
-
-
 class Worker:
     def __init__(self, config: dict[str, Any], layout: ParallelLayout, group: str, rank: int) -> None:
         self.cfg: DictConfig = OmegaConf.create(config)
         self.layout, self.group, self.rank = layout, group, rank
         self.world = layout.world_of(group)
-        self.placed = [r for r in layout.roles_of(group) if r != "ref" or needs_reference(self.cfg)]
+        self.placed = [r for r in layout.roles_of(group) if r != "ref" or layout.has_reference]
         self.roles: dict[str, Any] = {}
         self._store_socket: socket.socket | None = None  # rank 0 of a one-node run, until the store adopts it
         os.environ["RANK"] = str(rank)
@@ -139,6 +137,33 @@ class Worker:
         if role not in self.roles:
             raise ValueError(f"role {role!r} is not placed on this {self.group} worker; it has {sorted(self.roles)}")
         return getattr(self.roles[role], method)(*args)
+
+    def execute_rows(self, role: str, method: str, spec: RowsSpec, args: tuple[Any, ...],
+                     *blocks: Batch) -> tuple[Batch | None, Any]:
+        """Run a BY_DP `role.method` on the rows `spec` builds from `blocks` (the declared columns only):
+        (the Batch it returns, kept in this process — None on ranks that do not answer for their dp
+        group —, what the driver receives: the declared per-row reports, or the method's own result)."""
+        if role not in self.roles:
+            raise ValueError(f"role {role!r} is not placed on this {self.group} worker; it has {sorted(self.roles)}")
+        fields = declared_fields(type(self.roles[role]), method)
+        rows = assemble(spec, blocks)
+        if extra := (set(rows.tensors.keys()) | set(rows.meta)) - fields.reads:
+            raise RuntimeError(f"{role}.{method} was sent fields it does not declare: {sorted(extra)}")
+        try:
+            result = getattr(self.roles[role], method)(rows, *args)
+        except KeyError as exc:
+            raise RuntimeError(f"{role}.{method} read {exc} which it was not sent: it declares reads "
+                               f"{sorted(fields.reads)} and these rows have {sorted(rows.keys())}") from exc
+        answers = self.rank % self.layout.role(role).ranks_per_dp == 0
+        if not isinstance(result, Batch):
+            return None, result
+        if extra := (set(result.tensors.keys()) | set(result.meta)) - fields.writes:
+            raise RuntimeError(f"{role}.{method} returned fields it does not declare: {sorted(extra)} "
+                               f"(declared writes {sorted(fields.writes)})")
+        if not answers:
+            return None, None
+        merged = result if fields.new_rows else rows.copy().update(result)
+        return result, row_report(merged, fields.reports)
 
     def _rollout_starts_stale(self) -> bool:
         """The rollout engine starts from model.path's weights (random ones with load_format=dummy); the

@@ -79,7 +79,7 @@ def test_reward_loop_preflight(tmp_path):
     for key, value in {"actor_rollout_ref.model.path": policy, "reward_model.enable": True, "reward_model.model.path": rm,
                        "reward_model.use_reward_loop": True, "reward_model.model.input_tokenizer": None}.items():
         OmegaConf.update(cfg, key, value)
-    assert reward_model_errors(cfg) == []  # the loop always re-renders: no tokenizer match needed
+    assert reward_model_errors(cfg, validate_config(cfg)) == []  # the loop always re-renders: no tokenizer match needed
     OmegaConf.update(cfg, "reward_model.rollout.max_model_len", 512)
-    assert reward_model_errors(cfg) == ["reward_model.rollout.max_model_len=512 exceeds the reward model's "
+    assert reward_model_errors(cfg, validate_config(cfg)) == ["reward_model.rollout.max_model_len=512 exceeds the reward model's "
                                         "max_position_embeddings=256; legal: null (= 256) or at most 256"]

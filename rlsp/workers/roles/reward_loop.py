@@ -27,21 +27,22 @@ from rlsp.rollout.vllm_reward import VLLMRewardEngine
 class RewardLoopScorer:
     """One reward engine (or this rank's tp shard of one) and the rendering of rows.
 
+    `tp`: the engine's tensor-parallel degree, the layout's (`layout.role("reward_model").tp`).
     `in_process_group`: the engine joins this process's torch.distributed world (a policy worker's
-    ranks, `reward_model.rollout.tensor_model_parallel_size` of them per engine); False: a process of
-    its own (rlsp.controller.reward_servers), one single-rank engine with vLLM's own one-process world.
+    ranks, `tp` of them per engine); False: a process of its own (rlsp.controller.reward_servers), one
+    single-rank engine with vLLM's own one-process world.
     """
 
-    def __init__(self, cfg: DictConfig, in_process_group: bool = True) -> None:
+    def __init__(self, cfg: DictConfig, tp: int = 1, in_process_group: bool = True) -> None:
         rm = cfg.reward_model
         r = rm.rollout
-        if not in_process_group and r.tensor_model_parallel_size != 1:
-            raise ValueError(f"reward_model.rollout.tensor_model_parallel_size={r.tensor_model_parallel_size}: a reward "
+        if not in_process_group and tp != 1:
+            raise ValueError(f"reward_model.rollout.tensor_model_parallel_size={tp}: a reward "
                              "engine in a process of its own has one rank; legal value: 1")
         self.prompt_len = int(cfg.data.max_prompt_length)
         self.engine = VLLMRewardEngine(
             rm.model.path, dtype=r.dtype, max_model_len=r.max_model_len,
-            tensor_parallel_size=r.tensor_model_parallel_size,
+            tensor_parallel_size=tp,
             gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager, load_format=r.load_format,
             max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,
             cpu_kvcache_space_gib=r.cpu_kvcache_space_gib, seed=cfg.trainer.seed,

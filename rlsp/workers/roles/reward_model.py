@@ -50,7 +50,7 @@ class RewardModelRole:
         self.ctx, self.cfg = ctx, ctx.cfg
         rm = ctx.cfg.reward_model
         # verl's reward loop: a vLLM pooling engine instead of the FSDP model (rlsp.workers.roles.reward_loop).
-        self.loop = RewardLoopScorer(ctx.cfg) if rm.use_reward_loop else None
+        self.loop = RewardLoopScorer(ctx.cfg, tp=ctx.layout.role("reward_model").tp) if rm.use_reward_loop else None
         if self.loop is not None:
             return
         self.engine = build_reward_engine(ctx)

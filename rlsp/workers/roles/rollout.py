@@ -71,7 +71,7 @@ class RolloutRole:
             # worker replaces with the actor's by a sync before anything is generated.
             return {"enforce_eager": r.enforce_eager, "gpu_memory_utilization": r.gpu_memory_utilization,
                     "cpu_kvcache_space_gib": r.cpu_kvcache_space_gib, "distributed_executor_backend": "external_launcher",
-                    "load_format": r.load_format, "tensor_parallel_size": r.tensor_model_parallel_size,
+                    "load_format": r.load_format, "tensor_parallel_size": self.ctx.layout.rollout_tp,
                     **vllm_engine_options(r, self.ctx.prompt_len + self.cfg.data.max_response_length,
                                           on_gpu=self.ctx.device.type == "cuda")}  # verl's engine options
         return {"device": str(self.ctx.device)}  # resolved (cuda:<i>), like the training engines' device
