@@ -6,8 +6,9 @@ No Ray, no workers, no accelerator. The config is composed as rlsp.main composes
 trainer.n_gpus_per_node, whatever this machine has); the model's config.json and tokenizer are read
 (never its weights; `builtin://` assets resolve as preflight resolves them); the data files' columns,
 data sources and prompt lengths are counted (prompts over data.max_prompt_length per
-data.filter_overlong_prompts / data.truncation); the trackers' packages are looked up; and when the
-run dir exists, the resume checks run (`check_resume`). It prints the layout, the batch split and
+data.filter_overlong_prompts / data.truncation); the trackers' packages are looked up; and the resume
+checks run (once the run length is known). These are the registered start-up checks (rlsp.config.checks),
+stage by stage, the same list `python -m rlsp.main` runs before Ray starts. It prints the layout, the batch split and
 token budgets, the schedule, and what rlsp does with each verl key of the command, then every
 problem found. Exit 0 when there is none, 2 listing all of them.
 """
@@ -54,6 +55,7 @@ class Report:
 
 
 def _validate(cfg: DictConfig, report: Report) -> ParallelLayout | None:
+    """The config stage (building the layout), as rlsp.main runs it."""
     try:
         return validate_config(cfg)
     except ValueError as exc:
@@ -184,7 +186,6 @@ def _data(cfg: DictConfig, tokenizer: Any, report: Report) -> int | None:
 def _files(cfg: DictConfig, layout: ParallelLayout | None, report: Report) -> Any:
     """Assets, preflight's checks and the model; returns the tokenizer (or None)."""
     from rlsp.trainer.preflight import preflight_errors, resolve_assets  # noqa: PLC0415
-    from rlsp.trainer.trackers import check_trackers  # noqa: PLC0415
     from rlsp.utils.device import target_device_type  # noqa: PLC0415
 
     try:
@@ -197,28 +198,25 @@ def _files(cfg: DictConfig, layout: ParallelLayout | None, report: Report) -> An
     except ValueError:  # an illegal trainer.device: validation has listed it; check the rest as on cpu
         device = "cpu"
     report.add("cluster", f"device: {device} (trainer.device={cfg.trainer.device}; nothing is opened here)")
-    report.problems += preflight_errors(cfg, layout, device)
-    try:
-        check_trackers(list(cfg.trainer.logger))
-    except ValueError as exc:
-        report.problems.append(str(exc))
+    report.problems += preflight_errors(cfg, layout, device)  # the preflight stage, as rlsp.main runs it
     return _model(cfg, report)
 
 
-def _resume(cfg: DictConfig, report: Report) -> None:
-    from rlsp.trainer.resume_check import check_resume  # noqa: PLC0415
+def _resume(cfg: DictConfig, layout: ParallelLayout | None, report: Report) -> None:
+    """The resume stage, as rlsp.main runs it (skipped only where the run length is still unknown)."""
+    from rlsp.trainer.resume_check import resume_plan  # noqa: PLC0415
 
     run_dir = cfg.trainer.default_local_dir
-    if not os.path.isdir(run_dir):
-        report.add("resume", f"run dir {run_dir} does not exist: a fresh run")
-        return
-    if cfg.trainer.total_training_steps is None:
+    if cfg.trainer.total_training_steps is None and os.path.isdir(run_dir):
         report.add("resume", f"run dir {run_dir} exists; not checked: the run length is unknown without the data")
         return
     try:
-        plan = check_resume(cfg)
+        plan = resume_plan(cfg, layout)
     except ValueError as exc:
         report.problems.append(str(exc))
+        return
+    if not os.path.isdir(run_dir):
+        report.add("resume", f"run dir {run_dir} does not exist: a fresh run")
         return
     what = ("a fresh run" if plan.path is None else
             f"complete at step {plan.step}: nothing to train" if plan.complete else f"continues {plan.path}")
@@ -258,7 +256,7 @@ def run_checks(argv: list[str]) -> Report:
         report.add("cluster", *describe_placement(cfg, layout))
         report.add("batches", *describe_batches(cfg, layout))
         report.add("schedule", *describe_schedule(cfg, num_prompts, explicit_steps, layout.has_critic))
-    _resume(cfg, report)
+    _resume(cfg, layout, report)
     _verl_keys(line, report)
     return report
 

@@ -10,7 +10,9 @@ workers. Where Ray comes from is `trainer.ray_address`:
     auto              join the running cluster Ray finds: RAY_ADDRESS, else the last `ray start` here.
     <host>:<port>     join that cluster (`ray://<host>:<port>` goes through Ray Client).
 
-Before Ray starts, `rlsp.trainer.resume_check` decides what the run continues from and refuses a
+Before Ray starts, the registered start-up checks run stage by stage (rlsp.config.checks: config,
+preflight, resume), exactly those `python -m rlsp.check` runs; the config stage builds the run's one
+layout, handed to preflight and the trainer. The resume stage (`rlsp.trainer.resume_check`) decides what the run continues from and refuses a
 checkpoint this command cannot load (another model, a critic added or dropped, a damaged file with no
 whole checkpoint before it); a run that is already complete says so and exits 0. Exit codes: 0 done,
 1 a fault during the run, 2 a refused config or resume, 130 Ctrl-C, 143 SIGTERM (both after one line
@@ -134,20 +136,20 @@ def _init_ray(cfg: DictConfig, world_size: int) -> bool:
 
 
 def run(cfg: DictConfig) -> list[dict[str, Any]]:
-    """Validate, resolve assets, start workers, train; returns the per-step metrics."""
+    """Validate (building the layout once), resolve assets, start workers, train; returns the per-step metrics."""
     from rlsp.trainer.preflight import preflight
 
     layout = validate_config(cfg)
-    cfg = preflight(cfg)
+    cfg = preflight(cfg, layout)
     return train(cfg, layout)
 
 
 def prepare(cfg: DictConfig, layout: ParallelLayout, plan: ResumePlan | None = None
             ) -> tuple[RayTrainer, str | None]:
     """Everything that can fail on the user's input, before Ray starts: the datasets (they fix the run
-    length when trainer.total_training_steps is unset), then the resume checks."""
+    length when trainer.total_training_steps is unset), then the resume stage of the checks."""
     from rlsp.trainer.ray_trainer import RayTrainer
-    from rlsp.trainer.resume_check import check_resume
+    from rlsp.trainer.resume_check import resume_plan
 
     if layout.rollout is not None:  # a rollout pool of its own: generation overlapped with training
         from rlsp.trainer.async_trainer import AsyncTrainer
@@ -155,7 +157,7 @@ def prepare(cfg: DictConfig, layout: ParallelLayout, plan: ResumePlan | None = N
         trainer = AsyncTrainer(cfg, layout)
     else:
         trainer = RayTrainer(cfg, layout)
-    plan = plan or check_resume(cfg)
+    plan = plan or resume_plan(cfg, layout)
     os.makedirs(cfg.trainer.default_local_dir, exist_ok=True)
     OmegaConf.save(cfg, os.path.join(cfg.trainer.default_local_dir, "config.yaml"), resolve=True)
     return trainer, plan.path
@@ -224,7 +226,7 @@ def _prepare_checked(cfg: DictConfig, layout: ParallelLayout) -> tuple[RayTraine
     from rlsp.trainer.preflight import preflight
 
     try:
-        preflight(cfg)  # resolves built-in assets in place
+        preflight(cfg, layout)  # resolves built-in assets in place
         return prepare(cfg, layout)
     except ValueError as exc:
         # Config, data and resume errors are for the user, not a traceback; nothing has started yet.

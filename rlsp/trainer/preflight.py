@@ -1,8 +1,9 @@
-"""Checks that need more than config arithmetic — registries, the model's config, data files —
-run in the driver before any worker starts, so a bad run fails in seconds with a clear message.
+"""The preflight stage of the check registry (rlsp.config.checks): checks that need more than config
+arithmetic — registries, the model's config, data files, trackers — run in the driver before any
+worker starts, so a bad run fails in seconds with a clear message. Each is registered here, in run order.
 
-`preflight(cfg)` resolves built-in assets and raises one error listing every problem; `rlsp.check`
-calls its parts (`resolve_assets`, `preflight_errors`) to collect them alongside its own checks.
+`preflight(cfg, layout)` resolves built-in assets and raises one error listing every problem; `rlsp.check`
+runs the same stage (`resolve_assets`, then `preflight_errors`) to collect them alongside its own report.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from rlsp.algos.registry import list_adv_estimators, list_policy_losses
+from rlsp.config.checks import CheckContext, register, run_checks
 from rlsp.config.layout import CRITIC_ESTIMATORS, ParallelLayout
 from rlsp.config.validate import validate_config
 from rlsp.models.loading import check_sp_support, read_model_config, tokenizer_problem
@@ -25,13 +27,24 @@ from rlsp.trainer.estimator_inputs import estimator_errors
 from rlsp.trainer.off_policy import check_rollout_correction_names
 from rlsp.trainer.preflight_agent import agent_errors
 from rlsp.trainer.preflight_reward import reward_model_errors
+from rlsp.trainer.trackers import check_trackers
 from rlsp.utils.device import resolve_device_type
 from rlsp.utils.logging import get_logger
 
 log = get_logger("rlsp.preflight")
 
 
-def _check_names(cfg: DictConfig, errors: list[str]) -> None:
+@register("data_files", "preflight")
+def _check_data_files(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None:
+    for f in list(cfg.data.train_files) + list(cfg.data.val_files or []):
+        if not os.path.exists(f):
+            errors.append(f"data file {f!r} does not exist")
+    if not cfg.data.train_files:
+        errors.append("data.train_files is empty; give at least one parquet file")
+
+
+@register("names", "preflight")
+def _check_names(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None:
     actor = cfg.actor_rollout_ref.actor
     for key, val, legal in (
         ("algorithm.adv_estimator", cfg.algorithm.adv_estimator, list_adv_estimators()),
@@ -65,7 +78,9 @@ def _check_degrees(config: Any, layout: ParallelLayout, errors: list[str]) -> No
                 errors.append(f"{prefix}.{key}: {exc}")
 
 
-def _check_model(cfg: DictConfig, layout: ParallelLayout | None, device_type: str, errors: list[str]) -> None:
+@register("model", "preflight")
+def _check_model(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None:
+    layout, device_type = ctx.layout, ctx.device_type
     key, path = "actor_rollout_ref.model.path", cfg.actor_rollout_ref.model.path
     if not os.path.isdir(path):
         errors.append(f"{key}={path!r} is not a local directory with a Hugging Face model "
@@ -91,7 +106,8 @@ def _check_model(cfg: DictConfig, layout: ParallelLayout | None, device_type: st
                       f"max_position_embeddings={limit}")
 
 
-def _check_critic(cfg: DictConfig, errors: list[str]) -> None:
+@register("critic_model", "preflight")
+def _check_critic(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None:
     """A critic with a model of its own (critic.model.path) needs a readable model directory there."""
     path = cfg.critic.model.path
     if cfg.algorithm.adv_estimator not in CRITIC_ESTIMATORS or not path:
@@ -116,10 +132,12 @@ def resolve_assets(cfg: DictConfig) -> None:
     cfg.data.val_files = resolve_data_files(cfg.data.val_files, cache) or None
 
 
-def preflight(cfg: DictConfig) -> DictConfig:
-    """Resolve built-in assets into local paths (in place) and validate what needs the model/registries."""
+def preflight(cfg: DictConfig, layout: ParallelLayout | None = None) -> DictConfig:
+    """Resolve built-in assets into local paths (in place) and run the preflight stage; `layout` is the
+    run's (from `validate_config`; built here when not given)."""
     resolve_assets(cfg)
-    errors = preflight_errors(cfg, validate_config(cfg), resolve_device_type(cfg.trainer.device))
+    layout = layout if layout is not None else validate_config(cfg)
+    errors = preflight_errors(cfg, layout, resolve_device_type(cfg.trainer.device))
     if errors:
         raise ValueError("invalid rlsp config:\n  - " + "\n  - ".join(errors))
     if cfg.actor_rollout_ref.model.use_shm:  # after the checks: nothing is copied for a refused run
@@ -128,28 +146,43 @@ def preflight(cfg: DictConfig) -> DictConfig:
 
 
 def preflight_errors(cfg: DictConfig, layout: ParallelLayout | None, device_type: str) -> list[str]:
-    """Every problem with the (resolved) files, names and model of `cfg` on `device_type`; `layout` None
-    skips the checks of parallel degrees against the model."""
-    errors: list[str] = []
-    for f in list(cfg.data.train_files) + list(cfg.data.val_files or []):
-        if not os.path.exists(f):
-            errors.append(f"data file {f!r} does not exist")
-    if not cfg.data.train_files:
-        errors.append("data.train_files is empty; give at least one parquet file")
-    _check_names(cfg, errors)
-    _check_model(cfg, layout, device_type, errors)
-    _check_critic(cfg, errors)
+    """Every problem the preflight stage finds with the (resolved) files, names and model of `cfg` on
+    `device_type`; `layout` None skips the checks of parallel degrees against the model."""
+    return run_checks(cfg, "preflight", CheckContext(layout, device_type))
+
+
+@register("custom_reward", "preflight")
+def _check_custom_reward(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None:
     if cfg.reward.custom_function_path:
         try:
             load_custom_reward_fn(cfg.reward.custom_function_path, cfg.reward.custom_function_name)
         except (ValueError, RuntimeError, FileNotFoundError, AttributeError, TypeError) as exc:
             errors.append(str(exc))
-    errors += reward_model_errors(cfg, layout)
+
+
+@register("reward_model", "preflight")
+def _check_reward_model(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None:
+    errors += reward_model_errors(cfg, ctx.layout)
+
+
+@register("teachers", "preflight")
+def _check_teachers(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None:
     if os.path.isdir(cfg.actor_rollout_ref.model.path):  # the teachers must score the student's token ids
         errors += teacher_vocab_problems(cfg)
-    if os.path.isdir(cfg.actor_rollout_ref.model.path):  # else _check_model named the missing model
+
+
+@register("agent", "preflight")
+def _check_agent(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None:
+    if os.path.isdir(cfg.actor_rollout_ref.model.path):  # else the model check named the missing model
         errors += agent_errors(cfg, _policy_tokenizer(cfg))
-    return errors
+
+
+@register("trackers", "preflight")
+def _check_trackers(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None:
+    try:
+        check_trackers(list(cfg.trainer.logger))  # unknown names and missing libraries
+    except ValueError as exc:
+        errors.append(str(exc))
 
 
 def _policy_tokenizer(cfg: DictConfig) -> Any:

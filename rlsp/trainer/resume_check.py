@@ -1,4 +1,5 @@
-"""What a resume checks, in one place, before Ray starts (docs/checkpoints.md, "What a resume checks").
+"""What a resume checks, in one place, before Ray starts (docs/checkpoints.md, "What a resume checks"):
+the resume stage of the check registry (rlsp.config.checks; `resume_plan` runs it).
 
 `check_resume(cfg)` runs after preflight (the model path is a local directory by then) and returns a
 `ResumePlan`, or raises ValueError naming what is wrong and the way out:
@@ -26,7 +27,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig, PretrainedConfig
 
-from rlsp.config.layout import CRITIC_ESTIMATORS
+from rlsp.config.checks import CheckContext, register, run_checks
+from rlsp.config.layout import CRITIC_ESTIMATORS, ParallelLayout
 from rlsp.config.schema import RLSPConfig
 from rlsp.config.validate_lora import lora_enabled
 from rlsp.trainer.checkpoint import STEP_DIR, TrainerState, complete_steps, damaged_file, resolve_resume, step_dir
@@ -68,6 +70,9 @@ COURSE_NEUTRAL = (
 MODEL_KEYS = ("actor_rollout_ref.model.path", "critic.model.path")  # compared by architecture instead
 
 
+RESUME_PLAN = "resume_plan"  # where the resume check leaves its plan in the check context
+
+
 @dataclass
 class ResumePlan:
     """Where a run continues from: `path` None starts fresh; `complete` means nothing is left to train."""
@@ -100,6 +105,23 @@ def check_resume(cfg: DictConfig) -> ResumePlan:
     step, total = TrainerState.read(path).step, cfg.trainer.total_training_steps
     # total None: the run length comes from the dataset (verl's rule), which the driver reads first
     return ResumePlan(path, step, complete=total is not None and step >= total)
+
+
+@register("resume", "resume")
+def _check_resume(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None:
+    try:
+        ctx.results[RESUME_PLAN] = check_resume(cfg)
+    except ValueError as exc:
+        errors.append(str(exc))
+
+
+def resume_plan(cfg: DictConfig, layout: ParallelLayout | None) -> ResumePlan:
+    """Run the resume stage; the plan it decided, or a ValueError naming every problem."""
+    ctx = CheckContext(layout)
+    errors = run_checks(cfg, "resume", ctx)
+    if errors:
+        raise ValueError("\n".join(errors))
+    return ctx.results[RESUME_PLAN]
 
 
 def _saved_config(path: str) -> dict[str, Any] | None:
