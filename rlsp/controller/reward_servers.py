@@ -23,14 +23,19 @@ from omegaconf import OmegaConf
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlsp.controller.resource_pool import ResourcePool
+from rlsp.controller.step_data import StepData, from_batch, from_results
+from rlsp.controller.traffic import TRAFFIC
 from rlsp.controller.worker_group import RayWorkerGroup, gather_or_name
 from rlsp.data.batch import Batch
 from rlsp.utils.logging import get_logger
+from rlsp.workers.columns import RowsSpec, assemble, row_report
+from rlsp.workers.dispatch import declared_fields
 from rlsp.workers.roles.reward_loop import RewardLoopScorer
-from rlsp.workers.roles.reward_model import place_on_last_token
+from rlsp.workers.roles.reward_model import RewardModelRole, place_on_last_token
 from rlsp.workers.worker import loopback_interface
 
 log = get_logger("rlsp.controller")
+RM_FIELDS = declared_fields(RewardModelRole, "compute_rm_score")  # a server keeps the reward-model role's contract
 
 
 class RewardServer:
@@ -41,10 +46,13 @@ class RewardServer:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
         self.scorer = RewardLoopScorer(OmegaConf.create(config), in_process_group=False)
 
-    def compute_rm_score(self, batch: Batch) -> Batch:
-        """`rm_scores` [B, R] of these rows (the reward-model role's contract)."""
-        scores_B = torch.tensor(self.scorer.scores(batch), dtype=torch.float32)
-        return Batch.from_dict({"rm_scores": place_on_last_token(scores_B, batch["response_mask"])})
+    def compute_rm_score(self, spec: RowsSpec, *blocks: Batch) -> tuple[Batch, Batch]:
+        """`rm_scores` [B, R] of the rows `spec` builds (kept here) and their per-row reports for the driver
+        (the reward-model role's contract)."""
+        rows = assemble(spec, blocks)
+        scores_B = torch.tensor(self.scorer.scores(rows), dtype=torch.float32)
+        result = Batch.from_dict({"rm_scores": place_on_last_token(scores_B, rows["response_mask"])})
+        return result, row_report(rows.copy().update(result), RM_FIELDS.reports)  # the block holds rm_scores
 
 
 def server_envs(wg: RayWorkerGroup, env_vars: dict[str, str], infos: list[dict[str, Any]]) -> list[dict[str, str]]:
@@ -77,10 +85,22 @@ class RewardServers:
     def _name(self, i: int) -> str:
         return f"reward engine process {i} of {len(self.servers)}"
 
-    def compute_rm_score(self, batch: Batch) -> Batch:
-        parts = batch.split(max(1, -(-len(batch) // len(self.servers))))  # contiguous, at most one per server
-        refs = [s.compute_rm_score.remote(p) for s, p in zip(self.servers, parts)]
-        return Batch.concat(gather_or_name(refs, self._name))
+    def compute_rm_score(self, data: StepData | Batch) -> StepData:
+        """Contiguous chunks of the rows, at most one per server, each read by its server from the blocks
+        that hold it; the scores stay with the servers, the driver gets the per-row reports."""
+        data = from_batch(data) if isinstance(data, Batch) else data
+        size = max(1, -(-len(data) // len(self.servers)))
+        groups = [range(a, min(a + size, len(data))) for a in range(0, len(data), size)]
+        stays, answers = [], []
+        for server, rows in zip(self.servers, groups):
+            spec, refs = data.spec(rows, RM_FIELDS.reads)
+            TRAFFIC.send(spec)
+            stay, answer = server.compute_rm_score.options(num_returns=2).remote(spec, *refs)
+            stays.append(stay)
+            answers.append(answer)
+        reports = gather_or_name(answers, self._name)
+        TRAFFIC.receive(*reports)
+        return from_results(data, groups, stays, reports, RM_FIELDS.writes, RM_FIELDS.writes)
 
     def shutdown(self) -> None:
         for s in self.servers:

@@ -2,7 +2,9 @@
 
 Calls name a role and a method; the dispatch contract is the one the role method declares
 (rlsp/workers/dispatch.py), never chosen at the call site. BY_DP splits over the dp groups of the
-*role's* mesh (the critic may use another sp size than the actor on the same workers).
+*role's* mesh (the critic may use another sp size than the actor on the same workers); its rows are a
+StepData (rlsp/controller/step_data.py): each rank gets the declared columns of its rows, the ones
+other processes hold straight from them, and what it returns stays with it.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlsp.config.layout import ParallelLayout
 from rlsp.controller.resource_pool import ResourcePool
+from rlsp.controller.step_data import StepData, from_batch, from_results
+from rlsp.controller.traffic import TRAFFIC
 from rlsp.data.batch import Batch
 from rlsp.utils.logging import get_logger
-from rlsp.workers.dispatch import Dispatch, dispatch_mode
+from rlsp.workers.columns import COLUMNS_INFO
+from rlsp.workers.dispatch import Dispatch, Fields, declared_fields, dispatch_mode
 from rlsp.workers.roles import ROLE_CLASSES
 from rlsp.workers.worker import Worker
 
@@ -48,20 +53,33 @@ class PendingCall:
     """A dispatched call (one Ray task per rank, in rank order) whose results are collected later."""
 
     group: RayWorkerGroup
-    refs: list[Any]
+    refs: list[Any]  # what each rank answers the driver (ALL: its result; BY_DP: its report or metrics)
     firsts: list[int] | None  # BY_DP: the rank answering for each dp group; None: every rank's result (ALL)
+    stays: list[Any] | None = None  # BY_DP: each rank's returned Batch, left where it was computed
+    source: StepData | None = None  # BY_DP: the rows the call received
+    fields: Fields | None = None
+    groups: list[range] | None = None  # BY_DP: the positions of each dp group's rows
 
     def done(self) -> bool:
         return len(ray.wait(self.refs, num_returns=len(self.refs), timeout=0)[0]) == len(self.refs)
 
     def result(self) -> Any:
-        """What `RayWorkerGroup.call` returns; raises WorkerDiedError naming a rank that died."""
+        """What `RayWorkerGroup.call` returns; raises WorkerDiedError naming a rank that died. BY_DP: a
+        StepData when the method returns rows or columns (the rows stay on the workers; the driver holds
+        the reported per-row values), else the answering ranks' results (metrics)."""
         results = self.group._gather(self.refs)
         if self.firsts is None:
+            TRAFFIC.receive(*results)
             return results
         firsts = [results[rank] for rank in self.firsts]
-        return Batch.concat(firsts) if isinstance(firsts[0], Batch) else firsts
-
+        TRAFFIC.receive(*firsts)
+        if not isinstance(firsts[0], Batch):
+            return firsts
+        tensors, meta = firsts[0].info.pop(COLUMNS_INFO)  # every dp group returns the same columns
+        for report in firsts[1:]:
+            report.info.pop(COLUMNS_INFO, None)
+        source = None if self.fields.new_rows else self.source
+        return from_results(source, self.groups, [self.stays[r] for r in self.firsts], firsts, [*tensors, *meta], tensors)
 
 class RayWorkerGroup:
     def __init__(self, pool: ResourcePool, config: dict[str, Any], layout: ParallelLayout, group: str,
@@ -112,24 +130,42 @@ class RayWorkerGroup:
         if role not in self.roles:
             raise ValueError(f"role {role!r} is not hosted by the {self.group} workers (they host {list(self.roles)})")
         mode = dispatch_mode(ROLE_CLASSES[role], method)
-        ranks_per_dp = self.layout.role(role).ranks_per_dp
-        return self._dispatch(mode, ranks_per_dp, lambda w, *a: w.execute.remote(role, method, *a), args)
+        if mode is Dispatch.ALL:
+            return self._all(lambda w, *a: w.execute.remote(role, method, *a), args)
+        return self._by_dp(role, method, args)
 
     def call_worker(self, method: str, *args: Any) -> Any:
         """Call a method of the worker itself (set-up, weight sync, shutdown); always ALL."""
-        mode = dispatch_mode(Worker, method)
-        return self._dispatch(mode, 1, lambda w, *a: getattr(w, method).remote(*a), args).result()
+        dispatch_mode(Worker, method)
+        return self._all(lambda w, *a: getattr(w, method).remote(*a), args).result()
 
-    def _dispatch(self, mode: Dispatch, per_dp: int, submit, args: tuple[Any, ...]) -> PendingCall:
-        if mode is Dispatch.ALL:
-            return PendingCall(self, [submit(w, *args) for w in self.workers], None)
-        batch, rest = args[0], args[1:]
-        # BY_DP: one shard per dp group, shipped once and shared by the group's ulysses/ring/tp ranks
-        # (consecutive ranks: dp is the outermost dimension of every role's layout).
+    def _all(self, submit, args: tuple[Any, ...]) -> PendingCall:
+        TRAFFIC.send(*args)  # once: Ray stores each argument once for all ranks
+        return PendingCall(self, [submit(w, *args) for w in self.workers], None)
+
+    def _by_dp(self, role: str, method: str, args: tuple[Any, ...]) -> PendingCall:
+        """One row shard per dp group (the dp groups' ranks are consecutive: dp is the outermost dimension
+        of every role's layout); each rank receives the declared columns of its group's rows: the
+        driver's by value, the rest as the blocks that hold them."""
+        data, rest = args[0], args[1:]
+        data = from_batch(data) if isinstance(data, Batch) else data
+        fields = declared_fields(ROLE_CLASSES[role], method)
+        per_dp = self.layout.role(role).ranks_per_dp
         dp = self.world_size // per_dp
-        part_refs = [ray.put(p) for p in batch.chunk(dp)]
-        refs = [submit(w, part_refs[rank // per_dp], *rest) for rank, w in enumerate(self.workers)]
-        return PendingCall(self, refs, [g * per_dp for g in range(dp)])
+        if len(data) % dp != 0:
+            raise ValueError(f"cannot split a batch of {len(data)} rows into {dp} equal chunks")
+        size = len(data) // dp
+        groups = [range(g * size, (g + 1) * size) for g in range(dp)]
+        specs = [data.spec(rows, fields.reads) for rows in groups]
+        TRAFFIC.send(rest, *specs)
+        spec_refs = [ray.put(spec) for spec, _ in specs]  # shared by the group's ulysses/ring/tp ranks
+        stays, refs = [], []
+        for rank, w in enumerate(self.workers):
+            g = rank // per_dp
+            stay, answer = w.execute_rows.options(num_returns=2).remote(role, method, spec_refs[g], rest, *specs[g][1])
+            stays.append(stay)
+            refs.append(answer)
+        return PendingCall(self, refs, [g * per_dp for g in range(dp)], stays, data, fields, groups)
 
     def _gather(self, refs: list[Any]) -> list[Any]:
         """Results of one call per rank (refs in rank order); raises WorkerDiedError naming a dead rank."""

@@ -43,6 +43,14 @@ class Batch:
     def __contains__(self, key: str) -> bool:
         return key in self.tensors.keys() or key in self.meta
 
+    def keys(self) -> set[str]:
+        """Names of every column: tensors and per-row meta."""
+        return set(self.tensors.keys()) | set(self.meta)
+
+    def copy(self) -> Batch:
+        """The same rows whose columns can be replaced without changing this batch."""
+        return Batch(self.tensors.clone(recurse=False), dict(self.meta), dict(self.info))
+
     def set(self, key: str, value: torch.Tensor) -> None:
         self.tensors.set(key, value)
 

@@ -47,6 +47,7 @@ from omegaconf import DictConfig, OmegaConf
 from rlsp.config.layout import ParallelLayout
 from rlsp.config.validate_async import max_units_ahead
 from rlsp.controller.resource_pool import ResourcePool, default_cpus_per_worker
+from rlsp.controller.step_data import StepData
 from rlsp.controller.weight_board import BoardFeed, start_weight_board
 from rlsp.controller.worker_group import PendingCall, RayWorkerGroup
 from rlsp.data.batch import Batch
@@ -154,7 +155,7 @@ class AsyncTrainer(RayTrainer):
             if self.sampler is None:
                 units = [self.queue.popleft() for _ in range(self.units_per_step)]
                 parts = [u.call.result() for u in units]
-                batch = Batch.concat(parts)
+                batch = StepData.concat(parts)
             else:  # dynamic sampling: more units until enough groups are informative
                 units, parts, batch, sampled = self.sampler.collect_units(self, stream, total, timing)
             waited = time.perf_counter() - t0 - timing.get("timing/reward_s", 0.0)

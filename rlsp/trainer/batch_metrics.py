@@ -16,26 +16,59 @@ def _mean(x: torch.Tensor, mask: torch.Tensor) -> float:
     return float(masked_mean(x, mask))
 
 
-def compute_batch_metrics(batch: Batch, scores: np.ndarray, step_s: float) -> dict[str, float]:
-    mask = batch["response_mask"]
-    lengths = torch.tensor(response_lengths(batch), dtype=torch.float32)  # whole trajectories (multi-turn too)
-    tokens = float(batch["attention_mask"].sum())
+def row_tokens(batch: Batch) -> torch.Tensor:
+    """[B] attended tokens of each row (what balancing weighs): reported by the workers, or counted here."""
+    return batch["num_tokens"] if "num_tokens" in batch else batch["attention_mask"].sum(-1)
+
+
+def _reported(batch: Batch, *keys: str) -> bool:
+    """Whether the workers reported these per-row values (a step whose rows stay on the workers)."""
+    return all(k in getattr(batch, "table", {}) for k in keys)
+
+
+def compute_batch_metrics(batch: Batch, scores: np.ndarray, step_s: float, width: int | None = None) -> dict[str, float]:
+    """The step's metrics, from per-row values the workers reported where the rows stay with them (the
+    token-level columns are read only when the driver holds them anyway)."""
+    if _reported(batch, "response_tokens", "response_length", "num_tokens"):
+        mask_tokens = batch["response_tokens"].double()
+        lengths = batch["response_length"].double()
+        tokens, width = float(batch["num_tokens"].sum()), width or batch["response_mask"].shape[1]
+        adv_B = batch.row_value("advantages")
+        adv_mean = (float((adv_B.double() * mask_tokens).sum() / mask_tokens.sum().clamp_min(1)) if adv_B is not None
+                    else _mean(batch["advantages"], batch["response_mask"]))
+    else:
+        mask = batch["response_mask"]
+        mask_tokens = mask.sum(-1).double()
+        lengths = torch.tensor(response_lengths(batch), dtype=torch.float64)  # whole trajectories (multi-turn too)
+        tokens, width, adv_mean = float(batch["attention_mask"].sum()), mask.shape[1], _mean(batch["advantages"], mask)
     metrics = {
         "reward/mean": float(scores.mean()), "reward/max": float(scores.max()), "reward/min": float(scores.min()),
         "reward/accuracy": float((scores >= 1.0).mean()),
-        "advantages/mean": _mean(batch["advantages"], mask),
+        "advantages/mean": adv_mean,
         "response_length/mean": float(lengths.mean()),
-        "response_length/clip_ratio": float((lengths >= mask.shape[1]).float().mean()),
+        "response_length/clip_ratio": float((lengths >= width).double().mean()),
         "throughput/tokens_per_s": tokens / max(step_s, 1e-9),
-        "throughput/response_tokens": float(mask.sum()),
+        "throughput/response_tokens": float(mask_tokens.sum()),
     }
-    if "old_logprobs" in batch:  # else the actor update reports the gap from its own forward
-        diff = (batch["rollout_logprobs"] - batch["old_logprobs"]).abs() * mask
-        metrics.update({"rollout/logprob_diff": _mean(diff, mask), "rollout/logprob_diff_max": float(diff.max())})
+    metrics.update(_logprob_gap(batch))
     if "values" in batch:
-        metrics.update(_critic_metrics(batch, mask))
+        metrics.update(_critic_metrics(batch, batch["response_mask"]))
     metrics.update(compute_agent_metrics(batch))
     return metrics
+
+
+def _logprob_gap(batch: Batch) -> dict[str, float]:
+    """|rollout - old| logprobs over response tokens, when the actor's separate pass ran (else the update
+    reports the gap from its own forward)."""
+    if "old_logprobs" not in batch:
+        return {}
+    if _reported(batch, "logprob_diff_sum", "response_tokens"):
+        total = batch["response_tokens"].double().sum().clamp_min(1)
+        return {"rollout/logprob_diff": float(batch["logprob_diff_sum"].double().sum() / total),
+                "rollout/logprob_diff_max": float(batch["logprob_diff_max"].max())}
+    mask = batch["response_mask"]
+    diff = (batch["rollout_logprobs"] - batch["old_logprobs"]).abs() * mask
+    return {"rollout/logprob_diff": _mean(diff, mask), "rollout/logprob_diff_max": float(diff.max())}
 
 
 AGENT_MAX_KEYS = ("agent/num_turns", "agent/tool_turns", "agent/tool_calls", "agent/tool_latency_s")
@@ -62,7 +95,9 @@ def compute_agent_metrics(batch: Batch) -> dict[str, float]:
     if calls > 0:
         out["agent/tool_error_rate"] = out.get("agent/tool_errors/mean", 0.0) / calls
     out["agent/parse_error_rate"] = out.get("agent/parse_errors/mean", 0.0) / max(out["agent/num_turns/mean"], 1e-9)
-    if "step_rewards" in batch:
+    if "step_reward_sum" in batch:
+        out["agent/step_reward/mean"] = float(batch["step_reward_sum"].mean())
+    elif "step_rewards" in batch:
         out["agent/step_reward/mean"] = float(batch["step_rewards"].sum(-1).mean())
     return out
 

@@ -129,7 +129,7 @@ class GroupCollector:
     def take(self) -> tuple[Batch, dict[str, float]]:
         """The first `prompts_needed` informative groups as one batch, and the step's sampling metrics."""
         chosen = set(self.kept_uids[: self.prompts_needed])
-        batch = Batch.concat(self.parts)
+        batch = type(self.parts[0]).concat(self.parts)
         batch = batch.select_rows([i for i, u in enumerate(batch.meta["uid"]) if u in chosen])
         metrics = {"train/num_gen_batches": float(self.num_gen_batches),
                    "train/num_groups_kept": float(len(self.kept_uids)),

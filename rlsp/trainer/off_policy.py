@@ -63,7 +63,7 @@ def apply_rollout_correction(batch: Batch, settings: RolloutCorrection) -> tuple
         return batch, {}
     weights, mask, metrics = compute_rollout_correction(batch["old_logprobs"], batch["rollout_logprobs"],
                                                         batch["response_mask"], settings)
-    actor_batch = Batch(batch.tensors.clone(recurse=False), dict(batch.meta), dict(batch.info))
+    actor_batch = batch.copy()
     actor_batch.set("response_mask", mask)
     if weights is not None:
         actor_batch.set("rollout_is_weights", weights.to(batch["response_mask"].dtype))

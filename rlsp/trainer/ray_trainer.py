@@ -27,6 +27,7 @@ from rlsp.config.layout import ParallelLayout
 from rlsp.config.run_length import data_batch, resolve_total_steps
 from rlsp.config.schema_verl_runtime import HF_MODEL
 from rlsp.controller.reward_servers import RewardServers
+from rlsp.controller.traffic import TRAFFIC
 from rlsp.controller.worker_group import RayWorkerGroup
 from rlsp.data.balance import balanced_order
 from rlsp.data.batch import Batch
@@ -34,7 +35,7 @@ from rlsp.data.dataset import PromptDataset, iterate_batches
 from rlsp.engine.export import export_hf
 from rlsp.rewards.overlong import build_overlong_shaping
 from rlsp.trainer.baselines import add_greedy_baselines, needs_greedy_baseline
-from rlsp.trainer.batch_metrics import check_finite, compute_agent_metrics, compute_batch_metrics
+from rlsp.trainer.batch_metrics import check_finite, compute_agent_metrics, compute_batch_metrics, row_tokens
 from rlsp.trainer.checkpoint import CheckpointWriter, TrainerState, latest_checkpoint, read_metrics_lines
 from rlsp.trainer.distill import Distillation
 from rlsp.trainer.dynamic_sampling import build_dynamic_sampler
@@ -44,6 +45,7 @@ from rlsp.trainer.off_policy import apply_rollout_correction, rollout_correction
 from rlsp.trainer.preflight_agent import agent_rows, check_agent_names
 from rlsp.trainer.progress import RunProgress
 from rlsp.trainer.reward_workers import build_scorer
+from rlsp.trainer.row_advantages import compute_row_advantages, row_level
 from rlsp.trainer.scoring import apply_rm_scores
 from rlsp.trainer.stopping import Terminated
 from rlsp.trainer.training_workers import check_sharded_forwards, start_training_workers
@@ -87,7 +89,7 @@ class RayTrainer:
         self.distill = Distillation.build(cfg, self.tokenizer, [self.train_set, self.val_set])  # None when off
         resolve_total_steps(cfg, len(self.train_set))  # verl's rule; from here on the config holds the run length
         # reward_model.num_workers > 1: rule scoring in that many Ray actors (verl's reward-loop workers).
-        self.scorer = build_scorer(cfg.reward_model.num_workers, self.tokenizer, cfg.actor_rollout_ref.model.path,
+        self.scorer = build_scorer(cfg.reward_model.num_workers, cfg.actor_rollout_ref.model.path,
                                    cfg.reward.custom_function_path, cfg.reward.custom_function_name, cfg.reward.on_error)
         self.metrics = MetricsLogger(self.run_dir, list(cfg.trainer.logger))
         k = cfg.algorithm.kl_ctrl
@@ -188,6 +190,8 @@ class RayTrainer:
     def _rewards(self, batch: Batch) -> dict[str, float]:
         """token_level_rewards = scores, minus beta * KL(old || ref) per token with use_kl_in_reward."""
         alg = self.cfg.algorithm
+        if row_level(self.cfg, batch):  # outcome advantages from per-row values (rlsp.trainer.row_advantages)
+            return {}
         if not alg.use_kl_in_reward:
             batch.set("token_level_rewards", batch["token_level_scores"])
             return {}
@@ -199,6 +203,9 @@ class RayTrainer:
         return {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
 
     def _advantages(self, batch: Batch) -> None:
+        if row_level(self.cfg, batch):
+            compute_row_advantages(batch, self.cfg)
+            return
         adv, ret = compute_advantages(self.cfg.algorithm.adv_estimator, advantage_inputs(batch, self.cfg))
         batch.set("advantages", adv)
         batch.set("returns", ret)
@@ -224,7 +231,7 @@ class RayTrainer:
         metrics: dict[str, float] = {}
         batch.info.update(temperature=self.cfg.actor_rollout_ref.rollout.temperature, global_step=step)
         if self.cfg.trainer.balance_batch and self.layout.dp_size > 1:
-            batch = batch.select_rows(balanced_order(batch["attention_mask"].sum(-1).tolist(), self.layout.dp_size))
+            batch = batch.select_rows(balanced_order(row_tokens(batch).tolist(), self.layout.dp_size))
         if step == 1 and self.cfg.trainer.sp_self_check:
             self.check_sp(batch)
         if needs_greedy_baseline(self.cfg):  # ReMax: a prompt's greedy response is its samples' baseline
@@ -261,7 +268,9 @@ class RayTrainer:
             with timed("timing/weight_sync_s", timing):
                 self.sync_rollout(step)
         timing["timing/step_s"] = time.perf_counter() - t0
-        return {**compute_batch_metrics(batch, scores, timing["timing/step_s"]), **metrics, **timing}
+        width = self.cfg.data.max_response_length
+        return {**compute_batch_metrics(batch, scores, timing["timing/step_s"], width), **metrics, **timing,
+                **TRAFFIC.take()}
 
     def _score(self, batch: Batch) -> np.ndarray:
         """token_level_scores of the rows: the reward model's scores with reward_model.enable (verl's rule: they

@@ -1,11 +1,14 @@
-"""Rule scoring over `reward_model.num_workers` concurrent processes (verl's reward-loop workers).
+"""Rule scoring in `reward_model.num_workers` scoring processes (verl's reward-loop workers), where the
+rows are read from the workers that hold them, never through the driver.
 
-With num_workers = k > 1 the driver's rule/custom reward scoring is split into k contiguous chunks of
-the batch, each scored by one of k Ray actors holding its own `Scorer` (the policy tokenizer and the
-reward function, loaded once per actor); the chunks' token-level scores are concatenated back in
-order, so the result is the one a single `Scorer` gives. With a reward model the model's inputs are
-rendered on the workers that host it (rlsp.workers.roles.reward_loop); rule rewards then score
-validation only (verl's rule).
+Each of the k Ray actors holds its own `Scorer` (the policy tokenizer and the reward function, loaded
+once per actor; started with the run so the first step does not wait for them). A step's rows are
+split into k contiguous chunks; each actor receives its chunk's declared columns (`SCORE_READS`)
+straight from the blocks that hold them (rlsp.controller.step_data) and returns one score per row, the
+reward function's dict entries and its error count. The driver keeps the scores; the token-level
+scores (the score on each row's last policy token) are built only where they are read. With a reward
+model the model's inputs are rendered on the workers that host it (rlsp.workers.roles.reward_loop);
+rule rewards then score validation only (verl's rule).
 """
 
 from __future__ import annotations
@@ -16,51 +19,74 @@ import numpy as np
 import ray
 import torch
 
+from rlsp.controller.step_data import StepData, from_batch
+from rlsp.controller.traffic import TRAFFIC
 from rlsp.data.batch import Batch
-from rlsp.trainer.scoring import Scorer
+from rlsp.trainer.scoring import Scorer, place_scores
+from rlsp.workers.columns import RowsSpec, assemble
+
+# What rule scoring reads of a row: the response tokens and the dataset row's fields.
+SCORE_READS = ("input_ids", "attention_mask", "response_mask", "data_source", "ground_truth", "extra_info", "index")
 
 
 @ray.remote(num_cpus=0)
 class RewardLoopWorker:
-    """One reward-loop process: a Scorer of its own."""
+    """One scoring process: a Scorer of its own."""
 
     def __init__(self, tokenizer_path: str, custom_path: str | None, custom_name: str, on_error: str) -> None:
         from transformers import AutoTokenizer  # noqa: PLC0415 -- in the actor's process
 
         self.scorer = Scorer(AutoTokenizer.from_pretrained(tokenizer_path), custom_path, custom_name, on_error)
 
-    def score_rows(self, batch: Batch) -> tuple[torch.Tensor, np.ndarray, int, list[dict[str, Any]]]:
-        scores = self.scorer.score_rows(batch)
-        return batch["token_level_scores"], scores, self.scorer.last_errors, batch.meta["reward_extra_info"]
+    def score(self, spec: RowsSpec, *blocks: Batch) -> tuple[np.ndarray, int, list[dict[str, Any]]]:
+        rows = assemble(spec, blocks)
+        scores = self.scorer.score_rows(rows)
+        return scores, self.scorer.last_errors, rows.meta["reward_extra_info"]
 
 
 class RewardWorkerPool:
-    """Scorer's interface (`score_rows`, `last_errors`) over `num_workers` Ray actors, started on first use."""
+    """Scores the rows of a step (`score_rows`) over `num_workers` scoring processes."""
 
     def __init__(self, num_workers: int, tokenizer_path: str, custom_path: str | None, custom_name: str,
                  on_error: str) -> None:
-        if num_workers < 2:
-            raise ValueError(f"reward_model.num_workers={num_workers}: a pool needs >= 2 workers (1 scores in the driver)")
-        self.num_workers = num_workers
-        self.args = (tokenizer_path, custom_path, custom_name, on_error)
-        self.workers: list[Any] = []
+        if num_workers < 1:
+            raise ValueError(f"reward_model.num_workers={num_workers}: need at least 1 scoring process")
+        self.workers = [RewardLoopWorker.remote(tokenizer_path, custom_path, custom_name, on_error)
+                        for _ in range(num_workers)]
         self.last_errors = 0
 
-    def score_rows(self, batch: Batch) -> np.ndarray:
-        """Adds `token_level_scores` [B, R] and meta `reward_extra_info` to the batch; returns the per-row scores."""
-        if not self.workers:
-            self.workers = [RewardLoopWorker.remote(*self.args) for _ in range(self.num_workers)]
-        chunks = batch.split(max(1, -(-len(batch) // self.num_workers)))  # at most num_workers contiguous parts
-        results = ray.get([w.score_rows.remote(c) for w, c in zip(self.workers, chunks)])
-        batch.set("token_level_scores", torch.cat([r[0] for r in results]))
-        batch.meta["reward_extra_info"] = [extra for r in results for extra in r[3]]
-        self.last_errors = sum(r[2] for r in results)
-        return np.concatenate([r[1] for r in results])
+    def score_rows(self, data: StepData | Batch) -> np.ndarray:
+        """The per-row scores of `data`'s rows; sets meta `reward_extra_info`, the scores (`row_score`,
+        `row_reward`: the score as the token rewards hold it) and the lazily built `token_level_scores`."""
+        if isinstance(data, Batch):  # rows the driver holds (validation of a scorer, tests): scored in place
+            step = from_batch(data)
+            scores = self.score_rows(step)
+            data.set("token_level_scores", step["token_level_scores"])
+            data.meta["reward_extra_info"] = step.meta["reward_extra_info"]
+            return scores
+        size = max(1, -(-len(data) // len(self.workers)))  # at most num_workers contiguous chunks
+        chunks = [range(a, min(a + size, len(data))) for a in range(0, len(data), size)]
+        calls = []
+        for worker, rows in zip(self.workers, chunks):
+            spec, refs = data.spec(rows, SCORE_READS)
+            TRAFFIC.send(spec)
+            calls.append(worker.score.remote(spec, *refs))
+        results = ray.get(calls)
+        TRAFFIC.receive(*results)
+        scores = np.concatenate([r[0] for r in results])
+        self.last_errors = sum(r[1] for r in results)
+        data.meta["reward_extra_info"] = [extra for r in results for extra in r[2]]
+        set_row_scores(data, scores)
+        return scores
 
 
-def build_scorer(num_workers: int, tokenizer: Any, tokenizer_path: str, custom_path: str | None, custom_name: str,
-                 on_error: str) -> Scorer | RewardWorkerPool:
-    """The driver's rule scorer: in-process for one worker, else a pool of reward-loop actors."""
-    if num_workers <= 1:
-        return Scorer(tokenizer, custom_path, custom_name, on_error=on_error)
-    return RewardWorkerPool(num_workers, tokenizer_path, custom_path, custom_name, on_error)
+def set_row_scores(data: StepData, scores: np.ndarray) -> None:
+    """Rule scores as the driver keeps them: per row, and `token_level_scores` built when first read."""
+    data.set("row_reward", torch.as_tensor(scores, dtype=torch.float32))
+    data.derive("token_level_scores", lambda d: place_scores(scores, d["response_mask"]))
+
+
+def build_scorer(num_workers: int, tokenizer_path: str, custom_path: str | None, custom_name: str,
+                 on_error: str) -> RewardWorkerPool:
+    """The run's rule scorer: `num_workers` scoring processes (at least one)."""
+    return RewardWorkerPool(max(1, num_workers), tokenizer_path, custom_path, custom_name, on_error)

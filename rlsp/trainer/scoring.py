@@ -82,16 +82,24 @@ class Scorer:
         scored = [self._score_one(*row) for row in zip(sources, texts, truths, extras, indices)]
         scores = [score for score, _ in scored]
         batch.meta["reward_extra_info"] = [rest for _, rest in scored]
-        mask = batch["response_mask"]
-        token_scores = torch.zeros_like(mask)
-        token_scores[torch.arange(len(batch)), last_policy_token(mask)] = torch.tensor(scores, dtype=mask.dtype)
-        batch.set("token_level_scores", token_scores * mask)
+        batch.set("token_level_scores", place_scores(scores, batch["response_mask"]))
         return np.asarray(scores, dtype=np.float64)
+
+
+def place_scores(scores: Any, mask_BR: torch.Tensor) -> torch.Tensor:
+    """[B, R] token-level scores: each row's score on its last policy token, zeros elsewhere."""
+    token_scores = torch.zeros_like(mask_BR)
+    token_scores[torch.arange(len(mask_BR)), last_policy_token(mask_BR)] = torch.tensor(scores, dtype=mask_BR.dtype)
+    return token_scores * mask_BR
 
 
 def apply_rm_scores(batch: Batch) -> np.ndarray:
     """verl's rule with a reward model: its score (`rm_scores`, on the last response token) is the token-level
     score, and training rows get no rule reward (verl's reward manager returns rm_scores when present; rule and
     custom rewards then score validation only). Returns the per-row scores."""
+    if "rm_row_reward" in batch and hasattr(batch, "derive"):  # reported per row where the scores were computed
+        batch.set("row_reward", batch["rm_row_reward"])
+        batch.derive("token_level_scores", lambda rows: rows["rm_scores"])
+        return batch["rm_score"].double().numpy()
     batch.set("token_level_scores", batch["rm_scores"])
     return batch["rm_scores"].sum(-1).double().numpy()

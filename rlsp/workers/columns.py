@@ -29,6 +29,12 @@ from rlsp.algos.aggregation import masked_sum
 from rlsp.data.batch import Batch, response_lengths
 
 ROW_SUFFIX = "@row"
+COLUMNS_INFO = "block_columns"  # a row report's note of the (tensor, meta) columns its block holds
+
+# What a forward pass over rollout rows reads (positions are rebuilt from the mask when packing).
+MODEL_INPUTS = ("input_ids", "attention_mask", "response_mask")
+# The per-row fields a prompt carries from its dataset row into its samples.
+ROW_FIELDS = ("uid", "data_source", "ground_truth", "extra_info", "index", "messages", "agent_name")
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ A BY_DP method also declares its fields: `reads`, the columns of the batch it ma
 sent: a read of any other is an error), `writes`, the columns of the Batch it returns (which stays in
 the worker's process: the driver gets a handle), and `reports`, per-row values the driver receives
 instead of the rows (derived scalars such as each row's token count, see rlsp.workers.columns, or
-small per-row entries such as uid). A method returning metrics (a dict) declares no writes.
+small per-row entries such as uid). A method returning metrics (a dict) declares no writes. Generation
+returns new rows (`new_rows=True`); every other method returns columns of the rows it received.
 
 The controller refuses to call a method that has no declaration, so a new role method cannot be
 dispatched by accident with the wrong contract.
@@ -42,17 +43,18 @@ class Fields:
     reads: frozenset[str]
     writes: frozenset[str]
     reports: tuple[str, ...]
+    new_rows: bool  # the returned rows are new ones (generation), not columns of the rows received
 
 
 def register(mode: Dispatch, *, reads: Iterable[str] = (), writes: Iterable[str] = (),
-             reports: Iterable[str] = ()) -> Callable[[F], F]:
+             reports: Iterable[str] = (), new_rows: bool = False) -> Callable[[F], F]:
     """Declare how the controller dispatches calls of the decorated method (and, BY_DP, its fields)."""
     if mode is Dispatch.ALL and (reads or writes or reports):
         raise ValueError("only BY_DP methods take rows: an ALL method declares no fields")
 
     def decorator(fn: F) -> F:
         setattr(fn, _ATTR, mode)
-        setattr(fn, _FIELDS, Fields(frozenset(reads), frozenset(writes), tuple(reports)))
+        setattr(fn, _FIELDS, Fields(frozenset(reads), frozenset(writes), tuple(reports), new_rows))
         return fn
 
     return decorator

@@ -23,12 +23,14 @@ from torch.distributed.constants import default_pg_timeout
 from transformers import AutoTokenizer
 
 from rlsp.config.layout import ParallelLayout
+from rlsp.data.batch import Batch
 from rlsp.utils.device import backend_for, device_for, resolve_device_type
 from rlsp.utils.dtypes import resolve_dtype
 from rlsp.utils.logging import get_logger
 from rlsp.utils.seeding import seed_everything
+from rlsp.workers.columns import COLUMNS_INFO, RowsSpec, assemble, row_report
 from rlsp.workers.context import RoleContext
-from rlsp.workers.dispatch import Dispatch, register
+from rlsp.workers.dispatch import Dispatch, declared_fields, register
 from rlsp.workers.roles import ROLE_CLASSES
 
 log = get_logger("rlsp.worker")
@@ -135,6 +137,35 @@ class Worker:
         if role not in self.roles:
             raise ValueError(f"role {role!r} is not placed on this {self.group} worker; it has {sorted(self.roles)}")
         return getattr(self.roles[role], method)(*args)
+
+    def execute_rows(self, role: str, method: str, spec: RowsSpec, args: tuple[Any, ...],
+                     *blocks: Batch) -> tuple[Batch | None, Any]:
+        """Run a BY_DP `role.method` on the rows `spec` builds from `blocks` (the declared columns only):
+        (the Batch it returns, kept in this process — None on ranks that do not answer for their dp
+        group —, what the driver receives: the declared per-row reports, or the method's own result)."""
+        if role not in self.roles:
+            raise ValueError(f"role {role!r} is not placed on this {self.group} worker; it has {sorted(self.roles)}")
+        fields = declared_fields(type(self.roles[role]), method)
+        rows = assemble(spec, blocks)
+        if extra := (set(rows.tensors.keys()) | set(rows.meta)) - fields.reads:
+            raise RuntimeError(f"{role}.{method} was sent fields it does not declare: {sorted(extra)}")
+        try:
+            result = getattr(self.roles[role], method)(rows, *args)
+        except KeyError as exc:
+            raise RuntimeError(f"{role}.{method} read {exc} which it was not sent: it declares reads "
+                               f"{sorted(fields.reads)} and these rows have {sorted(rows.keys())}") from exc
+        answers = self.rank % self.layout.role(role).ranks_per_dp == 0
+        if not isinstance(result, Batch):
+            return None, result
+        if extra := (set(result.tensors.keys()) | set(result.meta)) - fields.writes:
+            raise RuntimeError(f"{role}.{method} returned fields it does not declare: {sorted(extra)} "
+                               f"(declared writes {sorted(fields.writes)})")
+        if not answers:
+            return None, None
+        merged = result if fields.new_rows else rows.copy().update(result)
+        report = row_report(merged, fields.reports)
+        report.info[COLUMNS_INFO] = (sorted(result.tensors.keys()), sorted(result.meta))  # what this block holds
+        return result, report
 
     def _rollout_starts_stale(self) -> bool:
         """The rollout engine starts from model.path's weights (random ones with load_format=dummy); the

@@ -1,6 +1,6 @@
-"""reward_model.num_workers: rule scoring split over Ray reward-loop actors gives what one in-process Scorer gives.
+"""reward_model.num_workers: rule scoring in Ray scoring actors gives what one in-process Scorer gives.
 
-7 rows (uneven chunks over 2 and 3 workers), a custom reward that depends on each row's response and
+7 rows (one chunk, uneven chunks over 2 and 3 workers), a custom reward that depends on each row's response and
 index, and one faulting row scored 0 under reward.on_error=zero: token-level scores, per-row scores
 and the error count are equal exactly.
 """
@@ -40,11 +40,10 @@ def test_reward_workers_equal_one_scorer(tmp_path):
     single = Scorer(tok, str(fn), on_error="zero")
     expected = _batch(tok)
     want = single.score_rows(expected)
-    assert isinstance(build_scorer(1, tok, str(tmp_path / "tok"), str(fn), "compute_score", "zero"), Scorer)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        for workers in (2, 3):
-            pool = build_scorer(workers, tok, str(tmp_path / "tok"), str(fn), "compute_score", "zero")
+        for workers in (1, 2, 3):
+            pool = build_scorer(workers, str(tmp_path / "tok"), str(fn), "compute_score", "zero")
             assert isinstance(pool, RewardWorkerPool)
             batch = _batch(tok)
             got = pool.score_rows(batch)

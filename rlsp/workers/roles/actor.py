@@ -21,6 +21,7 @@ from rlsp.models.lora import LORA_ADAPTER_DIR, LoraAdapters, LoraSettings, apply
 from rlsp.models.tiled_mlp import apply_tiled_mlp
 from rlsp.utils.dtypes import resolve_dtype
 from rlsp.workers.actor_loss import ActorLossConfig, make_actor_loss
+from rlsp.workers.columns import MODEL_INPUTS
 from rlsp.workers.context import RoleContext
 from rlsp.workers.dispatch import Dispatch, register
 from rlsp.workers.ppo_loop import global_counts, run_ppo_epochs
@@ -91,7 +92,8 @@ class ActorRole:
         named = [(name, t.detach().to("cpu", copy=True)) for name, t in self.rollout_weights(resolve_dtype(dtype))]
         return named if self.ctx.rank == 0 else None
 
-    @register(Dispatch.BY_DP)
+    @register(Dispatch.BY_DP, reads=(*MODEL_INPUTS, "rollout_logprobs"), writes=("old_logprobs", "sum_pi_squared"),
+              reports=("logprob_diff_sum", "logprob_diff_max"))
     def compute_log_prob(self, batch: Batch) -> Batch:
         """Old logprobs [B, R] of the sampled tokens under the current policy; with actor.calculate_sum_pi_squared
         also sum_pi_squared [B, R] (sum over the vocabulary of p^2 per token, from the same forward)."""
@@ -104,7 +106,8 @@ class ActorRole:
         out["old_logprobs"] = out.pop("logprobs")
         return Batch.from_dict(out)
 
-    @register(Dispatch.BY_DP)
+    @register(Dispatch.BY_DP, reads=(*MODEL_INPUTS, "advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs",
+                                     "rollout_is_weights"))
     def update_actor(self, batch: Batch) -> dict[str, float]:
         """PPO epochs over mini-batches of this dp shard; metrics averaged over optimizer steps."""
         a = self.cfg.actor_rollout_ref.actor
@@ -132,7 +135,7 @@ class ActorRole:
             loss_scale_factor=a.loss_scale_factor,
         )
 
-    @register(Dispatch.BY_DP)
+    @register(Dispatch.BY_DP, reads=MODEL_INPUTS)
     def sp_self_check(self, batch: Batch) -> float:
         """Max |logprob(sp=k) - logprob(unsharded)| on `batch` (collective)."""
         return self.engine.sp_self_check(batch, self.ctx.prompt_len, "logprobs",

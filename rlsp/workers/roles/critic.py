@@ -17,6 +17,7 @@ from rlsp.models.loading import load_backbone
 from rlsp.models.tiled_mlp import apply_tiled_mlp
 from rlsp.models.value import ValueModel
 from rlsp.utils.dtypes import resolve_dtype
+from rlsp.workers.columns import MODEL_INPUTS
 from rlsp.workers.context import RoleContext
 from rlsp.workers.critic_loss import make_critic_loss
 from rlsp.workers.dispatch import Dispatch, register
@@ -46,7 +47,7 @@ class CriticRole:
         self.ctx, self.cfg = ctx, ctx.cfg
         self.engine = build_critic_engine(ctx)
 
-    @register(Dispatch.BY_DP)
+    @register(Dispatch.BY_DP, reads=MODEL_INPUTS, writes=("values",))
     def compute_values(self, batch: Batch) -> Batch:
         """V(s_t) [B, R] for the state before every response token (zeros on padding)."""
         c = self.cfg.critic
@@ -54,7 +55,7 @@ class CriticRole:
                                    token_budget(c.use_dynamic_bsz, c.forward_max_token_len_per_gpu))
         return Batch.from_dict({"values": values})
 
-    @register(Dispatch.BY_DP)
+    @register(Dispatch.BY_DP, reads=(*MODEL_INPUTS, "values", "returns"))
     def update_critic(self, batch: Batch) -> dict[str, float]:
         """Clipped value-loss epochs over mini-batches of this dp shard (needs values and returns)."""
         c = self.cfg.critic
@@ -70,7 +71,7 @@ class CriticRole:
                                  train_mini)
         return role_metrics("critic", metrics, drop_prefixes=("sp/",))
 
-    @register(Dispatch.BY_DP)
+    @register(Dispatch.BY_DP, reads=MODEL_INPUTS)
     def sp_self_check(self, batch: Batch) -> float:
         """Max |value(sp=k) - value(unsharded)| on `batch` (collective)."""
         return self.engine.sp_self_check(batch, self.ctx.prompt_len, "values")

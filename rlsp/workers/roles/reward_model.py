@@ -22,6 +22,7 @@ from rlsp.data.rm_inputs import render_for_reward_model, same_tokenizer
 from rlsp.engine.fsdp_engine import FSDPEngine
 from rlsp.models.reward import RewardModel, load_reward_model
 from rlsp.utils.dtypes import resolve_dtype
+from rlsp.workers.columns import MODEL_INPUTS, ROW_FIELDS
 from rlsp.workers.context import RoleContext
 from rlsp.workers.dispatch import Dispatch, register
 from rlsp.workers.roles.common import fsdp_offload, token_budget
@@ -69,7 +70,8 @@ class RewardModelRole:
                                            self.max_len)
         return Batch.from_dict({"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]})
 
-    @register(Dispatch.BY_DP)
+    @register(Dispatch.BY_DP, reads=(*MODEL_INPUTS, *ROW_FIELDS), writes=("rm_scores",),
+              reports=("rm_score", "rm_row_reward"))
     def compute_rm_score(self, batch: Batch) -> Batch:
         """`rm_scores` [B, R]: each sequence's score on its last response token (zeros elsewhere)."""
         rm = self.cfg.reward_model
@@ -82,7 +84,7 @@ class RewardModelRole:
                                      last_token=True)
         return Batch.from_dict({"rm_scores": place_on_last_token(scores_B, batch["response_mask"])})
 
-    @register(Dispatch.BY_DP)
+    @register(Dispatch.BY_DP, reads=(*MODEL_INPUTS, *ROW_FIELDS))
     def sp_self_check(self, batch: Batch) -> float:
         """Max |score(ulysses=k) - score(unsharded)| over the rows of `batch` (collective)."""
         rows = self.rows(batch)

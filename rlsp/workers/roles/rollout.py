@@ -32,9 +32,17 @@ from rlsp.data.batch import Batch
 from rlsp.rollout import SamplingConfig, build_rollout_engine
 from rlsp.rollout.segments import SegmentedOutput, generate_in_segments
 from rlsp.workers.agent_rollout import agent_generate
+from rlsp.workers.columns import ROW_FIELDS
 from rlsp.workers.context import RoleContext
 from rlsp.workers.dispatch import Dispatch, register
 from rlsp.workers.rollout_rows import build_rollout_rows
+
+# What generation leaves on the worker (rlsp.workers.rollout_rows, rlsp.workers.agent_rollout) and what
+# the driver receives instead: per-row counts and the small per-row entries it groups and reports by.
+ROLLOUT_WRITES = ("input_ids", "attention_mask", "position_ids", "response_mask", "rollout_logprobs", "token_version",
+                  "policy_version", "policy_version_max", "step_rewards", "agent_metrics", *ROW_FIELDS)
+ROLLOUT_REPORTS = ("num_tokens", "response_tokens", "response_length", "step_reward_sum", "policy_version",
+                   "policy_version_max", "uid", "data_source", "index", "agent_name", "agent_metrics")
 
 
 class WeightFeed(Protocol):
@@ -76,7 +84,8 @@ class RolloutRole:
                                           on_gpu=self.ctx.device.type == "cuda")}  # verl's engine options
         return {"device": str(self.ctx.device)}  # resolved (cuda:<i>), like the training engines' device
 
-    @register(Dispatch.BY_DP)
+    @register(Dispatch.BY_DP, reads=("prompt_index", "prompt_ids", *ROW_FIELDS), writes=ROLLOUT_WRITES,
+              reports=ROLLOUT_REPORTS, new_rows=True)
     def generate(self, prompts: Batch, sampling: dict[str, Any]) -> Batch:
         """Sample `n` responses per prompt; rows of one prompt are contiguous and share its meta."""
         if sampling.get("seed") is not None and len(prompts):

@@ -24,6 +24,7 @@ from rlsp.engine.fsdp_engine import FSDPEngine
 from rlsp.models.lm import TokenLogprobModel
 from rlsp.models.loading import load_causal_lm
 from rlsp.utils.dtypes import resolve_dtype
+from rlsp.workers.columns import MODEL_INPUTS, ROW_FIELDS
 from rlsp.workers.context import RoleContext
 from rlsp.workers.dispatch import Dispatch, register
 from rlsp.workers.roles.common import batch_temperature, fsdp_offload, token_budget
@@ -60,7 +61,7 @@ class TeacherRole:
     def _routes(self, batch: Batch) -> list[str]:
         return route_rows(batch.meta[self.cfg.distillation.teacher_key], self.specs)
 
-    @register(Dispatch.BY_DP)
+    @register(Dispatch.BY_DP, reads=(*MODEL_INPUTS, *ROW_FIELDS), writes=("teacher_logprobs",))
     def compute_teacher_log_prob(self, batch: Batch, names: list[str]) -> Batch:
         """`teacher_logprobs` [B, R] of the shard's rows, each from its routed teacher; `names`: the teachers
         the whole batch routes to (the same list on every rank, so every rank runs the same forwards)."""
@@ -75,7 +76,7 @@ class TeacherRole:
             out_BR[rows_B] = lp_BR[rows_B].to(out_BR.dtype)
         return Batch.from_dict({"teacher_logprobs": out_BR})
 
-    @register(Dispatch.BY_DP)
+    @register(Dispatch.BY_DP, reads=(*MODEL_INPUTS, *ROW_FIELDS))
     def sp_self_check(self, batch: Batch) -> float:
         """Max |logprob(sharded) - logprob(unsharded)| over the teachers on `batch` (collective)."""
         return max(engine.sp_self_check(batch, self.ctx.prompt_len, "logprobs",
