@@ -12,7 +12,7 @@ Measured: the torch CPU allocator's live bytes, from the profiler's allocation/f
 counts (parameters, optimizer state, gradients, FSDP buffers, activations, temporaries); the peak is
 the largest running total inside the second step, per rank, max over ranks; the median of
 `--repeats` runs (gloo keeps some collective buffers alive for varying times, a few percent).
-Estimated: `rlsp.config.plan.plan_memory` for the same RoleLayout, budget and options, with the head
+Estimated: `rlsp.plan.plan_memory` for the same RoleLayout, budget and options, with the head
 split of rlsp.parallel.heads. Relative error = (estimate - measured) / measured; target |error| <=
 15 %. `gpu_recorded` compares the estimate with the peaks recorded earlier on an H100
 (docs/benchmarks.md, GPU section) for the Qwen2.5-0.5B shape.
@@ -44,7 +44,6 @@ from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E
 from transformers import Qwen2Config  # noqa: E402
 
 from rlsp.config.layout import RoleLayout, World  # noqa: E402
-from rlsp.config.plan import HeadShare, MemoryOptions, Workload, plan_memory, shape_from_config  # noqa: E402
 from rlsp.data.batch import Batch  # noqa: E402
 from rlsp.engine.fsdp_engine import FSDPEngine  # noqa: E402
 from rlsp.engine.optim import OptimSettings  # noqa: E402
@@ -52,6 +51,7 @@ from rlsp.models.lm import TokenLogprobModel  # noqa: E402
 from rlsp.models.loading import build_causal_lm_from_config  # noqa: E402
 from rlsp.models.value import ValueModel  # noqa: E402
 from rlsp.parallel.heads import plan_head_layout  # noqa: E402
+from rlsp.plan import HeadShare, MemoryOptions, Workload, plan_memory, shape_from_config  # noqa: E402
 from rlsp.workers.actor_loss import ActorLossConfig, make_actor_loss  # noqa: E402
 from rlsp.workers.critic_loss import make_critic_loss  # noqa: E402
 

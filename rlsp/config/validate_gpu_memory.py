@@ -34,7 +34,7 @@ Not on one device, so not summed: a rollout pool of its own (async training; the
 the pool's devices, the reward engine on the trainer's), and HF generate (no vLLM rollout engine).
 On `trainer.device=cpu` the fractions mean nothing (KV caches come from `*cpu_kvcache_space_gib`) and are
 not checked; `auto` is checked, as it runs on CUDA wherever a GPU is present.
-The training state: the planner (rlsp.config.plan.memory.state_bytes) gives it in bytes per rank from
+The training state: the planner (rlsp.plan.memory.state_bytes) gives it in bytes per rank from
 the model's config.json, but the config has no key for the device's size to turn it into a fraction
 (the planner takes `--gpu-memory-gib` on its command line), so only the fractions are summed and the
 error says the training state comes on top.

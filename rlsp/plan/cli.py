@@ -1,4 +1,5 @@
-"""Layout planner: `python -m rlsp.plan --model <dir> --gpus-per-node N --nodes M --gpu-memory-gib G --seq-len L`.
+"""The layout planner's command line (run as `python -m rlsp.plan`, rlsp/plan/__main__.py):
+`python -m rlsp.plan --model <dir> --gpus-per-node N --nodes M --gpu-memory-gib G --seq-len L`.
 
 Reads the model's config.json, lists the training layouts that fit (dp x ring x Ulysses x tp, with or
 without sequence-parallel activations, FSDP shard groups, activation checkpointing, the token budget
@@ -7,7 +8,7 @@ and says why each of the others loses; explains layouts it refuses or replaces. 
 the last line printed is exactly the Hydra overrides of the recommended plan for
 `python -m rlsp.main --config-name grpo` (or ppo). Exit codes: 0 a plan, 2 no layout fits or bad input.
 
-Models: rlsp/config/plan/ (memory, communication, enumeration; no torch). Numbers and their checks
+Models: the other modules of rlsp/plan/ (memory, communication, enumeration; no torch). Numbers and their checks
 against measured peaks: docs/plan.md and docs/benchmarks.md ("Planner memory model").
 """
 
@@ -16,10 +17,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rlsp.config.plan.comm import HeadSplit
-from rlsp.config.plan.explain import fsdp_name, infeasible, layout_name, loss_reason, refusals, settings_name
-from rlsp.config.plan.memory import GIB
-from rlsp.config.plan.overrides import (
+from rlsp.parallel.heads import plan_head_layout
+from rlsp.plan.comm import HeadSplit
+from rlsp.plan.explain import fsdp_name, infeasible, layout_name, loss_reason, refusals, settings_name
+from rlsp.plan.memory import GIB
+from rlsp.plan.overrides import (
     OFFLOAD_KEY,
     TILED_KEY,
     RunShape,
@@ -28,9 +30,8 @@ from rlsp.config.plan.overrides import (
     rollout_note,
     schema_has,
 )
-from rlsp.config.plan.search import Cluster, Plan, Request, Speeds, search
-from rlsp.config.plan.shape import read_model_shape
-from rlsp.parallel.heads import plan_head_layout
+from rlsp.plan.search import Cluster, Plan, Request, Speeds, search
+from rlsp.plan.shape import read_model_shape
 
 MB = 1e6
 
@@ -161,7 +162,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\npython -m rlsp.main --config-name {run.algo} <these overrides>:")
         print(" ".join(keys))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

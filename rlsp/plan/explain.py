@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 
 from rlsp.config.layout import RoleLayout
-from rlsp.config.plan.memory import GIB, HeadShare, Workload, ring_bytes
-from rlsp.config.plan.search import Plan, Request, divisors
+from rlsp.plan.memory import GIB, HeadShare, Workload, ring_bytes
+from rlsp.plan.search import Plan, Request, divisors
 
 MB = 1e6
 

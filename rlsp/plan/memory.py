@@ -41,7 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rlsp.config.layout import RoleLayout
-from rlsp.config.plan.shape import ModelShape
+from rlsp.plan.shape import ModelShape
 
 GIB = 2**30
 ROLES = ("actor", "ref", "critic")

@@ -11,9 +11,9 @@ import dataclasses
 import typing
 from dataclasses import dataclass
 
-from rlsp.config.plan.memory import GIB
-from rlsp.config.plan.search import Plan, Request
 from rlsp.config.schema import RLSPConfig
+from rlsp.plan.memory import GIB
+from rlsp.plan.search import Plan, Request
 
 TILED_KEY = "actor_rollout_ref.model.tiled_mlp.num_shards"
 OFFLOAD_KEY = "actor_rollout_ref.model.enable_activation_offload"

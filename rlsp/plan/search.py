@@ -19,9 +19,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from rlsp.config.layout import RoleLayout, World
-from rlsp.config.plan.comm import Comm, HeadSplit, plan_comm
-from rlsp.config.plan.memory import GIB, HeadShare, MemoryEstimate, MemoryOptions, Workload, plan_memory
-from rlsp.config.plan.shape import ModelShape
+from rlsp.plan.comm import Comm, HeadSplit, plan_comm
+from rlsp.plan.memory import GIB, HeadShare, MemoryEstimate, MemoryOptions, Workload, plan_memory
+from rlsp.plan.shape import ModelShape
 
 # (q heads, kv heads, ulysses) -> heads of every Ulysses rank; rlsp.parallel.heads.plan_head_layout
 # computes it (the CLI passes an adapter: that module sits above this layer).

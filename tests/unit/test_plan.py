@@ -16,16 +16,15 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from rlsp import plan as cli
 from rlsp.config.layout import RoleLayout, World
-from rlsp.config.plan import HeadShare, MemoryOptions, Workload, plan_memory, read_model_shape
-from rlsp.config.plan.comm import plan_comm
-from rlsp.config.plan.memory import layer_saved_bytes, state_bytes
-from rlsp.config.plan.shape import shape_from_config
 from rlsp.config.schema import RLSPConfig
 from rlsp.config.store import register_schema
 from rlsp.config.validate import validate_config
 from rlsp.parallel.tensor_parallel import legal_tp_sizes
+from rlsp.plan import HeadShare, MemoryOptions, Workload, cli, plan_memory, read_model_shape
+from rlsp.plan.comm import plan_comm
+from rlsp.plan.memory import layer_saved_bytes, state_bytes
+from rlsp.plan.shape import shape_from_config
 
 # Public model shapes (config.json fields), also used by scripts/gen_plan_doc.py for docs/plan.md.
 SHAPES = {name.lower(): cfg for name, cfg in
@@ -175,7 +174,7 @@ def test_memory_options_follow_the_schema(models, capsys, monkeypatch):
     args = ("--model", models["qwen2.5-0.5b"], "--gpus-per-node", 8, "--gpu-memory-gib", 80, "--seq-len", 131072,
             "--overrides")
     monkeypatch.setattr(cli, "schema_has", lambda key: False)
-    monkeypatch.setattr("rlsp.config.plan.overrides.schema_has", lambda key: False)
+    monkeypatch.setattr("rlsp.plan.overrides.schema_has", lambda key: False)
     code, out, _ = run_cli(capsys, *args)
     assert code == 0 and "not available in this version" in out
     keys = _overrides(out)
