@@ -1,9 +1,8 @@
-"""Start-up checks of verl's engine and runtime keys (rlsp.config.schema_verl_runtime), and the vLLM options
-of the rollout engine built from them.
+"""Start-up checks of verl's engine and runtime keys (rlsp.config.schema_verl_runtime).
 
 Values only (no torch, no files): `check_verl_runtime_keys` appends one message per refused value, naming the
-key, the value and what is legal. `vllm_engine_options` is what rlsp/workers/roles/rollout.py passes to
-vllm.LLM on top of the options it sets itself.
+key, the value and what is legal. The vLLM options built from these keys live with the rollout
+(rlsp.rollout.engine_options).
 """
 
 from __future__ import annotations
@@ -28,19 +27,6 @@ OWN_VLLM_OPTIONS = {
     "max_num_batched_tokens": f"{ROLLOUT}.max_num_batched_tokens", "max_num_seqs": f"{ROLLOUT}.max_num_seqs",
     "enable_sleep_mode": "(on for GPU)",
 }
-
-
-def vllm_engine_options(rollout: Any, max_model_len: int, on_gpu: bool) -> dict[str, Any]:
-    """The vllm.LLM keyword arguments of verl's rollout keys: scheduler limits, chunked prefill and
-    engine_kwargs.vllm. On CPU chunked prefill stays off (vLLM's seeded sampling cannot rewind a CPU generator
-    after a split prefill, see rlsp/rollout/vllm_engine.py), so a step must hold a whole prompt: the token
-    budget is raised to max_model_len there."""
-    tokens = int(rollout.max_num_batched_tokens)
-    options = {"max_num_batched_tokens": tokens if on_gpu else max(tokens, max_model_len),
-               "max_num_seqs": int(rollout.max_num_seqs), **OmegaConf.to_container(rollout.engine_kwargs.vllm, resolve=True)}
-    if on_gpu:
-        options["enable_chunked_prefill"] = bool(rollout.enable_chunked_prefill)
-    return options
 
 
 def _positive_int(key: str, value: Any, errors: list[str]) -> None:

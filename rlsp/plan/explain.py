@@ -12,7 +12,8 @@ import math
 
 from rlsp.config.layout import RoleLayout
 from rlsp.plan.memory import GIB, HeadShare, Workload, ring_bytes
-from rlsp.plan.search import Plan, Request, divisors
+from rlsp.plan.search import Plan, Request
+from rlsp.utils.divisors import divisors
 
 MB = 1e6
 

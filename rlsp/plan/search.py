@@ -22,6 +22,7 @@ from rlsp.config.layout import RoleLayout, World
 from rlsp.plan.comm import Comm, HeadSplit, plan_comm
 from rlsp.plan.memory import GIB, HeadShare, MemoryEstimate, MemoryOptions, Workload, plan_memory
 from rlsp.plan.shape import ModelShape
+from rlsp.utils.divisors import divisors
 
 # (q heads, kv heads, ulysses) -> heads of every Ulysses rank; rlsp.parallel.heads.plan_head_layout
 # computes it (the CLI passes an adapter: that module sits above this layer).
@@ -107,10 +108,6 @@ class Plan:
         """Attention work of the busiest Ulysses rank over the mean (uneven head splits)."""
         q = self.split.q_counts
         return max(q) * len(q) / sum(q)
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def fsdp_sizes(world: World, tp: int) -> list[int]:

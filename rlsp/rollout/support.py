@@ -13,6 +13,7 @@ from typing import Any
 # Head sizes vLLM's CPU attention backend has kernels for (defined once, next to the tiny-model factory
 # that must respect them).
 from rlsp.models.tiny import VLLM_CPU_HEAD_DIMS
+from rlsp.utils.divisors import divisors
 
 ALTERNATIVE = "actor_rollout_ref.rollout.name=hf"
 
@@ -38,18 +39,16 @@ def check_rollout_tp(hf_config: Any, tp: int) -> str | None:
     kv = getattr(hf_config, "num_key_value_heads", None) or q
     mlp = getattr(hf_config, "intermediate_size", None)
     if isinstance(q, int) and q % tp:
-        return f"{key}={tp} must divide the model's {q} attention heads; legal values: {_divisors(q)}"
+        return f"{key}={tp} must divide the model's {q} attention heads; legal values: {divisors(q)}"
     if isinstance(kv, int) and (kv % tp if kv >= tp else tp % kv):
         return (f"{key}={tp}: vLLM splits {kv} kv heads over tp ranks (tp <= kv heads: tp must divide them) or "
                 f"replicates them (tp > kv heads: they must divide tp); legal values: "
-                f"{[t for t in _divisors(q) if (kv % t == 0 if kv >= t else t % kv == 0)]}")
+                f"{[t for t in divisors(q) if (kv % t == 0 if kv >= t else t % kv == 0)]}")
     if isinstance(mlp, int) and mlp % tp:
-        return f"{key}={tp} must divide the model's MLP width intermediate_size={mlp}; legal values: {_divisors(mlp)}"
+        return f"{key}={tp} must divide the model's MLP width intermediate_size={mlp}; legal values: {divisors(mlp)}"
     return None
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def check_rollout_support(hf_config: Any, rollout_name: str, device_type: str, tp: int = 1) -> str | None:

@@ -45,13 +45,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from rlsp.config.layout import ParallelLayout
-from rlsp.config.validate_async import max_units_ahead
 from rlsp.controller.resource_pool import ResourcePool, default_cpus_per_worker
 from rlsp.controller.step_data import StepData
 from rlsp.controller.weight_board import BoardFeed, start_weight_board
 from rlsp.controller.worker_group import PendingCall, RayWorkerGroup
 from rlsp.data.batch import Batch
 from rlsp.trainer.ray_trainer import RayTrainer, _prompt_batch
+from rlsp.trainer.staleness import max_units_ahead
 from rlsp.trainer.training_workers import worker_env
 from rlsp.utils.device import resolve_device_type
 from rlsp.utils.logging import get_logger

@@ -11,11 +11,12 @@ from omegaconf import OmegaConf
 
 from rlsp.config.compose import CommandLine, compose_collecting, verl_argv
 from rlsp.config.schema import RLSPConfig
-from rlsp.config.validate_verl_runtime import check_verl_runtime_keys, vllm_engine_options
+from rlsp.config.validate_verl_runtime import check_verl_runtime_keys
 from rlsp.config.verl_compat import refusal, verl_key_notes, verl_note, verl_status
 from rlsp.config.verl_spellings import rename_overrides, rlsp_key
 from rlsp.data.batch import Batch
 from rlsp.models.tokenizer import build_char_tokenizer
+from rlsp.rollout.engine_options import vllm_engine_options
 from rlsp.trainer.val_generations import ValGenerationLog
 
 

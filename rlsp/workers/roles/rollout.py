@@ -27,9 +27,9 @@ import torch
 
 from rlsp.agent.runner import AgentRunner
 from rlsp.config.validate_agent import agent_loops_enabled
-from rlsp.config.validate_verl_runtime import vllm_engine_options
 from rlsp.data.batch import Batch
 from rlsp.rollout import SamplingConfig, build_rollout_engine
+from rlsp.rollout.engine_options import vllm_engine_options
 from rlsp.rollout.segments import SegmentedOutput, generate_in_segments
 from rlsp.workers.agent_rollout import agent_generate
 from rlsp.workers.columns import ROW_FIELDS
