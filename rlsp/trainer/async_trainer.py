@@ -42,18 +42,16 @@ from typing import Any
 
 import ray
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from rlsp.config.layout import ParallelLayout
-from rlsp.controller.resource_pool import ResourcePool, default_cpus_per_worker
 from rlsp.controller.step_data import StepData
 from rlsp.controller.weight_board import BoardFeed, start_weight_board
 from rlsp.controller.worker_group import PendingCall, RayWorkerGroup
 from rlsp.data.batch import Batch
 from rlsp.trainer.ray_trainer import RayTrainer, _prompt_batch
 from rlsp.trainer.staleness import max_units_ahead
-from rlsp.trainer.training_workers import worker_env
-from rlsp.utils.device import resolve_device_type
+from rlsp.trainer.training_workers import start_pool
 from rlsp.utils.logging import get_logger
 
 log = get_logger("rlsp.trainer")
@@ -94,13 +92,7 @@ class AsyncTrainer(RayTrainer):
     def start_workers(self) -> list[dict[str, Any]]:
         infos = super().start_workers()
         t0 = time.perf_counter()
-        pool, device_type = self.layout.rollout, resolve_device_type(self.cfg.trainer.device)
-        cpus = 1 if device_type == "cuda" else default_cpus_per_worker(self.layout.total_workers)
-        first_core = 0 if device_type == "cuda" else (self.layout.total_workers - pool.world_size) * cpus
-        resources = ResourcePool(pool.nnodes, pool.procs_per_node, device_type, cpus, name="rollout",
-                                 first_core=first_core)
-        self.pool_wg = RayWorkerGroup(resources, OmegaConf.to_container(self.cfg, resolve=True), self.layout,
-                                      "rollout", env_vars=worker_env(self.cfg))
+        self.pool_wg = start_pool(self.cfg, self.layout, "rollout")
         self.pool_wg.wait_started()
         infos += self.pool_wg.init_workers()
         if self.partial:

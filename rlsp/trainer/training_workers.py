@@ -1,7 +1,9 @@
 """The training side's processes, started together: the policy pool (actor, reference, and the
 rollout engines, critic and reward model where they are colocated), a critic pool of its own, and
 the reward loop's engines in processes beside the policy workers (rlsp.controller.reward_servers).
-Also the environment every worker process starts with, and the start-up check of sharded forwards.
+`start_pool` is the one function that starts a worker pool — these and the asynchronous trainer's
+rollout pool alike. Also the environment every worker process starts with, and the start-up check of
+sharded forwards.
 """
 
 from __future__ import annotations
@@ -45,21 +47,31 @@ class TrainingWorkers:
     timings: dict[str, float] = field(default_factory=dict)  # startup/* seconds
 
 
+def _workers_before(layout: ParallelLayout, group: str) -> int:
+    """Workers of the pools started before `group`'s (policy, then a separate critic, then a rollout pool):
+    on CPU each pool binds the cores after theirs, so pools sharing a node never share a core."""
+    separate_critic = layout.role("critic").world_size if layout.has_critic and not layout.critic_colocated else 0
+    return {"policy": 0, "critic": layout.world_size, "rollout": layout.world_size + separate_critic}[group]
+
+
+def start_pool(cfg: DictConfig, layout: ParallelLayout, group: str) -> RayWorkerGroup:
+    """Reserve the resources of one worker pool ('policy'; 'critic' or 'rollout' where the layout gives them
+    a pool of their own) and start its processes. Not yet initialised: the caller waits for them
+    (`wait_started`) and initialises each world (`init_workers`), so several pools can start at once."""
+    device_type = resolve_device_type(cfg.trainer.device)
+    world = layout.world_of(group)
+    cpus = 1 if device_type == "cuda" else default_cpus_per_worker(layout.total_workers)
+    first_core = 0 if device_type == "cuda" else _workers_before(layout, group) * cpus
+    resources = ResourcePool(world.nnodes, world.procs_per_node, device_type, cpus, name=group, first_core=first_core)
+    return RayWorkerGroup(resources, OmegaConf.to_container(cfg, resolve=True), layout, group, env_vars=worker_env(cfg))
+
+
 def start_training_workers(cfg: DictConfig, layout: ParallelLayout) -> TrainingWorkers:
     """Reserve the pools, start every process, and initialise the workers (each world collectively)."""
     t0 = time.perf_counter()
-    device_type = resolve_device_type(cfg.trainer.device)
     separate = layout.has_critic and not layout.critic_colocated
-    cpus = 1 if device_type == "cuda" else default_cpus_per_worker(layout.total_workers)
-    config = OmegaConf.to_container(cfg, resolve=True)
-    env = worker_env(cfg)
-    pool = ResourcePool(layout.policy.nnodes, layout.policy.procs_per_node, device_type, cpus, name="policy")
-    wg = RayWorkerGroup(pool, config, layout, "policy", env_vars=env)
-    critic_wg = wg if layout.has_critic and layout.critic_colocated else None
-    if separate:
-        c = layout.role("critic").world
-        critic_pool = ResourcePool(c.nnodes, c.procs_per_node, device_type, cpus, name="critic")
-        critic_wg = RayWorkerGroup(critic_pool, config, layout, "critic", env_vars=env)
+    wg = start_pool(cfg, layout, "policy")
+    critic_wg = start_pool(cfg, layout, "critic") if separate else wg if layout.has_critic else None
     groups = [wg] + ([critic_wg] if separate else [])
     for g in groups:  # processes up, worker module imported (all groups start at once)
         g.wait_started()
@@ -67,7 +79,7 @@ def start_training_workers(cfg: DictConfig, layout: ParallelLayout) -> TrainingW
     infos = [info for g in groups for info in g.init_workers()]  # each world initialises collectively
     servers = None
     if layout.reward_servers:  # the reward loop beside a rollout engine of another tp degree
-        servers = RewardServers(pool, config, server_envs(wg, env, infos))
+        servers = RewardServers(wg.pool, OmegaConf.to_container(cfg, resolve=True), server_envs(wg, worker_env(cfg), infos))
     return TrainingWorkers(wg, critic_wg, servers, infos, {"startup/worker_processes_s": t1 - t0,
                                                            "startup/worker_init_s": time.perf_counter() - t1})
 
@@ -81,7 +93,7 @@ def check_sharded_forwards(cfg: DictConfig, layout: ParallelLayout, wg: RayWorke
     tol = cfg.trainer.sp_self_check_tol
     ref_differs = layout.has_reference and layout.ref != layout.actor
     # The reward loop's engine is served like a rollout engine: no sharded-vs-unsharded forward to compare.
-    scorer = wg if layout.reward_model is not None and not cfg.reward_model.use_reward_loop else None
+    scorer = wg if layout.reward_mode == "model_fsdp" else None
     worst = 0.0
     for role, group in (("actor", wg), ("ref", wg if ref_differs else None), ("critic", critic_wg),
                         ("reward_model", scorer), ("teacher", wg if layout.teachers else None)):
