@@ -12,19 +12,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from rlsp.config.layout import ParallelLayout
+from rlsp.config.lora_keys import LORA_ALL_LINEAR, LORA_REFUSED_TARGETS, lora_enabled
 
-LORA_ALL_LINEAR = "all-linear"
-# Layers an adapter may not wrap: the vocab-chunked logprob head reads lm_head.weight directly (an
-# adapter there would be bypassed) and embeddings are not linear layers.
-LORA_REFUSED_TARGETS = ("lm_head", "embed_tokens")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")  # what peft's from_pretrained reads
-
-
-def lora_enabled(model: Any) -> bool:
-    """LoRA is on with a rank > 0 or an adapter to continue from (verl's rule)."""
-    return bool(model.lora_rank) or bool(model.lora_adapter_path)
 
 
 def adapter_dir_problem(path: str) -> str | None:

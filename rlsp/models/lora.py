@@ -30,7 +30,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
-from rlsp.config.validate_lora import LORA_ALL_LINEAR, LORA_REFUSED_TARGETS
+from rlsp.config.lora_keys import LORA_ALL_LINEAR, LORA_REFUSED_TARGETS
 
 ADAPTER = "default"  # peft's adapter name; rlsp trains one adapter
 LORA_ADAPTER_DIR = "lora_adapter"  # where a checkpoint's HF assets and an export keep the PEFT adapter

@@ -29,8 +29,8 @@ from transformers import AutoConfig, PretrainedConfig
 
 from rlsp.config.checks import CheckContext, register, run_checks
 from rlsp.config.layout import CRITIC_ESTIMATORS, ParallelLayout
+from rlsp.config.lora_keys import lora_enabled
 from rlsp.config.schema import RLSPConfig
-from rlsp.config.validate_lora import lora_enabled
 from rlsp.trainer.checkpoint import STEP_DIR, TrainerState, complete_steps, damaged_file, resolve_resume, step_dir
 from rlsp.utils.dicts import flatten
 from rlsp.utils.logging import get_logger
@@ -39,7 +39,7 @@ log = get_logger("rlsp.resume")
 # The fields that decide whether saved weights load into a model built from a config.
 ARCH_FIELDS = ("model_type", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
                "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")
-# The LoRA keys decide which tensors a checkpoint holds: with LoRA on (validate_lora.lora_enabled) only the
+# The LoRA keys decide which tensors a checkpoint holds: with LoRA on (rlsp.config.lora_keys.lora_enabled) only the
 # adapters are saved, the frozen base is re-read from model.path; a change of them is refused (absent
 # keys compare equal). LORA_SWITCHES turn LoRA on and decide its rank: refused whenever LoRA is on before or
 # after. lora_adapter_path belongs here because it is where the adapters *start*, and its

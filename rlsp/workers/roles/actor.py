@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
+from rlsp.config.lora_keys import lora_enabled
 from rlsp.config.validate_bypass import actor_policy_loss
-from rlsp.config.validate_lora import lora_enabled
 from rlsp.data.batch import Batch
 from rlsp.engine.checkpoint import load_engine, save_engine
 from rlsp.engine.fsdp_engine import FSDPEngine
