@@ -46,13 +46,14 @@ class RewardServer:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
         self.scorer = RewardLoopScorer(OmegaConf.create(config), in_process_group=False)
 
-    def compute_rm_score(self, spec: RowsSpec, *blocks: Batch) -> tuple[Batch, Batch]:
+    def compute_rm_score(self, spec: RowsSpec, *blocks: Batch) -> tuple[list[Any], Batch]:
         """`rm_scores` [B, R] of the rows `spec` builds (kept here) and their per-row reports for the driver
         (the reward-model role's contract)."""
         rows = assemble(spec, blocks)
         scores_B = torch.tensor(self.scorer.scores(rows), dtype=torch.float32)
         result = Batch.from_dict({"rm_scores": place_on_last_token(scores_B, rows["response_mask"])})
-        return result, row_report(rows.copy().update(result), RM_FIELDS.reports)  # the block holds rm_scores
+        report = row_report(rows.copy().update(result), RM_FIELDS.reports)
+        return [ray.put(result)], report  # the scores stay in this process's object store (see RayWorker)
 
 
 def server_envs(wg: RayWorkerGroup, env_vars: dict[str, str], infos: list[dict[str, Any]]) -> list[dict[str, str]]:
@@ -99,8 +100,9 @@ class RewardServers:
             stays.append(stay)
             answers.append(answer)
         reports = gather_or_name(answers, self._name)
-        TRAFFIC.receive(*reports)
-        return from_results(data, groups, stays, reports, RM_FIELDS.writes, RM_FIELDS.writes)
+        held = ray.get(stays)
+        TRAFFIC.receive(*reports, *held)
+        return from_results(data, groups, [h[0] for h in held], reports, RM_FIELDS.writes, RM_FIELDS.writes)
 
     def shutdown(self) -> None:
         for s in self.servers:

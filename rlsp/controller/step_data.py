@@ -94,6 +94,8 @@ class StepData:
         self._tensor_keys = set(tensor_keys)  # block keys that are tensors (the rest are per-row meta)
         self._fetched: dict[int, Batch] = {}  # id(block ref) -> the block, once the driver read it
         self._derived: dict[str, Callable[[StepData], torch.Tensor]] = {}  # built on the driver when first read
+        self._aliases: dict[str, str] = {}  # name -> the block column that serves as it
+        self.reader: Callable[..., Any] | None = None  # reader(spec, *refs) -> ref of those rows (a worker's)
         if len(self.table) != len(self.ids):
             raise ValueError(f"{len(self.table)} driver rows for {len(self.ids)} row ids")
 
@@ -117,7 +119,7 @@ class StepData:
 
     def __contains__(self, key: str) -> bool:
         return (key in self.table or key in self.block_keys() or key + ROW_SUFFIX in self.table.tensors.keys()
-                or key in self._derived)
+                or key in self._derived or key in self._aliases)
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if key in self.table.tensors.keys():
@@ -129,6 +131,8 @@ class StepData:
         if key in self._derived:
             self.set(key, self._derived.pop(key)(self))
             return self.table[key]
+        if key in self._aliases:
+            return self[self._aliases[key]]
         if key not in self.block_keys():
             raise KeyError(f"{key!r} is not a column of this step (it has {sorted(self.keys())})")
         self.fetch([key])
@@ -136,17 +140,30 @@ class StepData:
 
     def keys(self) -> set[str]:
         return ({k.removesuffix(ROW_SUFFIX) for k in self.table.tensors.keys()} | set(self.table.meta)
-                | self.block_keys())
+                | self.block_keys() | set(self._aliases) | set(self._derived))
 
     def set(self, key: str, value: torch.Tensor) -> None:
         """A column computed on the driver (later calls that read it get it by value)."""
         self.table.tensors.pop(key + ROW_SUFFIX, None)
+        self._aliases.pop(key, None)
         self.table.set(key, value)
+
+    def alias(self, name: str, source: str) -> None:
+        """Block column `source` serves as `name` (e.g. the rollout's logprobs as the old logprobs): readers
+        of `name` get it from the blocks, nothing is copied or sent by the driver."""
+        if source not in self.block_keys():
+            raise KeyError(f"{source!r} is not a column the workers hold for this step")
+        self.table.tensors.pop(name, None)
+        self._aliases[name] = source
 
     def derive(self, key: str, build: Callable[[StepData], torch.Tensor]) -> None:
         """Column `key` = build(self), computed on the driver only if something reads it."""
         self.table.tensors.pop(key, None)
         self._derived[key] = build
+
+    def source_of(self, name: str) -> str:
+        """The column `name` is read from (itself unless it is an alias)."""
+        return self._aliases.get(name, name)
 
     def set_row(self, key: str, values_B: torch.Tensor) -> None:
         """`key` = values_B[:, None] * response_mask, kept as one value per row (see the module docstring)."""
@@ -177,8 +194,9 @@ class StepData:
         by_value = _empty(len(positions), {k: picks.meta[k] for k in table_keys if k in picks.meta}, None)
         for k in table_keys & set(picks.tensors.keys()):
             by_value.set(k, picks[k])
-        routes: dict[tuple[int, tuple[int, ...], tuple[int, ...]], list[str]] = {}
-        for key in sorted(reads - table_keys - {k.removesuffix(ROW_SUFFIX) for k in table_keys}):
+        routes: dict[tuple[int, tuple[int, ...], tuple[int, ...]], list[tuple[str, str]]] = {}
+        for name in sorted(reads - table_keys - {k.removesuffix(ROW_SUFFIX) for k in table_keys}):
+            key = self._aliases.get(name, name)
             where = self._where(key)
             if not where:
                 continue  # not a column of this step: an optional read
@@ -189,22 +207,29 @@ class StepData:
                 per_block[b][0].append(src)
                 per_block[b][1].append(dst)
             for b, (src, dst) in per_block.items():
-                routes.setdefault((b, tuple(src), tuple(dst)), []).append(key)
+                routes.setdefault((b, tuple(src), tuple(dst)), []).append((key, name))
         used = sorted({b for b, _, _ in routes})
         arg = {b: i for i, b in enumerate(used)}
-        pieces = [Piece(arg[b], tuple(keys), src, dst) for (b, src, dst), keys in routes.items()]
+        pieces = [Piece(arg[b], tuple(k for k, _ in cols), src, dst, tuple(n for _, n in cols))
+                  for (b, src, dst), cols in routes.items()]
         return RowsSpec(len(positions), pieces, by_value, dict(self.info)), [self.blocks[b].ref for b in used]
 
     def fetch(self, keys: Iterable[str]) -> None:
-        """Bring block columns `keys` to the driver (every row, current order)."""
-        spec, refs = self.spec(range(len(self)), [k for k in keys if k in self.block_keys()])
-        missing = [r for r in refs if id(r) not in self._fetched]
-        if missing:
-            got = ray.get(missing)
-            TRAFFIC.receive(*got)
-            self._fetched.update({id(r): g for r, g in zip(missing, got)})
+        """Bring block columns `keys` to the driver (every row, current order). With a reader (a worker
+        process) only those columns cross: the reader builds them from the blocks; else the blocks come whole."""
+        spec, refs = self.spec(range(len(self)), [self._aliases.get(k, k) for k in keys])
         spec.by_value = None
-        rows = assemble(spec, [self._fetched[id(r)] for r in refs])
+        if self.reader is not None:
+            rows = ray.get(self.reader(spec, *refs))
+            TRAFFIC.send(spec)
+            TRAFFIC.receive(rows)
+        else:
+            missing = [r for r in refs if id(r) not in self._fetched]
+            if missing:
+                got = ray.get(missing)
+                TRAFFIC.receive(*got)
+                self._fetched.update({id(r): g for r, g in zip(missing, got)})
+            rows = assemble(spec, [self._fetched[id(r)] for r in refs])
         for key in rows.tensors.keys():
             self.table.set(key, rows[key])
         self.table.meta.update(rows.meta)
@@ -241,6 +266,7 @@ class StepData:
                 self.blocks.append(block)
         self.update(other.table)
         self._fetched.update(other._fetched)
+        self.reader = self.reader or other.reader
         return self
 
     def select_rows(self, index: Sequence[int] | torch.Tensor | slice) -> StepData:
@@ -248,14 +274,15 @@ class StepData:
         for key in list(self._derived):  # built for these rows: build before the rows change
             self[key]
         out = StepData([self.ids[i] for i in rows], self.table.select_rows(rows), self.blocks, self._tensor_keys)
-        out._fetched = self._fetched
+        out._fetched, out._aliases, out.reader = self._fetched, dict(self._aliases), self.reader
         return out
 
     def copy(self) -> StepData:
         """Another view of the same rows whose driver columns can change independently."""
         table = Batch(self.table.tensors.clone(recurse=False), dict(self.table.meta), dict(self.info))
         out = StepData(self.ids, table, self.blocks, self._tensor_keys)
-        out._fetched, out._derived = self._fetched, dict(self._derived)
+        out._fetched, out._derived, out._aliases = self._fetched, dict(self._derived), dict(self._aliases)
+        out.reader = self.reader
         return out
 
     @staticmethod
@@ -272,6 +299,8 @@ class StepData:
         out = StepData([i for p in parts for i in p.ids], table, blocks, set().union(*(p._tensor_keys for p in parts)))
         for p in parts:
             out._fetched.update(p._fetched)
+            out._aliases.update(p._aliases)
+            out.reader = out.reader or p.reader
         return out
 
 
@@ -281,7 +310,8 @@ def from_batch(batch: Batch) -> StepData:
 
 
 def from_results(source: StepData | None, groups: Sequence[Sequence[int]], stays: Sequence[Any],
-                 reports: Sequence[Batch], keys: Iterable[str], tensor_keys: Iterable[str]) -> StepData:
+                 reports: Sequence[Batch], keys: Iterable[str], tensor_keys: Iterable[str],
+                 reader: Callable[..., Any] | None = None) -> StepData:
     """The step after a call: blocks `stays` (one per group of rows) and the groups' row reports.
     With a `source` the results are columns of its rows (positions `groups`); without, new rows."""
     table = Batch.concat(list(reports))
@@ -296,4 +326,5 @@ def from_results(source: StepData | None, groups: Sequence[Sequence[int]], stays
         data = StepData(source.ids, _empty(len(source), info=table.info))
     data.add_blocks(stays, keys, groups, tensor_keys)
     data.update(table)  # the reported per-row values: held by the driver
+    data.reader = reader
     return data

@@ -60,6 +60,9 @@ class Traffic:
     def receive(self, *objs: Any) -> None:
         self.received += sum(payload_bytes(o) for o in objs)
 
+    def reset(self) -> None:
+        self.sent = self.received = 0
+
     def take(self) -> dict[str, float]:
         out = {"perf/driver_bytes": float(self.sent + self.received), "perf/driver_bytes_sent": float(self.sent),
                "perf/driver_bytes_received": float(self.received), "perf/driver_peak_rss_gib": peak_rss_gib()}

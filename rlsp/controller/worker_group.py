@@ -22,7 +22,7 @@ from rlsp.controller.step_data import StepData, from_batch, from_results
 from rlsp.controller.traffic import TRAFFIC
 from rlsp.data.batch import Batch
 from rlsp.utils.logging import get_logger
-from rlsp.workers.columns import COLUMNS_INFO
+from rlsp.workers.columns import COLUMNS_INFO, assemble
 from rlsp.workers.dispatch import Dispatch, Fields, declared_fields, dispatch_mode
 from rlsp.workers.roles import ROLE_CLASSES
 from rlsp.workers.worker import Worker
@@ -79,7 +79,24 @@ class PendingCall:
         for report in firsts[1:]:
             report.info.pop(COLUMNS_INFO, None)
         source = None if self.fields.new_rows else self.source
-        return from_results(source, self.groups, [self.stays[r] for r in self.firsts], firsts, [*tensors, *meta], tensors)
+        held = ray.get([self.stays[r] for r in self.firsts])  # each a [reference] to a block its worker owns
+        TRAFFIC.receive(*held)
+        return from_results(source, self.groups, [h[0] for h in held], firsts, [*tensors, *meta], tensors,
+                            self.group.read_rows)
+
+class RayWorker(Worker):
+    """The Worker as a Ray actor: what a BY_DP method returns is put into the object store by the worker
+    itself, which owns it; the driver receives the reference (a few bytes), never the rows. (Returned
+    directly, Ray would send small results to the caller's process.)"""
+
+    def execute_rows(self, role: str, method: str, spec: Any, args: tuple[Any, ...], *blocks: Batch) -> tuple[Any, Any]:
+        stay, answer = super().execute_rows(role, method, spec, args, *blocks)
+        return ([ray.put(stay)] if stay is not None else None), answer
+
+    def read_rows(self, spec: Any, *blocks: Batch) -> Batch:
+        """The rows `spec` builds from `blocks`: how the driver reads a few columns of rows held elsewhere."""
+        return assemble(spec, blocks)
+
 
 class RayWorkerGroup:
     def __init__(self, pool: ResourcePool, config: dict[str, Any], layout: ParallelLayout, group: str,
@@ -88,7 +105,7 @@ class RayWorkerGroup:
         self.roles = layout.roles_of(group)
         self.world_size = pool.world_size
         pg = pool.pg if pool.pg is not None else pool.create(layout.node_local_sizes(group))
-        remote_cls = ray.remote(Worker)
+        remote_cls = ray.remote(RayWorker)
         bundle = pool.bundle()
         self.workers = []
         for rank in range(self.world_size):
@@ -99,6 +116,10 @@ class RayWorkerGroup:
                     pg, placement_group_bundle_index=pool.rank_to_bundle[rank]),
                 runtime_env={"env_vars": env}, name=f"rlsp-{group}-{rank}-{id(self):x}",
             ).remote(config, layout, group, rank))
+
+    def read_rows(self, spec: Any, *refs: Any) -> Any:
+        """A reference to the rows `spec` builds from the blocks `refs`, built by rank 0 (see RayWorker)."""
+        return self.workers[0].read_rows.remote(spec, *refs)
 
     def rank_env(self, rank: int) -> dict[str, str]:
         env = {"RANK": str(rank), "WORLD_SIZE": str(self.world_size), "RLSP_WORKER_GROUP": self.group}
@@ -163,7 +184,7 @@ class RayWorkerGroup:
         for rank, w in enumerate(self.workers):
             g = rank // per_dp
             stay, answer = w.execute_rows.options(num_returns=2).remote(role, method, spec_refs[g], rest, *specs[g][1])
-            stays.append(stay)
+            stays.append(stay)  # [the worker's reference to its result], or None
             refs.append(answer)
         return PendingCall(self, refs, [g * per_dp for g in range(dp)], stays, data, fields, groups)
 

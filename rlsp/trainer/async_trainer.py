@@ -46,6 +46,7 @@ from omegaconf import DictConfig
 
 from rlsp.config.layout import ParallelLayout
 from rlsp.controller.step_data import StepData
+from rlsp.controller.traffic import TRAFFIC
 from rlsp.controller.weight_board import BoardFeed, start_weight_board
 from rlsp.controller.worker_group import PendingCall, RayWorkerGroup
 from rlsp.data.batch import Batch
@@ -142,6 +143,7 @@ class AsyncTrainer(RayTrainer):
         self.queue.clear()
         self.next_unit, self.extra_units = (self.start_step - 1) * self.units_per_step, 0
         for step in range(self.start_step, total + 1):
+            TRAFFIC.reset()  # perf/driver_bytes: this step's traffic, the units it submits ahead included
             self._submit_ahead(stream, total)
             t0, timing, sampled = time.perf_counter(), {}, {}
             if self.sampler is None:

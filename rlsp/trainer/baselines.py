@@ -64,7 +64,7 @@ def add_greedy_baselines(trainer: Any, step: int, batch: Batch, timing: dict[str
         greedy = trainer.rollout_wg.call("rollout", "generate", prompts, greedy_sampling(trainer._sampling(step)))
         greedy = greedy.select_rows(slice(0, real))  # one row per prompt, in order; the padding dropped
     with timed("timing/reward_baseline_s", timing):
-        scores = trainer._score(greedy)  # the samples' reward path, so baseline and reward are comparable
+        scores = trainer.reward.score(greedy)  # the samples' reward path, so baseline and reward are comparable
     by_uid = dict(zip(greedy.meta["uid"], scores.tolist()))
     if len(by_uid) != real or len(scores) != real:
         raise RuntimeError(f"greedy baseline: expected one greedy response for each of {real} prompts, got "

@@ -62,6 +62,8 @@ def _logprob_gap(batch: Batch) -> dict[str, float]:
     reports the gap from its own forward)."""
     if "old_logprobs" not in batch:
         return {}
+    if hasattr(batch, "source_of") and batch.source_of("old_logprobs") == "rollout_logprobs":
+        return {"rollout/logprob_diff": 0.0, "rollout/logprob_diff_max": 0.0}  # the same column
     if _reported(batch, "logprob_diff_sum", "response_tokens"):
         total = batch["response_tokens"].double().sum().clamp_min(1)
         return {"rollout/logprob_diff": float(batch["logprob_diff_sum"].double().sum() / total),

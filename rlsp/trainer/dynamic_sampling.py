@@ -162,8 +162,8 @@ class DynamicSampler:
                 # Continuing prompt indices: each round's samples get seeds of their own.
                 batch = trainer.generate(step, items, first_index)
             with timed("timing/reward_s", timing):
-                scores = trainer._score(batch)
-            collector.add(batch, scores, trainer.scorer.last_errors)
+                scores = trainer.reward.score(batch)
+            collector.add(batch, scores, trainer.reward.last_errors)
             if collector.ready:
                 return collector.take()
             collector.check_limit()
@@ -185,8 +185,8 @@ class DynamicSampler:
             units.append(trainer.queue.popleft())
             parts.append(units[-1].call.result())
             with timed("timing/reward_s", timing):
-                scores = trainer._score(parts[-1])
-            collector.add(parts[-1], scores, trainer.scorer.last_errors)
+                scores = trainer.reward.score(parts[-1])
+            collector.add(parts[-1], scores, trainer.reward.last_errors)
         batch, metrics = collector.take()
         return units, parts, batch, metrics
 

@@ -26,14 +26,12 @@ from rlsp.algos.registry import compute_advantages
 from rlsp.config.layout import ParallelLayout
 from rlsp.config.run_length import data_batch, resolve_total_steps
 from rlsp.config.schema_verl_runtime import HF_MODEL
-from rlsp.controller.reward_servers import RewardServers
 from rlsp.controller.traffic import TRAFFIC
 from rlsp.controller.worker_group import RayWorkerGroup
 from rlsp.data.balance import balanced_order
 from rlsp.data.batch import Batch
 from rlsp.data.dataset import PromptDataset, iterate_batches
 from rlsp.engine.export import export_hf
-from rlsp.rewards.overlong import build_overlong_shaping
 from rlsp.trainer.baselines import add_greedy_baselines, needs_greedy_baseline
 from rlsp.trainer.batch_metrics import check_finite, compute_agent_metrics, compute_batch_metrics, row_tokens
 from rlsp.trainer.checkpoint import CheckpointWriter, TrainerState, latest_checkpoint, read_metrics_lines
@@ -44,9 +42,8 @@ from rlsp.trainer.metrics import MetricsLogger
 from rlsp.trainer.off_policy import apply_rollout_correction, rollout_correction_settings, uses_rollout_logprobs
 from rlsp.trainer.preflight_agent import agent_rows, check_agent_names
 from rlsp.trainer.progress import RunProgress
-from rlsp.trainer.reward_workers import build_scorer
+from rlsp.trainer.reward import Reward, build_reward
 from rlsp.trainer.row_advantages import compute_row_advantages, row_level
-from rlsp.trainer.scoring import apply_rm_scores
 from rlsp.trainer.stopping import Terminated
 from rlsp.trainer.training_workers import check_sharded_forwards, start_training_workers
 from rlsp.trainer.val_generations import ValGenerationLog
@@ -88,18 +85,14 @@ class RayTrainer:
             check_agent_names(cfg, [self.train_set, self.val_set])
         self.distill = Distillation.build(cfg, self.tokenizer, [self.train_set, self.val_set])  # None when off
         resolve_total_steps(cfg, len(self.train_set))  # verl's rule; from here on the config holds the run length
-        # reward_model.num_workers > 1: rule scoring in that many Ray actors (verl's reward-loop workers).
-        self.scorer = build_scorer(cfg.reward_model.num_workers, cfg.actor_rollout_ref.model.path,
-                                   cfg.reward.custom_function_path, cfg.reward.custom_function_name, cfg.reward.on_error)
         self.metrics = MetricsLogger(self.run_dir, list(cfg.trainer.logger))
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = build_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
         self.correction = rollout_correction_settings(cfg)
-        self.shaping = build_overlong_shaping(cfg)  # the dapo reward manager's overlong reward shaping
         self.sampler = build_dynamic_sampler(cfg)  # DAPO's dynamic sampling (algorithm.filter_groups)
         self.val_log = ValGenerationLog.build(cfg, self.tokenizer)  # trainer.log_val_generations (None: off)
         self.wg: RayWorkerGroup | None = None
-        self.reward_servers: RewardServers | None = None
+        self.reward: Reward | None = None  # the reward subsystem, once the workers it may use are up
         self.critic_wg: RayWorkerGroup | None = None
         self.start_step = 1
         # where start-up went (ray init, worker processes, worker set-up); logged with the first step
@@ -112,7 +105,8 @@ class RayTrainer:
     # ------------------------------------------------------------------ workers
     def start_workers(self) -> list[dict[str, Any]]:
         workers = start_training_workers(self.cfg, self.layout)
-        self.wg, self.critic_wg, self.reward_servers = workers.wg, workers.critic_wg, workers.reward_servers
+        self.wg, self.critic_wg = workers.wg, workers.critic_wg
+        self.reward = build_reward(self.cfg, self.layout, workers.wg, workers.reward_servers)
         self.startup.update(workers.timings)
         return workers.infos
 
@@ -129,8 +123,8 @@ class RayTrainer:
         return list({id(g): g for g in (self.wg, self.critic_wg) if g is not None}.values())
 
     def shutdown(self, graceful: bool = True) -> None:
-        if self.reward_servers is not None:
-            self.reward_servers.shutdown()
+        if self.reward is not None:
+            self.reward.shutdown()
         for wg in self._groups():
             wg.shutdown(graceful=graceful)
 
@@ -213,6 +207,7 @@ class RayTrainer:
     def train_step(self, step: int, items: list[dict[str, Any]]) -> dict[str, float]:
         timing: dict[str, float] = {}
         t0 = time.perf_counter()
+        TRAFFIC.reset()  # perf/driver_bytes: this step's traffic (not start-up's, validation's or a checkpoint's)
         if self.sampler is not None:  # generate more prompt batches until enough groups are informative
             batch, sampled = self.sampler.collect(self, step, items, self._batches, timing)
             return {**self.train_on(step, batch, t0, timing), **sampled}
@@ -230,6 +225,7 @@ class RayTrainer:
         """Everything after generation: score, logprobs, advantages, updates, weights to the engines."""
         metrics: dict[str, float] = {}
         batch.info.update(temperature=self.cfg.actor_rollout_ref.rollout.temperature, global_step=step)
+        batch.reader = self.wg.read_rows  # columns the driver reads are built by a policy worker (idle meanwhile)
         if self.cfg.trainer.balance_batch and self.layout.dp_size > 1:
             batch = batch.select_rows(balanced_order(row_tokens(batch).tolist(), self.layout.dp_size))
         if step == 1 and self.cfg.trainer.sp_self_check:
@@ -238,11 +234,10 @@ class RayTrainer:
             metrics.update(add_greedy_baselines(self, step, batch, timing))
         with timed("timing/reward_s", timing):
             # Rows collected by dynamic sampling were scored before filtering.
-            scores = np.asarray(batch.meta["row_score"]) if "row_score" in batch else self._score(batch)
-        metrics["reward/errors"] = float(self.scorer.last_errors)
-        metrics.update(self.shaping.metrics(batch) if self.shaping is not None else {})
+            scores = np.asarray(batch.meta["row_score"]) if "row_score" in batch else self.reward.score(batch)
+        metrics.update(self.reward.metrics(batch))
         if uses_rollout_logprobs(self.cfg):  # the engine's logprobs are the behaviour policy of the loss
-            batch.set("old_logprobs", batch["rollout_logprobs"])
+            batch.alias("old_logprobs", "rollout_logprobs")
         elif not self._reuses_update_logprobs(step):
             with timed("timing/old_logprob_s", timing):
                 batch.update(self.wg.call("actor", "compute_log_prob", batch))
@@ -272,24 +267,6 @@ class RayTrainer:
         return {**compute_batch_metrics(batch, scores, timing["timing/step_s"], width), **metrics, **timing,
                 **TRAFFIC.take()}
 
-    def _score(self, batch: Batch) -> np.ndarray:
-        """token_level_scores of the rows: the reward model's scores with reward_model.enable (verl's rule: they
-        replace the rule rewards in training), else each row's rule/custom reward; returns the per-row scores."""
-        if self.layout.reward_model is None:
-            scores = self.scorer.score_rows(batch)
-            if self.shaping is not None:
-                self.shaping.apply(batch)  # scores stay the reward function's values (accuracy, filter metrics)
-        else:
-            rm = self.reward_servers
-            batch.update(rm.compute_rm_score(batch) if rm is not None
-                         else self.wg.call("reward_model", "compute_rm_score", batch))
-            self.scorer.last_errors = 0
-            scores = apply_rm_scores(batch)
-        if self.cfg.actor_rollout_ref.rollout.multi_turn.use_step_rewards and "step_rewards" in batch:
-            # Tool step rewards at the end of the turn that earned them (rlsp/workers/agent_rollout.py).
-            batch.set("token_level_scores", batch["token_level_scores"] + batch["step_rewards"] * batch["response_mask"])
-        return scores
-
     def check_sp(self, batch: Batch) -> float:
         """Stop the run if a sharded forward disagrees with an unsharded one (see check_sharded_forwards)."""
         return check_sharded_forwards(self.cfg, self.layout, self.wg, self.critic_wg, batch)
@@ -302,7 +279,7 @@ class RayTrainer:
         sampling = self._sampling(0, validate=True)
         batch = self.rollout_wg.call("rollout", "generate", _prompt_batch(padded), sampling)
         batch = batch.select_rows(slice(0, len(items) * sampling["n"]))  # each prompt's samples are contiguous
-        scores = self.scorer.score_rows(batch)
+        scores = self.reward.score_validation(batch)
         if self.val_log is not None:
             self.val_log.write(batch, scores)
         agent = {f"val/{k}": v for k, v in compute_agent_metrics(batch).items()}

@@ -30,8 +30,8 @@ SCORE_READS = ("input_ids", "attention_mask", "response_mask", "data_source", "g
 
 
 @ray.remote(num_cpus=0)
-class RewardLoopWorker:
-    """One scoring process: a Scorer of its own."""
+class ScoringActor:
+    """One rule-scoring process: a Scorer of its own (not the reward loop, which serves a reward model)."""
 
     def __init__(self, tokenizer_path: str, custom_path: str | None, custom_name: str, on_error: str) -> None:
         from transformers import AutoTokenizer  # noqa: PLC0415 -- in the actor's process
@@ -44,14 +44,14 @@ class RewardLoopWorker:
         return scores, self.scorer.last_errors, rows.meta["reward_extra_info"]
 
 
-class RewardWorkerPool:
+class ScoringPool:
     """Scores the rows of a step (`score_rows`) over `num_workers` scoring processes."""
 
     def __init__(self, num_workers: int, tokenizer_path: str, custom_path: str | None, custom_name: str,
                  on_error: str) -> None:
         if num_workers < 1:
             raise ValueError(f"reward_model.num_workers={num_workers}: need at least 1 scoring process")
-        self.workers = [RewardLoopWorker.remote(tokenizer_path, custom_path, custom_name, on_error)
+        self.workers = [ScoringActor.remote(tokenizer_path, custom_path, custom_name, on_error)
                         for _ in range(num_workers)]
         self.last_errors = 0
 
@@ -87,6 +87,6 @@ def set_row_scores(data: StepData, scores: np.ndarray) -> None:
 
 
 def build_scorer(num_workers: int, tokenizer_path: str, custom_path: str | None, custom_name: str,
-                 on_error: str) -> RewardWorkerPool:
+                 on_error: str) -> ScoringPool:
     """The run's rule scorer: `num_workers` scoring processes (at least one)."""
-    return RewardWorkerPool(max(1, num_workers), tokenizer_path, custom_path, custom_name, on_error)
+    return ScoringPool(max(1, num_workers), tokenizer_path, custom_path, custom_name, on_error)

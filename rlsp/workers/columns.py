@@ -39,12 +39,15 @@ ROW_FIELDS = ("uid", "data_source", "ground_truth", "extra_info", "index", "mess
 
 @dataclass(frozen=True)
 class Piece:
-    """Rows `src` of argument `arg` (a block) for columns `keys`, placed at positions `dst`."""
+    """Rows `src` of argument `arg` (a block) for columns `keys`, placed at positions `dst` under `names`
+    (the same names when empty; another name where a column serves as another, e.g. the rollout's
+    logprobs as the old logprobs)."""
 
     arg: int
     keys: tuple[str, ...]
     src: tuple[int, ...]
     dst: tuple[int, ...]
+    names: tuple[str, ...] = ()
 
 
 @dataclass
@@ -58,7 +61,7 @@ class RowsSpec:
     info: dict[str, Any] = field(default_factory=dict)
 
     def keys(self) -> set[str]:
-        held = {k for p in self.pieces for k in p.keys}
+        held = {k for p in self.pieces for k in (p.names or p.keys)}
         return held | (set(self.by_value.tensors.keys()) | set(self.by_value.meta) if self.by_value is not None else set())
 
 
@@ -74,15 +77,15 @@ def assemble(spec: RowsSpec, blocks: Sequence[Batch]) -> Batch:
         block = blocks[piece.arg]
         src = torch.as_tensor(piece.src, dtype=torch.long)
         dst = torch.as_tensor(piece.dst, dtype=torch.long)
-        for key in piece.keys:
+        for key, name in zip(piece.keys, piece.names or piece.keys):
             if _is_tensor(block, key):
                 values = block[key]
-                out = tensors.get(key)
+                out = tensors.get(name)
                 if out is None:
-                    out = tensors[key] = values.new_zeros((spec.rows, *values.shape[1:]))
+                    out = tensors[name] = values.new_zeros((spec.rows, *values.shape[1:]))
                 out[dst] = values[src]
             else:
-                column = meta.setdefault(key, [None] * spec.rows)
+                column = meta.setdefault(name, [None] * spec.rows)
                 for s, d in zip(piece.src, piece.dst):
                     column[d] = block.meta[key][s]
     if spec.by_value is not None:

@@ -35,7 +35,7 @@ ONE_STEP_OFF = {**POOL, "async_training.staleness_threshold": 1.0, "async_traini
                 "async_training.compute_prox_log_prob": "true", "algorithm.rollout_correction.rollout_is": "token",
                 "algorithm.rollout_correction.rollout_rs": "token_k1",
                 "algorithm.rollout_correction.rollout_rs_threshold": 2.0}
-VOLATILE = ("timing/", "startup/", "throughput/", "async/")
+VOLATILE = ("timing/", "startup/", "throughput/", "async/", "perf/")
 
 
 def _start(run_dir, settings: dict, marker: str) -> subprocess.Popen:

@@ -28,7 +28,7 @@ from test_grpo_e2e import SMALL
 pytestmark = pytest.mark.e2e
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-EXACT_SKIP = ("timing/", "startup/", "throughput/", "sp/a2a_time_share")
+EXACT_SKIP = ("timing/", "startup/", "throughput/", "sp/a2a_time_share", "perf/")
 
 
 def _start(run_dir, *overrides: str, marker: str) -> subprocess.Popen:

@@ -13,7 +13,7 @@ import torch
 
 from rlsp.data.batch import Batch
 from rlsp.models.tokenizer import build_char_tokenizer
-from rlsp.trainer.reward_workers import RewardWorkerPool, build_scorer
+from rlsp.trainer.reward_workers import ScoringPool, build_scorer
 from rlsp.trainer.scoring import Scorer
 
 pytestmark = pytest.mark.e2e
@@ -44,7 +44,7 @@ def test_reward_workers_equal_one_scorer(tmp_path):
     try:
         for workers in (1, 2, 3):
             pool = build_scorer(workers, str(tmp_path / "tok"), str(fn), "compute_score", "zero")
-            assert isinstance(pool, RewardWorkerPool)
+            assert isinstance(pool, ScoringPool)
             batch = _batch(tok)
             got = pool.score_rows(batch)
             assert got.tolist() == want.tolist()

@@ -62,6 +62,17 @@ def test_rows_from_blocks_equal_the_whole_batch(order: list[int]) -> None:
         assert rows.info == {"temperature": 1.0}
 
 
+def test_an_alias_is_read_from_the_blocks_under_its_name() -> None:
+    whole = _whole()
+    data = _step(whole)
+    data.alias("rollout_logprobs", "old_logprobs")
+    spec, refs = data.spec(range(3, 8), ("rollout_logprobs", "response_mask"))
+    rows = assemble(spec, refs)
+    assert rows.keys() == {"rollout_logprobs", "response_mask"}
+    assert torch.equal(rows["rollout_logprobs"], whole["old_logprobs"][3:8])
+    assert data.source_of("rollout_logprobs") == "old_logprobs" and "rollout_logprobs" in data
+
+
 def test_only_declared_columns_are_sent() -> None:
     data = _step(_whole())
     spec, refs = data.spec(range(10), ("response_mask",))

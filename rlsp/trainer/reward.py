@@ -1,0 +1,84 @@
+"""The reward subsystem: one interface over every way rlsp computes rewards, chosen once from the layout.
+
+    rules           rule/custom reward functions (rlsp.rewards) in `reward_model.num_workers` scoring
+                    actors that read the rows by reference (rlsp/trainer/reward_workers.py), plus the
+                    dapo manager's overlong shaping (rlsp/rewards/overlong.py)
+    model_fsdp      a frozen reward model on the policy workers, FSDP2 (rlsp/workers/roles/reward_model.py)
+    model_vllm      the reward loop: a vLLM pooling engine on the policy workers, rendering each row
+                    with the reward model's chat template (rlsp/workers/roles/reward_loop.py)
+    model_servers   the same engines in processes of their own beside the policy workers, where the
+                    rollout engine runs at another tensor-parallel degree (rlsp/controller/reward_servers.py)
+
+With a reward model its score is the training reward (verl's rule) and the rule functions score
+validation only. Tool step rewards of agent loops are added to the token-level scores whichever
+computes the outcome reward. The trainer calls `score` (training rows), `score_validation` and
+`metrics`; it never branches on the mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from omegaconf import DictConfig
+
+from rlsp.config.layout import ParallelLayout
+from rlsp.controller.reward_servers import RewardServers
+from rlsp.controller.worker_group import RayWorkerGroup
+from rlsp.rewards.overlong import build_overlong_shaping
+from rlsp.trainer.reward_workers import ScoringPool, build_scorer
+from rlsp.trainer.scoring import apply_rm_scores
+
+ModelScores = Callable[[Any], Any]  # rows -> their `rm_scores` columns (a StepData of the same rows)
+
+
+class Reward:
+    """The run's rewards (see the module docstring); `model` is None for rule rewards."""
+
+    def __init__(self, cfg: DictConfig, rules: ScoringPool, model: ModelScores | None = None,
+                 servers: RewardServers | None = None) -> None:
+        self.rules, self.model, self.servers = rules, model, servers
+        self.shaping = build_overlong_shaping(cfg) if model is None else None  # the dapo manager's overlong shaping
+        self.step_rewards = bool(cfg.actor_rollout_ref.rollout.multi_turn.use_step_rewards)
+        self.last_errors = 0  # reward functions that failed on the last rows scored (reward.on_error=zero)
+
+    def score(self, rows: Any) -> np.ndarray:
+        """Per-row scores of training rows; sets their token-level scores (and what estimators read of them)."""
+        if self.model is None:
+            scores = self.rules.score_rows(rows)
+            self.last_errors = self.rules.last_errors
+            if self.shaping is not None:
+                self.shaping.apply(rows)  # scores stay the reward function's values (accuracy, filter metrics)
+        else:
+            rows.update(self.model(rows))
+            self.last_errors = 0
+            scores = apply_rm_scores(rows)
+        if self.step_rewards and "step_rewards" in rows:
+            # Tool step rewards at the end of the turn that earned them (rlsp/workers/agent_rollout.py).
+            rows.set("token_level_scores", rows["token_level_scores"] + rows["step_rewards"] * rows["response_mask"])
+        return scores
+
+    def score_validation(self, rows: Any) -> np.ndarray:
+        """Validation rows: the rule/custom reward functions (also with a reward model, as verl scores them)."""
+        return self.rules.score_rows(rows)
+
+    def metrics(self, rows: Any) -> dict[str, float]:
+        shaped = self.shaping.metrics(rows) if self.shaping is not None else {}
+        return {"reward/errors": float(self.last_errors), **shaped}
+
+    def shutdown(self) -> None:
+        if self.servers is not None:
+            self.servers.shutdown()
+
+
+def build_reward(cfg: DictConfig, layout: ParallelLayout, wg: RayWorkerGroup,
+                 servers: RewardServers | None) -> Reward:
+    """The reward subsystem of this layout: its rule scorers always (validation), and where a reward model runs."""
+    rules = build_scorer(cfg.reward_model.num_workers, cfg.actor_rollout_ref.model.path, cfg.reward.custom_function_path,
+                         cfg.reward.custom_function_name, cfg.reward.on_error)
+    if layout.reward_model is None:
+        return Reward(cfg, rules)
+    if servers is not None:
+        return Reward(cfg, rules, servers.compute_rm_score, servers)
+    return Reward(cfg, rules, lambda rows: wg.call("reward_model", "compute_rm_score", rows))
