@@ -72,11 +72,15 @@ class Reward:
             self.servers.shutdown()
 
 
-def build_reward(cfg: DictConfig, layout: ParallelLayout, wg: RayWorkerGroup,
+def build_rules(cfg: DictConfig) -> ScoringPool:
+    """The rule-scoring actors (every run has them: they score validation too); they start loading now."""
+    return build_scorer(cfg.reward_model.num_workers, cfg.actor_rollout_ref.model.path, cfg.reward.custom_function_path,
+                        cfg.reward.custom_function_name, cfg.reward.on_error)
+
+
+def build_reward(cfg: DictConfig, layout: ParallelLayout, rules: ScoringPool, wg: RayWorkerGroup,
                  servers: RewardServers | None) -> Reward:
-    """The reward subsystem of this layout: its rule scorers always (validation), and where a reward model runs."""
-    rules = build_scorer(cfg.reward_model.num_workers, cfg.actor_rollout_ref.model.path, cfg.reward.custom_function_path,
-                         cfg.reward.custom_function_name, cfg.reward.on_error)
+    """The reward subsystem of this layout: the rule scorers always, and where a reward model runs."""
     if layout.reward_model is None:
         return Reward(cfg, rules)
     if servers is not None:
