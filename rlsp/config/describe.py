@@ -52,8 +52,8 @@ def describe_placement(cfg: Any, layout: ParallelLayout) -> list[str]:
         where = ("colocated on the policy pool" if layout.critic_colocated
                  else f"own pool: {c.world.nnodes} x {c.world.procs_per_node} = {c.world_size} workers")
         lines.append(f"  critic:  {where} | {_degrees(c)}")
-    reward_model = getattr(layout, "reward_model", None)
-    if reward_model is not None and cfg.reward_model.use_reward_loop:
+    reward_model = layout.reward_model
+    if layout.reward_mode in ("model_vllm", "model_servers"):  # verl's reward loop
         r = cfg.reward_model.rollout
         where = ("in processes of their own beside the policy workers (the rollout engine uses another tp degree)"
                  if layout.reward_servers else "on the policy pool")
@@ -61,7 +61,7 @@ def describe_placement(cfg: Any, layout: ParallelLayout) -> list[str]:
                      f"{r.name} pooling engine(s) of {reward_model.tp} worker(s) each (dtype {r.dtype}, max_model_len "
                      f"{r.max_model_len or 'max_position_embeddings'}); rule scoring in "
                      f"{cfg.reward_model.num_workers} process(es)")
-    elif reward_model is not None:
+    elif layout.reward_mode == "model_fsdp":
         lines.append(f"  reward model: on the policy pool | {_degrees(reward_model)}")
     if p.nnodes > 1:
         lines.append("  across nodes: ulysses x tp groups stay inside a node; ring and data-parallel groups span nodes")
