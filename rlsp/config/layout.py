@@ -32,13 +32,12 @@ from dataclasses import dataclass
 # Advantage estimators that need a value model (critic workers).
 CRITIC_ESTIMATORS = ("gae",)
 # How rewards are computed, which decides what runs where (`ParallelLayout.reward_mode`):
-#   rules          rule/custom reward functions in the driver (reward_model.num_workers=1)
-#   rules_pool     the same functions over reward_model.num_workers Ray actors
+#   rules          rule/custom reward functions in reward_model.num_workers scoring actors (rlsp.trainer.reward)
 #   model_fsdp     a frozen reward model on the policy workers, FSDP2 (reward_model.use_reward_loop=false)
 #   model_vllm     verl's reward loop: a vLLM pooling engine in the policy workers' processes
 #   model_servers  the reward loop's engines in processes of their own beside the policy workers (a rollout
 #                  engine of another tensor-parallel degree shares the policy workers)
-REWARD_MODES = ("rules", "rules_pool", "model_fsdp", "model_vllm", "model_servers")
+REWARD_MODES = ("rules", "model_fsdp", "model_vllm", "model_servers")
 
 
 @dataclass(frozen=True)

@@ -47,10 +47,9 @@ def check_reward_model(cfg: Any, policy: World | None, rollout: RolloutPlacement
     without one), after checking the keys; `policy` None: the policy pool is not valid itself."""
     rm = cfg.reward_model
     workers = rm.num_workers
-    valid_workers = not isinstance(workers, bool) and isinstance(workers, int) and workers >= 1
-    if not valid_workers:
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         errors.append(f"{P}num_workers={workers!r} must be an integer >= 1 (reward-loop processes scoring rule rewards)")
-    rules = (None, "rules_pool" if valid_workers and workers > 1 else "rules")
+    rules: RewardPlacement = (None, "rules")
     if not rm.enable:
         return rules
     n_err = len(errors)

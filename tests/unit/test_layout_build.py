@@ -58,7 +58,7 @@ CASES = {
         {**FOUR, "rollout.n_gpus_per_node": 2, "actor_rollout_ref.rollout.name": "vllm",
          "actor_rollout_ref.rollout.tensor_model_parallel_size": 2, "async_training.require_batches": 1},
         _expected(World(1, 4), rollout=World(1, 2), rollout_tp=2)),
-    "rule scoring in 3 processes": ({"reward_model.num_workers": 3}, _expected(World(1, 2), reward_mode="rules_pool")),
+    "rule scoring in 3 processes": ({"reward_model.num_workers": 3}, _expected(World(1, 2), reward_mode="rules")),
     "reward model, FSDP, ulysses 2": (
         {"reward_model.enable": True, "reward_model.model.path": "/rm", "reward_model.ulysses_sequence_parallel_size": 2},
         _expected(World(1, 2), reward_model=RoleLayout(World(1, 2), ulysses=2), reward_mode="model_fsdp")),
@@ -102,11 +102,11 @@ def test_layout_is_frozen_and_its_reward_mode_checked():
     layout = validate_config(_cfg())
     with pytest.raises(dataclasses.FrozenInstanceError):
         layout.has_reference = False  # type: ignore[misc]
-    with pytest.raises(ValueError, match=r"reward_mode='remote'; legal values: \['rules', 'rules_pool'"):
+    with pytest.raises(ValueError, match=r"reward_mode='remote'; legal values: \['rules', 'model_fsdp'"):
         ParallelLayout(World(1, 1), RoleLayout(World(1, 1)), RoleLayout(World(1, 1)), reward_mode="remote")
     with pytest.raises(ValueError, match="does not match reward_model=None"):
         ParallelLayout(World(1, 1), RoleLayout(World(1, 1)), RoleLayout(World(1, 1)), reward_mode="model_fsdp")
-    assert REWARD_MODES == ("rules", "rules_pool", "model_fsdp", "model_vllm", "model_servers")
+    assert REWARD_MODES == ("rules", "model_fsdp", "model_vllm", "model_servers")
 
 
 def test_no_module_builds_or_patches_a_layout_elsewhere():
