@@ -80,9 +80,13 @@ def build_rules(cfg: DictConfig) -> ScoringPool:
 
 def build_reward(cfg: DictConfig, layout: ParallelLayout, rules: ScoringPool, wg: RayWorkerGroup,
                  servers: RewardServers | None) -> Reward:
-    """The reward subsystem of this layout: the rule scorers always, and where a reward model runs."""
-    if layout.reward_model is None:
+    """The reward subsystem of this layout (`layout.reward_mode`): the rule scorers always, and where a
+    reward model runs."""
+    if layout.reward_mode == "rules":
         return Reward(cfg, rules)
-    if servers is not None:
+    if layout.reward_mode == "model_servers":
+        if servers is None:
+            raise RuntimeError("reward_mode 'model_servers' without reward servers: they start with the training workers")
         return Reward(cfg, rules, servers.compute_rm_score, servers)
+    # model_fsdp / model_vllm: the reward_model role on the policy workers (an FSDP model, or the reward loop's engine)
     return Reward(cfg, rules, lambda rows: wg.call("reward_model", "compute_rm_score", rows))
