@@ -22,7 +22,7 @@ import torch
 from rlsp.controller.step_data import StepData, from_batch
 from rlsp.controller.traffic import TRAFFIC
 from rlsp.data.batch import Batch
-from rlsp.trainer.scoring import Scorer, place_scores
+from rlsp.trainer.scoring import RewardError, Scorer, place_scores
 from rlsp.workers.columns import RowsSpec, assemble
 
 # What rule scoring reads of a row: the response tokens and the dataset row's fields.
@@ -71,7 +71,13 @@ class ScoringPool:
             spec, refs = data.spec(rows, SCORE_READS)
             TRAFFIC.send(spec)
             calls.append(worker.score.remote(spec, *refs))
-        results = ray.get(calls)
+        try:
+            results = ray.get(calls)
+        except ray.exceptions.RayTaskError as exc:  # a reward function's fault, as if it had run here
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, RewardError):
+                raise RewardError(str(cause)) from None
+            raise
         TRAFFIC.receive(*results)
         scores = np.concatenate([r[0] for r in results])
         self.last_errors = sum(r[1] for r in results)
