@@ -21,7 +21,7 @@ units, dynamic sampling rounds) concatenate without renumbering.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +29,7 @@ import ray
 import torch
 from tensordict import TensorDict
 
+from rlsp.controller.step_meta import LazyMeta
 from rlsp.controller.traffic import TRAFFIC
 from rlsp.data.batch import Batch
 from rlsp.workers.columns import ROW_SUFFIX, Piece, RowsSpec, assemble
@@ -51,38 +52,6 @@ class Block:
 
 def _empty(n: int, meta: dict[str, list[Any]] | None = None, info: dict[str, Any] | None = None) -> Batch:
     return Batch(TensorDict({}, batch_size=[n]), dict(meta or {}), dict(info or {}))
-
-
-class LazyMeta(Mapping):
-    """`StepData.meta`: the driver's per-row entries, others fetched from the blocks when read."""
-
-    def __init__(self, data: StepData) -> None:
-        self.data = data
-
-    def __getitem__(self, key: str) -> list[Any]:
-        if key not in self.data.table.meta:
-            if key not in self.data.block_keys():
-                raise KeyError(key)
-            self.data.fetch([key])
-        return self.data.table.meta[key]
-
-    def __setitem__(self, key: str, values: list[Any]) -> None:
-        if len(values) != len(self.data):
-            raise ValueError(f"meta[{key!r}] has {len(values)} rows, the step has {len(self.data)}")
-        self.data.table.meta[key] = list(values)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.data.table.meta or (key in self.data.block_keys() and not self.data.is_tensor(key))
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(sorted(set(self.data.table.meta) | {k for k in self.data.block_keys() if not self.data.is_tensor(k)}))
-
-    def __len__(self) -> int:
-        return len(list(iter(self)))
-
-    def update(self, other: Mapping[str, list[Any]]) -> None:
-        for key, values in other.items():
-            self[key] = values
 
 
 class StepData:
