@@ -93,7 +93,7 @@ def summary(name: str, args: dict, rows: list[dict], wall: float, root: str) -> 
             "driver_peak_rss_gib": round(max(r.get("perf/driver_peak_rss_gib", 0.0) for r in rows), 3),
             # samples of a step, and their tokens (prompt + response, mean over steps 2..N)
             "rows": int(args["data.train_batch_size"]) * int(args["actor_rollout_ref.rollout.n"]),
-            "tokens": round(mean("throughput/tokens_per_s") * mean("timing/step_s")),
+            "tokens": round(sum(r["throughput/tokens_per_s"] * r["timing/step_s"] for r in later) / len(later)),
             "wall_s": round(wall, 1)}
 
 
