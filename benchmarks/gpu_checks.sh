@@ -3,7 +3,9 @@
 # transformers; each line of output is one benchmark's JSON. Usage: bash benchmarks/gpu_checks.sh PART...
 # Parts: train (step time/memory/MFU at 4k-32k tokens), attention (packed attention accuracy/time at
 # 8k-64k), logprob (vocab-chunked vs full logits at 32k x 151k), longest (longest stream per rank at
-# sp=1/2/4/8 of 8 ranks), ckpt (activation checkpointing on/off at 32k).
+# sp=1/2/4/8 of 8 ranks), ckpt (activation checkpointing on/off at 32k), longest8b (the Llama-3.1-8B shape,
+# one rank of 8 at Ulysses 8 and of 32 at Ulysses 32, checkpointing + tiled MLP, activation offload on and off:
+# the points the planner's estimate is compared with in docs/plan.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -40,6 +42,16 @@ part_longest() {
       echo "$line" | grep -q '"oom": false' || break
       t=$((t * 2))
     done
+  done
+}
+part_longest8b() {
+  # LONGEST8B_POINTS: "world:sp:tokens:offload" (offload 1/0); sequences of 32k packed (peak memory does not
+  # depend on the split, and attention's time stays linear in the stream); one step, no warm-up
+  local pt world sp t off
+  for pt in ${LONGEST8B_POINTS:-8:8:1048576:1 8:8:1048576:0 32:32:4194304:1 8:8:2097152:1}; do
+    IFS=: read -r world sp t off <<<"$pt"
+    run benchmarks/gpu_train_step.py --model llama3.1-8b --tokens "$t" --seq-len 32768 --world "$world" --sp "$sp" \
+        --grad-ckpt --tiled-mlp 8 $( [ "$off" = 1 ] && echo --act-offload ) --warmup 0 --steps 1
   done
 }
 for part in "$@"; do "part_$part"; done

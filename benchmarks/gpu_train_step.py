@@ -14,8 +14,12 @@ and optimizer state sharded over the world, T/sp tokens outside attention, all T
 heads inside attention. Memory and compute are that rank's; communication time is not included and
 the numbers (loss) are meaningless, so weight checks run only with `--world 1`.
 
-Model: Qwen2.5-0.5B shape (24 layers, hidden 896, 14 q / 2 kv heads of dim 64, MLP 4864, vocab
-151,936, tied embeddings), random init. MFU = 6·N·T / step time / peak bf16 FLOP/s (`--peak-tflops`,
+Models (`--model`, random init): the Qwen2.5-0.5B shape (24 layers, hidden 896, 14 q / 2 kv heads of dim
+64, MLP 4864, vocab 151,936, tied embeddings) and the Llama-3.1-8B shape (32 layers, hidden 4096, 32 q / 8
+kv heads of dim 128, MLP 14336, vocab 128,256, untied; built in fp32 on the device before sharding, so it
+needs ~32 GB free at start). `--tiled-mlp N` runs every MLP over N token tiles, `--act-offload` keeps what
+the forward saves in host memory until backward (as the engine's `enable_activation_offload`), and
+`--mem-cap-gib` caps this process's allocator (a larger card standing for a smaller one). MFU = 6·N·T / step time / peak bf16 FLOP/s (`--peak-tflops`,
 989 for H100 SXM dense), counted for this rank's 1/sp of the stream; `mfu_with_attn` adds causal
 attention FLOPs, 6·L·Hq·D·sum(seq_len^2) (forward 4·seq^2·D per head halved by causality, backward 2x).
 """
@@ -33,14 +37,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from transformers import Qwen2Config  # noqa: E402
+from transformers import LlamaConfig, Qwen2Config  # noqa: E402
 
 from rlsp.config.layout import RoleLayout, World  # noqa: E402
 from rlsp.data.packing import pack_sequences  # noqa: E402
+from rlsp.engine.offload import ActivationOffload  # noqa: E402
 from rlsp.engine.optim import OptimSettings, build_optimizer  # noqa: E402
 from rlsp.engine.parallelize import parallelize  # noqa: E402
 from rlsp.models.lm import TokenLogprobModel  # noqa: E402
 from rlsp.models.loading import build_causal_lm_from_config  # noqa: E402
+from rlsp.models.tiled_mlp import apply_tiled_mlp  # noqa: E402
 from rlsp.parallel.mesh import build_parallel_dims  # noqa: E402
 from rlsp.parallel.ulysses import build_sp_context, shard_for_rank  # noqa: E402
 from rlsp.utils.device import backend_for  # noqa: E402
@@ -49,10 +55,17 @@ MODELS = {
     "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                          num_attention_heads=14, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True,
                          rope_theta=1_000_000.0, max_position_embeddings=1 << 20),
+    "llama3.1-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                        num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+                        rope_theta=500_000.0, max_position_embeddings=1 << 24),
     "smoke": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=6, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
                   max_position_embeddings=1 << 20),
+    "smoke-llama": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=8, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+                        max_position_embeddings=1 << 20),
 }
+CONFIG_CLASSES = {"llama3.1-8b": LlamaConfig, "smoke-llama": LlamaConfig}  # the rest: Qwen2Config
 
 
 def _args() -> argparse.Namespace:
@@ -71,6 +84,11 @@ def _args() -> argparse.Namespace:
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--tiled-mlp", type=int, default=0, help="token tiles per MLP call (0: the model's own MLP)")
+    p.add_argument("--act-offload", action="store_true",
+                   help="activation offload: what the forward saves waits in host memory (needs --grad-ckpt to matter)")
+    p.add_argument("--mem-cap-gib", type=float, default=0.0,
+                   help="cap this process's CUDA allocator at this many GiB (e.g. 79 to stand for an 80 GB card)")
     return p.parse_args()
 
 
@@ -115,29 +133,35 @@ def _build(a: argparse.Namespace, device: torch.device) -> tuple:
     dims = build_parallel_dims(RoleLayout(World(1, dist.get_world_size()), ulysses=a.sp), device.type)
     torch.manual_seed(0)
     with device:
-        lm = build_causal_lm_from_config(Qwen2Config(**cfg), dtype=torch.float32)
+        lm = build_causal_lm_from_config(CONFIG_CLASSES.get(a.model, Qwen2Config)(**cfg), dtype=torch.float32)
+    if a.tiled_mlp:
+        apply_tiled_mlp(lm.model, a.tiled_mlp)
     if a.grad_ckpt:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     n_params = sum(p.numel() for p in lm.parameters())
     model = parallelize(TokenLogprobModel(lm, chunk_size=a.chunk), dims, getattr(torch, a.dtype))
     optimizer, _ = build_optimizer(model, OptimSettings(lr=a.lr, grad_clip=1.0))
+    offload = ActivationOffload(a.act_offload, model, device)
     packed, lens = _stream(a.tokens, a.seq_len, cfg["vocab_size"], a.sp)
     ctx = build_sp_context(dims.ulysses_group, packed, cfg["num_attention_heads"], cfg["num_key_value_heads"])
     ids_S, pos_S, lab_S = (shard_for_rank(x, ctx).to(device) for x in (packed.input_ids, packed.position_ids, packed.labels))
     mask_S = shard_for_rank(packed.label_mask, ctx).to(device).float()
     n_label = float(packed.label_mask.sum())
+    offloaded: list[int] = []
 
     def step() -> float:
         ctx.cache.clear()
-        out = model(ids_S, pos_S, lab_S, ctx)
-        loss = -(out["logprobs"] * mask_S).sum() / n_label
+        with offload() as stats:  # the forward only, as the engine does: backward's recomputations stay
+            out = model(ids_S, pos_S, lab_S, ctx)
+            loss = -(out["logprobs"] * mask_S).sum() / n_label
+        offloaded.append(stats.bytes)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return float(loss.detach())
 
-    return model, step, n_params, ctx.local_len, lens
+    return model, step, n_params, ctx.local_len, lens, offloaded
 
 
 def _run_steps(a: argparse.Namespace, step, cuda: bool) -> tuple[list[float], list[float], list[float]]:
@@ -171,12 +195,15 @@ def main() -> None:
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.set_device(0)
+        if a.mem_cap_gib:  # a process-level allocator limit, not a device setting
+            torch.cuda.set_per_process_memory_fraction(min(1.0, a.mem_cap_gib * 2**30 / torch.cuda.get_device_properties(0).total_memory))
     _init_world(a.world, device.type)
-    model, step, n_params, local_len, lens = _build(a, device)
+    model, step, n_params, local_len, lens, offloaded = _build(a, device)
     before = {n: p.detach().to_local().clone() for n, p in model.named_parameters()} if a.world == 1 else {}
     result = {"benchmark": "gpu_train_step", "model": a.model, "params": n_params, "tokens": a.tokens,
               "seq_len": a.seq_len or a.tokens, "world": a.world, "sp": a.sp, "local_tokens": local_len,
-              "grad_ckpt": a.grad_ckpt, "dtype": a.dtype,
+              "grad_ckpt": a.grad_ckpt, "tiled_mlp": a.tiled_mlp, "act_offload": a.act_offload,
+              "mem_cap_gib": a.mem_cap_gib or None, "dtype": a.dtype,
               "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__}
     try:
         warm_losses, losses, times = _run_steps(a, step, cuda)
@@ -195,6 +222,7 @@ def main() -> None:
         peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
         mfu=round(rank_dense / step_s / (a.peak_tflops * 1e12), 4),
         mfu_with_attn=round(rank_attn / step_s / (a.peak_tflops * 1e12), 4),
+        offloaded_gib=round(max(offloaded) / 2**30, 3) if a.act_offload else None,
     )
     if a.world == 1:
         result.update(_weight_checks(model, before, [*warm_losses, *losses]))
