@@ -39,10 +39,13 @@ k-th send of i to j meets the k-th receive of j from i, whatever their sizes. Tw
 Both communicators issue in the same order on every rank (K/V first in each step), so concurrent
 kernels of the two cannot wait on each other in opposite orders.
 
-The block math (`block_attention`, `block_attention_backward`) is kept apart so a fused kernel can
-replace it. Here it materialises the scores of ROW_CHUNK query rows of one box at a time in fp32
-(peak about 3 * hq * ROW_CHUNK * K * 4 bytes: scores, probabilities, their gradient); the plan keeps
-only 1-D positions and segment ids per box (O(Tr) per step) and derives each row chunk's mask.
+Block math. Each box of the plan is split on the host into full and square-causal tiles
+(rlsp/parallel/ring_tiles.py) and each tile runs a fused attention kernel that returns its output and
+log-sum-exp (rlsp/parallel/ring_block.py: the CPU flash kernel, CUDA's memory-efficient kernel);
+backward runs the kernel's flash backward per tile with the rows' FINAL output and lse, exact for
+blockwise attention. The working set is O(rows x heads x D) plus the kernels' own small tiles, never
+rows x keys scores. A dtype the device's kernel lacks (fp64 on CUDA) takes the explicit path
+(rlsp/parallel/ring_reference.py: fp32/fp64 scores of ROW_CHUNK query rows of a box at a time).
 
 Legend: T stream length, r ring size, Tr = T / r tokens of this rank, Q / K query / key rows of
 one block (its bounding box), H heads (hq for q and o, hkv for k and v), D head dim.
@@ -50,77 +53,30 @@ one block (its bounding box), H heads (hq for q and o, hkv for k and v), D head 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from rlsp.parallel import ring_reference
+from rlsp.parallel.ring_block import fused_backward, fused_forward, fused_supported, native_gqa
 from rlsp.parallel.ring_plan import ROW_CHUNK, RingPlan, StepBlock
+from rlsp.parallel.ring_reference import acc_dtype as _acc_dtype
+from rlsp.parallel.ring_reference import block_attention, block_attention_backward
+from rlsp.parallel.ring_reference import finite as _finite
+
+__all__ = ["ROW_CHUNK", "block_attention", "block_attention_backward", "ring_attention"]
 
 _KV_TAG, _DKV_TAG = 0, 1
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+class _Ctx(NamedTuple):
+    """Per-call constants of the block math."""
 
-
-def block_attention(q_QHD: torch.Tensor, k_KHD: torch.Tensor, v_KHD: torch.Tensor, mask_QK: torch.Tensor,
-                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Masked softmax attention of one block (k/v already with hq heads) -> (o [Q, H, D], lse [H, Q]).
-
-    Accumulates in fp32 (fp64 for fp64 inputs) and returns that dtype. A row without visible keys
-    gets o = 0 and lse = -inf.
-    """
-    acc = _acc_dtype(q_QHD.dtype)
-    scores_HQK = torch.einsum("qhd,khd->hqk", q_QHD.to(acc), k_KHD.to(acc)) * scale
-    scores_HQK = scores_HQK.masked_fill(~mask_QK, float("-inf"))
-    lse_HQ = torch.logsumexp(scores_HQK, dim=-1)
-    probs_HQK = torch.exp(scores_HQK - _finite(lse_HQ)[..., None])
-    return torch.einsum("hqk,khd->qhd", probs_HQK, v_KHD.to(acc)), lse_HQ
-
-
-def block_attention_backward(do_QHD: torch.Tensor, q_QHD: torch.Tensor, k_KHD: torch.Tensor, v_KHD: torch.Tensor,
-                             mask_QK: torch.Tensor, scale: float, lse_HQ: torch.Tensor,
-                             delta_HQ: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients (dq, dk, dv) of one block given the FINAL lse and delta = rowsum(dO * O) of the rows.
-
-    Returns fp32 (fp64) tensors shaped like q, k, v (k/v with hq heads).
-    """
-    acc = _acc_dtype(q_QHD.dtype)
-    q, k, v, do = (x.to(acc) for x in (q_QHD, k_KHD, v_KHD, do_QHD))
-    scores_HQK = torch.einsum("qhd,khd->hqk", q, k) * scale
-    probs_HQK = torch.exp(scores_HQK.masked_fill(~mask_QK, float("-inf")) - _finite(lse_HQ)[..., None])
-    dv_KHD = torch.einsum("hqk,qhd->khd", probs_HQK, do)
-    dprobs_HQK = torch.einsum("qhd,khd->hqk", do, v)
-    dscores_HQK = probs_HQK * (dprobs_HQK - delta_HQ[..., None]) * scale
-    return torch.einsum("hqk,khd->qhd", dscores_HQK, k), torch.einsum("hqk,qhd->khd", dscores_HQK, q), dv_KHD
-
-
-def _attend_box(q_QHD: torch.Tensor, k_KHD: torch.Tensor, v_KHD: torch.Tensor, block: StepBlock,
-                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """`block_attention` over one box, ROW_CHUNK query rows at a time (rows are independent)."""
-    parts = [block_attention(q_QHD[r0:r0 + ROW_CHUNK], k_KHD, v_KHD, block.mask(r0, r0 + ROW_CHUNK), scale)
-             for r0 in range(0, q_QHD.shape[0], ROW_CHUNK)]
-    return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts], dim=1)
-
-
-def _attend_box_backward(do_QHD: torch.Tensor, q_QHD: torch.Tensor, k_KHD: torch.Tensor, v_KHD: torch.Tensor,
-                         block: StepBlock, scale: float, lse_HQ: torch.Tensor,
-                         delta_HQ: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`block_attention_backward` over one box in row chunks: dq per chunk, dk/dv summed over chunks."""
-    dqs, dk_KHD, dv_KHD = [], None, None
-    for r0 in range(0, q_QHD.shape[0], ROW_CHUNK):
-        rows = slice(r0, r0 + ROW_CHUNK)
-        dq, dk, dv = block_attention_backward(do_QHD[rows], q_QHD[rows], k_KHD, v_KHD, block.mask(r0, r0 + ROW_CHUNK),
-                                              scale, lse_HQ[:, rows], delta_HQ[:, rows])
-        dqs.append(dq)
-        dk_KHD, dv_KHD = (dk, dv) if dk_KHD is None else (dk_KHD + dk, dv_KHD + dv)
-    return torch.cat(dqs), dk_KHD, dv_KHD
-
-
-def _finite(lse: torch.Tensor) -> torch.Tensor:
-    """lse with -inf (rows without keys) replaced by 0, so exp(-inf - lse) is 0, never NaN."""
-    return lse.masked_fill(torch.isneginf(lse), 0.0)
+    scale: float
+    kv_index: torch.Tensor | None  # kv head of each q head (None: hq == hkv, head h reads h)
+    kernel_index: torch.Tensor | None  # heads the fused kernel needs k/v expanded to (None: as they are)
+    fused: bool  # fused kernel (else the explicit reference path)
 
 
 def _merge(out_QHD: torch.Tensor, lse_HQ: torch.Tensor, o_QHD: torch.Tensor, blk_lse_HQ: torch.Tensor) -> None:
@@ -163,8 +119,23 @@ def _count(stats: Any, suffix: str, nbytes: int) -> None:
         setattr(stats, f"ring_calls_{suffix}", getattr(stats, f"ring_calls_{suffix}") + 1)
 
 
-def _ring_forward(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, plan: RingPlan, scale: float,
-                  kv_index: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _attend(q_THD: torch.Tensor, kv_2THD: torch.Tensor, block: StepBlock, ctx: _Ctx, out_THD: torch.Tensor,
+            lse_HT: torch.Tensor) -> None:
+    """Merge one box's partial (out, lse) into the running (out_THD, lse_HT), tile by tile when fused."""
+    if not ctx.fused:
+        k_KHD, v_KHD = (_expand(x[block.k0:block.k1], ctx.kv_index) for x in kv_2THD)
+        o_QHD, lse_HQ = ring_reference.attend_box(q_THD[block.q0:block.q1], k_KHD, v_KHD, block, ctx.scale,
+                                                  ROW_CHUNK)
+        _merge(out_THD[block.q0:block.q1], lse_HT[:, block.q0:block.q1], o_QHD, lse_HQ)
+        return
+    for tile in block.tiles:
+        k_KHD, v_KHD = (_expand(x[tile.k0:tile.k1], ctx.kernel_index) for x in kv_2THD)
+        o_QHD, lse_HQ = fused_forward(q_THD[tile.q0:tile.q1], k_KHD, v_KHD, tile.causal, ctx.scale)
+        _merge(out_THD[tile.q0:tile.q1], lse_HT[:, tile.q0:tile.q1], o_QHD, lse_HQ)
+
+
+def _ring_forward(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, plan: RingPlan,
+                  ctx: _Ctx) -> tuple[torch.Tensor, torch.Tensor, int]:
     """-> (out [Tr, hq, D] in q's dtype, lse [hq, Tr] fp32/fp64, bytes sent)."""
     acc, (Tr, hq, D) = _acc_dtype(q_THD.dtype), q_THD.shape
     out_THD = q_THD.new_zeros((Tr, hq, D), dtype=acc)
@@ -174,47 +145,68 @@ def _ring_forward(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor,
         works, next_2THD, nbytes = _pass_kv(plan, step, kv_2THD)  # pass the block on while computing with it
         sent += nbytes
         for block in blocks:
-            k_KHD, v_KHD = (_expand(x[block.k0:block.k1], kv_index) for x in kv_2THD)
-            o_QHD, lse_HQ = _attend_box(q_THD[block.q0:block.q1], k_KHD, v_KHD, block, scale)
-            _merge(out_THD[block.q0:block.q1], lse_HT[:, block.q0:block.q1], o_QHD, lse_HQ)
+            _attend(q_THD, kv_2THD, block, ctx, out_THD, lse_HT)
         _wait(works)
         kv_2THD = next_2THD
     return out_THD.to(q_THD.dtype), lse_HT, sent
 
 
+_Saved = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, _Ctx]  # out, lse, delta (explicit path), ctx
+
+
 def _block_grads(do_THD: torch.Tensor, q_THD: torch.Tensor, kv_2THD: torch.Tensor, blocks: list[StepBlock],
-                 saved: tuple[torch.Tensor, torch.Tensor, float, torch.Tensor | None],
-                 dq_THD: torch.Tensor) -> torch.Tensor:
+                 saved: _Saved, dq_THD: torch.Tensor) -> torch.Tensor:
     """Add one step's dq into dq_THD; return the visiting block's dK/dV part [2, Tr, hkv, D] (fp32/fp64)."""
     dkv_2THD = kv_2THD.new_zeros(kv_2THD.shape, dtype=dq_THD.dtype)
     for block in blocks:
-        _add_block_grads(do_THD, q_THD, kv_2THD, block, saved, dq_THD, dkv_2THD)
+        if saved[3].fused:
+            _add_fused_grads(do_THD, q_THD, kv_2THD, block, saved, dq_THD, dkv_2THD)
+        else:
+            _add_explicit_grads(do_THD, q_THD, kv_2THD, block, saved, dq_THD, dkv_2THD)
     return dkv_2THD
 
 
-def _add_block_grads(do_THD: torch.Tensor, q_THD: torch.Tensor, kv_2THD: torch.Tensor, block: StepBlock,
-                     saved: tuple[torch.Tensor, torch.Tensor, float, torch.Tensor | None], dq_THD: torch.Tensor,
-                     dkv_2THD: torch.Tensor) -> None:
-    lse_HT, delta_HT, scale, kv_index = saved
-    rows, keys = slice(block.q0, block.q1), slice(block.k0, block.k1)
-    k_KHD, v_KHD = (_expand(x[keys], kv_index) for x in kv_2THD)
-    dq_QHD, dk_KHD, dv_KHD = _attend_box_backward(do_THD[rows], q_THD[rows], k_KHD, v_KHD, block, scale,
-                                                  lse_HT[:, rows], delta_HT[:, rows])
-    dq_THD[rows] += dq_QHD
+def _add_kv_grads(dkv_2THD: torch.Tensor, keys: slice, dk_KHD: torch.Tensor, dv_KHD: torch.Tensor,
+                  index: torch.Tensor | None) -> None:
     for dst_KHD, grad_KHD in ((dkv_2THD[0, keys], dk_KHD), (dkv_2THD[1, keys], dv_KHD)):
-        if kv_index is None:
-            dst_KHD.add_(grad_KHD)  # boxes of different segments may overlap: accumulate
+        if index is None:
+            dst_KHD.add_(grad_KHD)  # boxes (tiles) of different segments may overlap: accumulate
         else:  # sum the expanded heads' gradients back onto the kv heads before they travel
-            dst_KHD.index_add_(1, kv_index, grad_KHD)
+            dst_KHD.index_add_(1, index, grad_KHD.to(dst_KHD.dtype))
+
+
+def _add_fused_grads(do_THD: torch.Tensor, q_THD: torch.Tensor, kv_2THD: torch.Tensor, block: StepBlock,
+                     saved: _Saved, dq_THD: torch.Tensor, dkv_2THD: torch.Tensor) -> None:
+    out_THD, lse_HT, _, ctx = saved
+    for tile in block.tiles:
+        rows, keys = slice(tile.q0, tile.q1), slice(tile.k0, tile.k1)
+        k_KHD, v_KHD = (_expand(x[keys], ctx.kernel_index) for x in kv_2THD)
+        dq_QHD, dk_KHD, dv_KHD = fused_backward(do_THD[rows], q_THD[rows], k_KHD, v_KHD, out_THD[rows],
+                                                lse_HT[:, rows], tile.causal, ctx.scale)
+        dq_THD[rows] += dq_QHD
+        _add_kv_grads(dkv_2THD, keys, dk_KHD, dv_KHD, ctx.kernel_index)
+
+
+def _add_explicit_grads(do_THD: torch.Tensor, q_THD: torch.Tensor, kv_2THD: torch.Tensor, block: StepBlock,
+                        saved: _Saved, dq_THD: torch.Tensor, dkv_2THD: torch.Tensor) -> None:
+    _, lse_HT, delta_HT, ctx = saved
+    assert delta_HT is not None  # computed whenever the explicit path runs
+    rows, keys = slice(block.q0, block.q1), slice(block.k0, block.k1)
+    k_KHD, v_KHD = (_expand(x[keys], ctx.kv_index) for x in kv_2THD)
+    dq_QHD, dk_KHD, dv_KHD = ring_reference.attend_box_backward(
+        do_THD[rows], q_THD[rows], k_KHD, v_KHD, block, ctx.scale, lse_HT[:, rows], delta_HT[:, rows], ROW_CHUNK)
+    dq_THD[rows] += dq_QHD
+    _add_kv_grads(dkv_2THD, keys, dk_KHD, dv_KHD, ctx.kv_index)
 
 
 def _ring_backward(do_THD: torch.Tensor, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor,
-                   out_THD: torch.Tensor, lse_HT: torch.Tensor, plan: RingPlan, scale: float,
-                   kv_index: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+                   out_THD: torch.Tensor, lse_HT: torch.Tensor, plan: RingPlan,
+                   ctx: _Ctx) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """-> (dq, dk, dv in the inputs' dtypes, bytes sent)."""
     acc = lse_HT.dtype
-    delta_HT = (do_THD.to(acc) * out_THD.to(acc)).sum(dim=-1).T.contiguous()
-    saved = (lse_HT, delta_HT, scale, kv_index)
+    # the fused backward derives delta = rowsum(dO * O) itself from the final output
+    delta_HT = None if ctx.fused else (do_THD.to(acc) * out_THD.to(acc)).sum(dim=-1).T.contiguous()
+    saved = (out_THD, lse_HT, delta_HT, ctx)
     dq_THD = q_THD.new_zeros(q_THD.shape, dtype=acc)
     kv_2THD, sent, own_2THD, dkv_works, dkv_recv = torch.stack([k_THD, v_THD]), 0, None, None, None
     for step, blocks in enumerate(plan.step_blocks(q_THD.device)):
@@ -241,19 +233,19 @@ def _ring_backward(do_THD: torch.Tensor, q_THD: torch.Tensor, k_THD: torch.Tenso
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(fctx: Any, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, plan: RingPlan,
-                scale: float, kv_index: torch.Tensor | None, stats: Any) -> torch.Tensor:
-        out_THD, lse_HT, sent = _ring_forward(q_THD, k_THD, v_THD, plan, scale, kv_index)
+                ctx: _Ctx, stats: Any) -> torch.Tensor:
+        out_THD, lse_HT, sent = _ring_forward(q_THD, k_THD, v_THD, plan, ctx)
         _count(stats, "fwd", sent)
         fctx.save_for_backward(q_THD, k_THD, v_THD, out_THD, lse_HT)
-        fctx.ring = (plan, scale, kv_index, stats)
+        fctx.ring = (plan, ctx, stats)
         return out_THD
 
     @staticmethod
     def backward(fctx: Any, do_THD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        plan, scale, kv_index, stats = fctx.ring
-        dq, dk, dv, sent = _ring_backward(do_THD.contiguous(), *fctx.saved_tensors, plan, scale, kv_index)
+        plan, ctx, stats = fctx.ring
+        dq, dk, dv, sent = _ring_backward(do_THD.contiguous(), *fctx.saved_tensors, plan, ctx)
         _count(stats, "bwd", sent)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None
 
 
 def _check_inputs(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, plan: RingPlan,
@@ -293,10 +285,13 @@ def ring_attention(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor
     _check_inputs(q_THD, k_THD, v_THD, plan, kv_index)
     if q_THD.shape[1] == 0:  # no heads on this ring group: nothing to exchange, keep the graph connected
         return q_THD * 0.0
-    hq, hkv = q_THD.shape[1], k_THD.shape[1]
+    hq, hkv, device = q_THD.shape[1], k_THD.shape[1], q_THD.device
+    kernel_index = kv_index
     if kv_index is None and hq != hkv:
-        kv_index = torch.arange(hq, device=q_THD.device) // (hq // hkv)
+        kv_index = torch.arange(hq, device=device) // (hq // hkv)
+        kernel_index = None if native_gqa(device) else kv_index  # the kernel reads grouped heads itself
     elif kv_index is not None:
-        kv_index = kv_index.to(device=q_THD.device, dtype=torch.int64)
+        kv_index = kernel_index = kv_index.to(device=device, dtype=torch.int64)
     q_THD, k_THD, v_THD = q_THD.contiguous(), k_THD.contiguous(), v_THD.contiguous()
-    return _RingAttention.apply(q_THD, k_THD, v_THD, plan, scale, kv_index, stats)
+    ctx = _Ctx(scale, kv_index, kernel_index, fused_supported(device, q_THD.dtype))
+    return _RingAttention.apply(q_THD, k_THD, v_THD, plan, ctx, stats)

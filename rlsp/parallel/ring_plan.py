@@ -7,7 +7,8 @@ and ring rank i holds chunks i and 2r-1-i, in that order (`zigzag_indices`). At 
 K/V block of ring rank (i - s) mod r; visibility (same segment of cu_seqlens, key position <= query
 position) depends only on the step, so `RingPlan` caches, per step, one `StepBlock` per segment present
 on both sides, keeping only 1-D positions and segment ids (O(Tr) per step); the mask of any row range
-is derived from them. Attention never crosses segments, so a packed stream of many rollouts costs the
+is derived from them, and the box is split on the host into full and square-causal tiles for the fused
+kernels (rlsp/parallel/ring_tiles.py). Attention never crosses segments, so a packed stream of many rollouts costs the
 sum of their squares; a step with no visible pair has no box.
 
 Legend: T stream length, r ring size, Tr = T / r tokens of this rank, Q / K query / key rows of a box.
@@ -19,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from rlsp.parallel.ring_tiles import Tile, split_box
 
 
 def zigzag_indices(total_len: int, ring_size: int, ring_rank: int) -> torch.Tensor:
@@ -39,7 +42,7 @@ def zigzag_indices(total_len: int, ring_size: int, ring_rank: int) -> torch.Tens
     return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
 
 
-ROW_CHUNK = 1024  # query rows per score tile: a block's scores never exceed [hq, ROW_CHUNK, K]
+ROW_CHUNK = 1024  # query rows per score tile of the explicit path (rlsp/parallel/ring_reference.py)
 
 
 @dataclass
@@ -57,6 +60,7 @@ class StepBlock:
     pos_K: torch.Tensor
     seg_Q: torch.Tensor
     seg_K: torch.Tensor
+    tiles: tuple[Tile, ...] = ()  # full and square-causal tiles covering the box (rlsp/parallel/ring_tiles.py)
 
     def mask(self, r0: int = 0, r1: int | None = None) -> torch.Tensor:
         """bool [rows, K]: key visible to query (same segment, not in its future), rows r0:r1 of the box."""
@@ -125,8 +129,9 @@ class RingPlan:
             if rows.numel() == 0:
                 continue
             q0, q1, k0, k1 = int(rows[0]), int(rows[-1]) + 1, int(cols[0]), int(cols[-1]) + 1
+            tiles = split_box(pos_q[q0:q1], pos_k[k0:k1], q0, k0)  # on the host: no device sync per layer
             blocks.append(StepBlock(q0, q1, k0, k1, seg, *(t.to(device) for t in (
-                pos_q[q0:q1], pos_k[k0:k1], seg_q[q0:q1], seg_k[k0:k1]))))
+                pos_q[q0:q1], pos_k[k0:k1], seg_q[q0:q1], seg_k[k0:k1])), tiles))
         return blocks
 
 

@@ -1,0 +1,179 @@
+"""Fused ring-attention blocks: the tiles a box splits into, and the fused kernels' forward (output,
+lse) and backward (from the rows' final output and lse) against dense fp64 attention, every element.
+
+The ring is simulated in one process: for every rank and step, the plan's tiles of the local rows x
+the visiting rank's keys run `fused_forward`, merged by log-sum-exp, then `fused_backward` with the
+merged output/lse; dq/dk/dv are scattered back to stream positions and compared with autograd of
+dense attention over the packed stream (segments never attend across each other).
+
+Tolerances are max abs errors for the O(1) values here (inputs ~ N(0, 1), D = 8, scale D**-0.5, at
+most 40 keys per row), from the dtype's machine epsilon: fp64 1e-12 (eps 2.2e-16; seen <= 4e-15),
+fp32 1e-5 (eps 1.2e-7, ~80 eps; seen <= 1.1e-6); bf16 (eps 7.8e-3: outputs and gradients are rounded
+to bf16 while the kernel accumulates in fp32) 2e-2 for the output (~2.5 eps; seen <= 7e-3) and 5e-2
+for gradients (~6 eps: sums of up to 40 rounded products; seen <= 2.4e-2).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rlsp.parallel.ring as ring_module
+from rlsp.parallel.ring import ring_attention
+from rlsp.parallel.ring_block import fused_backward, fused_forward, fused_supported
+from rlsp.parallel.ring_plan import RingPlan, build_ring_plan, zigzag_indices
+from rlsp.parallel.ring_tiles import split_box
+
+TOL = {torch.float64: (1e-12, 1e-12), torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 5e-2)}
+D, SCALE = 8, 8**-0.5
+PACKED = (7, 13, 1, 5, 10, 4)  # 40 tokens: segment boundaries inside zigzag chunks, a 1-token segment
+
+
+def _cu(lens: tuple[int, ...]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def _segments(lens: tuple[int, ...]) -> torch.Tensor:
+    return torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+
+
+def _plan_for(lens: tuple[int, ...], ring_size: int, ring_rank: int) -> RingPlan:
+    """A plan for one rank of a ring without a process group (metadata only)."""
+    total = sum(lens)
+    plan = build_ring_plan(None, _cu(lens), total)
+    plan.ring_size, plan.ring_rank = ring_size, ring_rank
+    plan.positions_RT = torch.stack([zigzag_indices(total, ring_size, i) for i in range(ring_size)])
+    return plan
+
+
+def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: tuple[int, ...]) -> torch.Tensor:
+    """fp64 causal attention within segments; q head h reads kv head h // (hq // hkv)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    seg, pos = _segments(lens), torch.arange(q.shape[0])
+    mask = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])
+    scores = torch.einsum("qhd,khd->hqk", q, k).mul(SCALE).masked_fill(~mask, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v)
+
+
+@pytest.mark.parametrize("lens", [PACKED, (40,), (5,) * 8, (16, 24)])
+@pytest.mark.parametrize("ring_size", [1, 2, 4])
+def test_tiles_cover_each_box_exactly_once(lens: tuple[int, ...], ring_size: int) -> None:
+    """Full tiles are all visible, causal tiles are square with their diagonal at equal positions, and
+    the tiles of a box add up to its mask (each visible pair once, nothing else)."""
+    for rank in range(ring_size):
+        plan = _plan_for(lens, ring_size, rank)
+        for step, blocks in enumerate(plan.step_blocks(torch.device("cpu"))):
+            pos_q, pos_k = plan.positions_RT[rank], plan.positions_RT[plan.source_rank(step)]
+            for block in blocks:
+                covered = torch.zeros(block.q1 - block.q0, block.k1 - block.k0, dtype=torch.int64)
+                for t in block.tiles:
+                    rows, keys = pos_q[t.q0:t.q1], pos_k[t.k0:t.k1]
+                    visible = keys[None, :] <= rows[:, None]
+                    if t.causal:
+                        assert t.q1 - t.q0 == t.k1 - t.k0 and torch.equal(rows, keys)
+                        assert torch.equal(visible, torch.ones_like(visible).tril())
+                    else:
+                        assert bool(visible.all())
+                    covered[t.q0 - block.q0:t.q1 - block.q0, t.k0 - block.k0:t.k1 - block.k0] += visible.long()
+                assert torch.equal(covered, block.mask_QK.long()), (rank, step, block.tiles)
+
+
+def test_zigzag_tiles_are_few() -> None:
+    """One 16-token sequence on ring 2: the own block is 2 causal squares and 1 full tile (the late
+    chunk's rows x the early chunk's keys); a visiting block is 1 full tile."""
+    own = _plan_for((16,), 2, 0).step_blocks(torch.device("cpu"))[0][0].tiles
+    assert sorted((t.q0, t.q1, t.k0, t.k1, t.causal) for t in own) == [
+        (0, 4, 0, 4, True), (4, 8, 0, 4, False), (4, 8, 4, 8, True)]
+    for rank in range(2):
+        [visitor] = _plan_for((16,), 2, rank).step_blocks(torch.device("cpu"))[1]
+        assert len(visitor.tiles) == 1 and not visitor.tiles[0].causal
+    assert split_box(torch.tensor([3, 4, 9]), torch.tensor([10, 11]), 0, 0) == ()  # keys after every row
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, blk_lse: torch.Tensor) -> None:
+    new = torch.logaddexp(lse, blk_lse)
+    out.mul_(torch.exp(lse - new).T[..., None]).add_(o.double() * torch.exp(blk_lse - new).T[..., None])
+    lse.copy_(new)
+
+
+def _simulated_ring(q, k, v, do, lens: tuple[int, ...], ring_size: int) -> list[torch.Tensor]:
+    """(o, dq, dk, dv) at stream positions from the fused tiles of every rank and step."""
+    out, lse = torch.zeros(q.shape, dtype=torch.float64), torch.full(q.shape[1::-1], float("-inf"), dtype=torch.float64)
+    plans = [_plan_for(lens, ring_size, i) for i in range(ring_size)]
+    tiles = [(p.positions_RT[p.ring_rank], p.positions_RT[p.source_rank(s)], t) for p in plans
+             for s, blocks in enumerate(p.step_blocks(torch.device("cpu"))) for b in blocks for t in b.tiles]
+    for pos_q, pos_k, t in tiles:
+        rows, keys = pos_q[t.q0:t.q1], pos_k[t.k0:t.k1]
+        o, blk_lse = fused_forward(q[rows], k[keys], v[keys], t.causal, SCALE)
+        assert o.dtype == q.dtype and blk_lse.shape == (q.shape[1], rows.numel())
+        sub_out, sub_lse = out[rows], lse[:, rows]
+        _merge(sub_out, sub_lse, o, blk_lse.double())
+        out[rows], lse[:, rows] = sub_out, sub_lse
+    o_final, grads = out.to(q.dtype), [torch.zeros(x.shape, dtype=torch.float64) for x in (q, k, v)]
+    for pos_q, pos_k, t in tiles:
+        rows, keys = pos_q[t.q0:t.q1], pos_k[t.k0:t.k1]
+        dq, dk, dv = fused_backward(do[rows], q[rows], k[keys], v[keys], o_final[rows], lse[:, rows], t.causal, SCALE)
+        grads[0][rows] += dq.double()
+        grads[1][keys] += dk.double()
+        grads[2][keys] += dv.double()
+    return [out, *grads]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens", [PACKED, (40,)])
+@pytest.mark.parametrize("ring_size, hq, hkv", [(1, 4, 4), (2, 8, 2), (4, 3, 1)])
+def test_fused_tiles_match_dense_attention(dtype: torch.dtype, lens: tuple[int, ...], ring_size: int, hq: int,
+                                           hkv: int) -> None:
+    gen = torch.Generator().manual_seed(ring_size * 10 + hq)
+    shapes = [(sum(lens), h, D) for h in (hq, hkv, hkv, hq)]
+    q, k, v, do = (torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes)
+    qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
+    want = _dense(qr, kr, vr, lens)
+    want.backward(do.double())
+    got = _simulated_ring(q, k, v, do, lens, ring_size)
+    tol_o, tol_g = TOL[dtype]
+    for name, g, w, tol in zip(("o", "dq", "dk", "dv"), got, (want, qr.grad, kr.grad, vr.grad),
+                               (tol_o, tol_g, tol_g, tol_g)):
+        err = (g - w).abs().max().item()
+        assert err <= tol, f"{name}: max abs error {err:.3g} > {tol:.0g} ({dtype}, ring {ring_size})"
+
+
+@pytest.mark.parametrize("q_len, k_len", [(5, 9), (9, 5), (1, 7)])
+def test_full_tile_with_uneven_lengths_and_grouped_heads(q_len: int, k_len: int) -> None:
+    """A full tile with Q != K, 8 q / 2 kv heads unexpanded: fp32 kernel vs fp64 softmax, and the lse."""
+    gen = torch.Generator().manual_seed(q_len)
+    q, do = (torch.randn(q_len, 8, D, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(k_len, 2, D, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(2))
+    qr = q.clone().requires_grad_()
+    scores = torch.einsum("qhd,khd->hqk", qr, k.repeat_interleave(4, 1)) * SCALE
+    want = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v.repeat_interleave(4, 1))
+    want.backward(do)
+    o, lse = fused_forward(q.float(), k.detach().float(), v.detach().float(), False, SCALE)
+    assert (lse.double() - torch.logsumexp(scores, -1)).abs().max().item() <= 1e-5  # fp32: ~80 eps
+    grads = fused_backward(do.float(), q.float(), k.detach().float(), v.detach().float(), o, lse, False, SCALE)
+    for got, ref in zip((o, *grads), (want, qr.grad, k.grad, v.grad)):
+        assert got.shape == ref.shape and (got.double() - ref).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("row_chunk", [1024, 3])
+def test_explicit_fallback_still_matches_dense(row_chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The explicit path, taken where no fused kernel serves the dtype, through ring_attention."""
+    monkeypatch.setattr(ring_module, "fused_supported", lambda device, dtype: False)
+    monkeypatch.setattr(ring_module, "ROW_CHUNK", row_chunk)
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, do = (torch.randn(40, h, D, generator=gen, dtype=torch.float64) for h in (4, 2, 2, 4))
+    qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
+    want = _dense(qr, kr, vr, PACKED)
+    want.backward(do)
+    qt, kt, vt = (x.clone().requires_grad_() for x in (q, k, v))
+    out = ring_attention(qt, kt, vt, build_ring_plan(None, _cu(PACKED), 40), SCALE)
+    out.backward(do)
+    for got, ref in zip((out, qt.grad, kt.grad, vt.grad), (want, qr.grad, kr.grad, vr.grad)):
+        assert (got - ref).abs().max().item() <= 1e-10
+
+
+def test_fused_kernels_cover_cpu_dtypes() -> None:
+    cpu = torch.device("cpu")
+    assert all(fused_supported(cpu, dt) for dt in (torch.float32, torch.float64, torch.bfloat16, torch.float16))
+    assert not fused_supported(torch.device("meta"), torch.float32)
