@@ -19,7 +19,8 @@ What a line asserts (`ok`, with `failures` naming what did not hold):
 - the update's loss and gradient norm are finite, the trainable master weights are fp32, and the
   step moved the weights (sum |w| in fp64 changed);
 - activation offload: on CUDA the forward moved at least the checkpointed layers' inputs to host
-  memory (`perf/activation_offload_bytes` >= layers x tokens x hidden x bytes), on CPU it reports 0;
+  memory (`perf/activation_offload_bytes` >= layers x tokens x hidden x bytes) and backward copied
+  some back ahead of use (`activation_prefetch_bytes` > 0), on CPU it reports 0;
 - FSDP parameter offload: on CUDA every parameter shard lives in host memory after the step;
 - rollout_sync: after an update and the sync, the engine's logprobs of its greedy tokens equal the
   actor's (fp32, <= 1e-4), and on CUDA the sleeping engine has given its weights' memory back.
@@ -163,6 +164,8 @@ def run_check(name: str, model_path: str, shape: str, device: torch.device,
            "master_dtypes": _master_dtypes(role), "weights_moved": moved,
            "policy_changed": float((after - first).abs().max()), "step_s": round(step_s, 4),
            "activation_offload_bytes": metrics.get("perf/activation_offload_bytes"),
+           # of the last micro-batch: bytes its backward copied back one layer ahead of use (side stream)
+           "activation_prefetch_bytes": role.engine.offload.stats.prefetched_bytes if role.engine.offload.active else None,
            "param_shards_on_host": _shards_on_host(role),
            "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3) if device.type == "cuda" else None}
     rec["failures"] = _failures(rec, cfg, spec, first, device)
@@ -222,6 +225,8 @@ def _failures(rec: dict[str, Any], cfg: Any, spec: TinyModelSpec, first: torch.T
         got = rec["activation_offload_bytes"]
         if got is None or (got < want if want else got != 0):
             out.append(f"activation offload moved {got} bytes to host; expected {'>= ' if want else ''}{want} on {device.type}")
+        if want and not rec["activation_prefetch_bytes"]:
+            out.append("activation offload prefetched nothing ahead of backward")
     offload = cfg.actor_rollout_ref.actor.fsdp_config.param_offload
     if offload and device.type == "cuda" and not rec["param_shards_on_host"]:
         out.append("param_offload=true but parameter shards are on the device")

@@ -6,45 +6,48 @@ logprob head); everything inside a layer is recomputed in backward. `ActivationO
 context manager the engine enters around the forward (and loss) of every training micro-batch: a
 pair of saved-tensor hooks (`torch.autograd.graph.saved_tensors_hooks`, the mechanism behind
 `torch.autograd.graph.save_on_cpu`) copies each saved tensor that lives on the device into (pinned,
-on CUDA) host memory when autograd saves it, and copies it back when backward unpacks it. Device
-memory for saved activations drops from L x [S, H] to nothing between forward and backward, at the
-price of two PCIe copies of those bytes per micro-batch (not overlapped with compute: the copies
-run on the compute stream; a prefetching side stream is future work).
+on CUDA) host memory when autograd saves it, and copies it back for backward.
+
+The copies overlap with compute (rlsp.engine.offload_queue): on CUDA the device -> host copies run
+on a side stream, and in backward the tensors of the next checkpointed layer backward will reach
+(the one before in forward order) are copied back on another side stream while the current layer
+is recomputed and differentiated. Device memory for saved activations drops from L x [S, H] to two
+layers' inputs at most (the one in use, the one prefetched), at the price of two PCIe transfers of
+those bytes per micro-batch, hidden behind compute when a layer's backward outlasts one transfer.
+Layers are told apart by a forward pre-hook on each checkpointed decoder layer
+(`GradientCheckpointingLayer`); a model without such layers prefetches one saved tensor ahead.
 
 Unlike `save_on_cpu` the hooks leave parameters alone: a saved tensor that shares storage with one
 of the model's parameters (FSDP's unsharded weights, the output layer the logprob head saves, a
-tensor-parallel local view of a weight) is kept as it is, since it lives on the device anyway.
+tensor-parallel local view of a weight) is kept as it is, since it lives on the device anyway. A
+DTensor (tensor parallelism) travels as its local tensor and is rewrapped with its layout.
 Backward runs outside the hooks on purpose: the recomputations there (checkpointed layers, tiled
 MLP) save tensors that are used right away and must not make a round trip through host memory.
 
 On a CPU run every tensor already lives in host memory: the option is accepted, has no effect and
 says so once in the log. `offload_saved_tensors(model, device)` is the hook pair itself; it works for
-any device (on CPU it copies into fresh host buffers, which is how the tests exercise it).
+any device (on CPU it copies into fresh host buffers, on the same schedule, which is how the tests
+exercise it).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from transformers.modeling_layers import GradientCheckpointingLayer
 
+from rlsp.engine.offload_queue import CudaCopies, HostCopies, OffloadQueue, OffloadStats
 from rlsp.utils.device import same_device
 from rlsp.utils.logging import get_logger
 
+__all__ = ["ActivationOffload", "OffloadStats", "offload_saved_tensors"]
+
 log = get_logger(__name__)
-
-
-@dataclass
-class OffloadStats:
-    """What the hooks did in the last forward they ran in."""
-
-    tensors: int = 0  # saved tensors copied to host memory
-    bytes: int = 0
-    kept: int = 0  # saved tensors left where they were (parameters, tensors on another device)
 
 
 def _param_storages(model: nn.Module) -> set[int]:
@@ -56,34 +59,53 @@ def _param_storages(model: nn.Module) -> set[int]:
     return out
 
 
-@contextlib.contextmanager
-def offload_saved_tensors(model: nn.Module, device: torch.device, stats: OffloadStats | None = None) -> Iterator[OffloadStats]:
-    """Saved tensors on `device` that are not (views of) `model`'s parameters go to host memory
-    while this context is active, pinned when `device` is CUDA; backward brings them back. `device`
-    may name no index (`cuda` matches tensors on the current CUDA device)."""
-    stats = stats if stats is not None else OffloadStats()
-    stats.tensors = stats.bytes = stats.kept = 0
-    pin = device.type == "cuda"
+def _layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
-    def pack(t: torch.Tensor) -> torch.Tensor | tuple[torch.device, torch.Tensor]:
-        if (not same_device(t.device, device) or t.numel() == 0 or isinstance(t, nn.Parameter)
-                or t.untyped_storage().data_ptr() in _param_storages(model)):
+
+@contextlib.contextmanager
+def offload_saved_tensors(model: nn.Module, device: torch.device, stats: OffloadStats | None = None,
+                          log: list[tuple[str, int]] | None = None) -> Iterator[OffloadStats]:
+    """Saved tensors on `device` that are not (views of) `model`'s parameters go to host memory
+    while this context is active, pinned when `device` is CUDA; backward brings them back one layer
+    ahead (see the module docstring). `device` may name no index (`cuda` matches tensors on the
+    current CUDA device). `log` (tests) receives the queue's events."""
+    stats = stats if stats is not None else OffloadStats()
+    stats.reset()
+    queue = OffloadQueue(CudaCopies(device) if device.type == "cuda" else HostCopies(), stats, log)
+    layers = _layers(model)
+    if not layers:  # no layer boundaries: every saved tensor is a group of its own (prefetch one ahead)
+        queue.group = -1
+
+    handles = [layer.register_forward_pre_hook(lambda module, args: queue.new_group()) for layer in layers]
+
+    def pack(t: torch.Tensor) -> Any:
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        if (not same_device(local.device, device) or local.numel() == 0 or isinstance(t, nn.Parameter)
+                or local.untyped_storage().data_ptr() in _param_storages(model)):
             stats.kept += 1
             return t
-        host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pin)
-        host.copy_(t, non_blocking=pin)
-        stats.tensors += 1
-        stats.bytes += t.numel() * t.element_size()
-        return (t.device, host)
+        if not layers:
+            queue.new_group()
+        layout = (t.device_mesh, t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None
+        return (queue, queue.put(local), layout)
 
-    def unpack(packed: torch.Tensor | tuple[torch.device, torch.Tensor]) -> torch.Tensor:
+    def unpack(packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
-        where, host = packed
-        return host.to(where, non_blocking=pin)
+        owner, index, layout = packed
+        local = owner.take(index)
+        if layout is None:
+            return local
+        mesh, placements, shape, stride = layout
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield stats
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield stats
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 class ActivationOffload:

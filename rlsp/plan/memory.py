@@ -180,7 +180,8 @@ def activation_terms(shape: ModelShape, w: Workload, role: str, opts: MemoryOpti
     shared = final_norm + w.shard * (20 + 2 * shape.head_dim * e)  # + token ids, labels, rotary tables
     layer = layer_saved_bytes(shape, w, opts)
     if opts.checkpointing:
-        kept = 1 if opts.activation_offload else shape.layers  # offload: inputs return one layer at a time
+        # offload: backward holds the input of the layer it is in and the next one's, prefetched
+        kept = min(2, shape.layers) if opts.activation_offload else shape.layers
         saved, recompute = kept * w.kept * h * e + shared, layer
     else:
         saved, recompute = shape.layers * layer + shared, 0.0
