@@ -10,7 +10,8 @@ Tolerances are max abs errors for the O(1) values here (inputs ~ N(0, 1), D = 8,
 most 40 keys per row), from the dtype's machine epsilon: fp64 1e-12 (eps 2.2e-16; seen <= 4e-15),
 fp32 1e-5 (eps 1.2e-7, ~80 eps; seen <= 1.1e-6); bf16 (eps 7.8e-3: outputs and gradients are rounded
 to bf16 while the kernel accumulates in fp32) 2e-2 for the output (~2.5 eps; seen <= 7e-3) and 5e-2
-for gradients (~6 eps: sums of up to 40 rounded products; seen <= 2.4e-2).
+for gradients (~6 eps: sums of up to 40 rounded products; seen <= 2.4e-2); fp16 (CUDA only, eps
+9.8e-4) 3e-3 and 6e-3, the same multiples. The reference gets the inputs already rounded to the dtype.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ import torch
 
 import rlsp.parallel.ring as ring_module
 from rlsp.parallel.ring import ring_attention
-from rlsp.parallel.ring_block import fused_backward, fused_forward, fused_supported
+from rlsp.parallel.ring_block import fused_backward, fused_forward, fused_supported, native_gqa
 from rlsp.parallel.ring_plan import RingPlan, build_ring_plan, zigzag_indices
 from rlsp.parallel.ring_tiles import split_box
 
-TOL = {torch.float64: (1e-12, 1e-12), torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 5e-2)}
+TOL = {torch.float64: (1e-12, 1e-12), torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 5e-2),
+       torch.float16: (3e-3, 6e-3)}
 D, SCALE = 8, 8**-0.5
 PACKED = (7, 13, 1, 5, 10, 4)  # 40 tokens: segment boundaries inside zigzag chunks, a 1-token segment
 
@@ -97,27 +99,57 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, blk_lse: torch
     lse.copy_(new)
 
 
+def _kernel_kv(x: torch.Tensor, group: int) -> torch.Tensor:
+    """k/v as the device's kernel takes them: grouped heads as they are, or expanded to the q heads."""
+    return x if native_gqa(x.device) else x.repeat_interleave(group, 1)
+
+
+def _kv_grad(g: torch.Tensor, group: int, hkv: int) -> torch.Tensor:
+    """An expanded gradient summed back over each kv head's group of q heads."""
+    return g if g.shape[1] == hkv else g.unflatten(1, (hkv, group)).sum(2)
+
+
 def _simulated_ring(q, k, v, do, lens: tuple[int, ...], ring_size: int) -> list[torch.Tensor]:
-    """(o, dq, dk, dv) at stream positions from the fused tiles of every rank and step."""
+    """(o, dq, dk, dv) at stream positions (fp64, CPU) from the fused tiles of every rank and step."""
     out, lse = torch.zeros(q.shape, dtype=torch.float64), torch.full(q.shape[1::-1], float("-inf"), dtype=torch.float64)
-    plans = [_plan_for(lens, ring_size, i) for i in range(ring_size)]
+    plans, group = [_plan_for(lens, ring_size, i) for i in range(ring_size)], q.shape[1] // k.shape[1]
     tiles = [(p.positions_RT[p.ring_rank], p.positions_RT[p.source_rank(s)], t) for p in plans
              for s, blocks in enumerate(p.step_blocks(torch.device("cpu"))) for b in blocks for t in b.tiles]
     for pos_q, pos_k, t in tiles:
         rows, keys = pos_q[t.q0:t.q1], pos_k[t.k0:t.k1]
-        o, blk_lse = fused_forward(q[rows], k[keys], v[keys], t.causal, SCALE)
+        kt, vt = (_kernel_kv(x[keys.to(x.device)], group) for x in (k, v))
+        o, blk_lse = fused_forward(q[rows.to(q.device)], kt, vt, t.causal, SCALE)
         assert o.dtype == q.dtype and blk_lse.shape == (q.shape[1], rows.numel())
         sub_out, sub_lse = out[rows], lse[:, rows]
-        _merge(sub_out, sub_lse, o, blk_lse.double())
+        _merge(sub_out, sub_lse, o.cpu(), blk_lse.double().cpu())
         out[rows], lse[:, rows] = sub_out, sub_lse
-    o_final, grads = out.to(q.dtype), [torch.zeros(x.shape, dtype=torch.float64) for x in (q, k, v)]
+    o_final, grads = out.to(q.dtype).to(q.device), [torch.zeros(x.shape, dtype=torch.float64) for x in (q, k, v)]
     for pos_q, pos_k, t in tiles:
         rows, keys = pos_q[t.q0:t.q1], pos_k[t.k0:t.k1]
-        dq, dk, dv = fused_backward(do[rows], q[rows], k[keys], v[keys], o_final[rows], lse[:, rows], t.causal, SCALE)
-        grads[0][rows] += dq.double()
-        grads[1][keys] += dk.double()
-        grads[2][keys] += dv.double()
+        r, c = rows.to(q.device), keys.to(q.device)
+        dq, dk, dv = fused_backward(do[r], q[r], _kernel_kv(k[c], group), _kernel_kv(v[c], group), o_final[r],
+                                    lse[:, rows].to(q.device), t.causal, SCALE)
+        grads[0][rows] += dq.double().cpu()
+        grads[1][keys] += _kv_grad(dk, group, k.shape[1]).double().cpu()
+        grads[2][keys] += _kv_grad(dv, group, k.shape[1]).double().cpu()
     return [out, *grads]
+
+
+def _check_fused_tiles(device: str, dtype: torch.dtype, lens: tuple[int, ...], ring_size: int, hq: int,
+                       hkv: int) -> None:
+    gen = torch.Generator().manual_seed(ring_size * 10 + hq)
+    shapes = [(sum(lens), h, D) for h in (hq, hkv, hkv, hq)]
+    # rounded to the dtype first: the reference sees the kernel's inputs exactly
+    q, k, v, do = (torch.randn(s, generator=gen, dtype=torch.float64).to(dtype).double() for s in shapes)
+    qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
+    want = _dense(qr, kr, vr, lens)
+    want.backward(do)
+    got = _simulated_ring(*(x.to(device=device, dtype=dtype) for x in (q, k, v, do)), lens, ring_size)
+    tol_o, tol_g = TOL[dtype]
+    for name, g, w, tol in zip(("o", "dq", "dk", "dv"), got, (want, qr.grad, kr.grad, vr.grad),
+                               (tol_o, tol_g, tol_g, tol_g)):
+        err = (g - w).abs().max().item()
+        assert err <= tol, f"{name}: max abs error {err:.3g} > {tol:.0g} ({dtype} on {device}, ring {ring_size})"
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
@@ -125,18 +157,36 @@ def _simulated_ring(q, k, v, do, lens: tuple[int, ...], ring_size: int) -> list[
 @pytest.mark.parametrize("ring_size, hq, hkv", [(1, 4, 4), (2, 8, 2), (4, 3, 1)])
 def test_fused_tiles_match_dense_attention(dtype: torch.dtype, lens: tuple[int, ...], ring_size: int, hq: int,
                                            hkv: int) -> None:
-    gen = torch.Generator().manual_seed(ring_size * 10 + hq)
-    shapes = [(sum(lens), h, D) for h in (hq, hkv, hkv, hq)]
-    q, k, v, do = (torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes)
-    qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
-    want = _dense(qr, kr, vr, lens)
-    want.backward(do.double())
-    got = _simulated_ring(q, k, v, do, lens, ring_size)
+    _check_fused_tiles("cpu", dtype, lens, ring_size, hq, hkv)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("ring_size, hq, hkv", [(1, 4, 4), (2, 8, 2), (4, 3, 1)])
+def test_fused_tiles_match_dense_attention_on_cuda(dtype: torch.dtype, ring_size: int, hq: int, hkv: int) -> None:
+    """CUDA's memory-efficient kernel (k/v expanded to the q heads); fp32 there may use TF32-free
+    fp32 math, so the fp32 tolerance is the same as on CPU."""
+    _check_fused_tiles("cuda", dtype, PACKED, ring_size, hq, hkv)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_ring_attention_on_cuda_matches_dense(dtype: torch.dtype) -> None:
+    """ring_attention (ring size 1) on CUDA: fused for fp32/bf16, the explicit fallback for fp64."""
+    gen = torch.Generator().manual_seed(7)
+    q, k, v, do = (torch.randn(40, h, D, generator=gen, dtype=torch.float64).to(dtype).double() for h in (4, 2, 2, 4))
+    qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
+    want = _dense(qr, kr, vr, PACKED)
+    want.backward(do)
+    qt, kt, vt = (x.to(device="cuda", dtype=dtype).requires_grad_() for x in (q, k, v))
+    out = ring_attention(qt, kt, vt, build_ring_plan(None, _cu(PACKED), 40), SCALE)
+    out.backward(do.to(device="cuda", dtype=dtype))
     tol_o, tol_g = TOL[dtype]
-    for name, g, w, tol in zip(("o", "dq", "dk", "dv"), got, (want, qr.grad, kr.grad, vr.grad),
-                               (tol_o, tol_g, tol_g, tol_g)):
-        err = (g - w).abs().max().item()
-        assert err <= tol, f"{name}: max abs error {err:.3g} > {tol:.0g} ({dtype}, ring {ring_size})"
+    for got, ref, tol in zip((out, qt.grad, kt.grad, vt.grad), (want, qr.grad, kr.grad, vr.grad),
+                             (tol_o, tol_g, tol_g, tol_g)):
+        assert (got.double().cpu() - ref).abs().max().item() <= tol
 
 
 @pytest.mark.parametrize("q_len, k_len", [(5, 9), (9, 5), (1, 7)])
