@@ -59,6 +59,8 @@ def _bytes_cause(plan: Plan, best: Plan, which: str, layers: int) -> str:
 
 def loss_reason(plan: Plan, best: Plan, req: Request) -> str:
     """One short reason why `plan` is not the recommended `best`."""
+    if not plan.fits and plan.memory.peak <= req.cluster.usable:
+        return f"host memory does not fit: {plan.host / GIB:.1f} GiB > {req.cluster.host_usable / GIB:.1f} GiB per node"
     if not plan.fits:
         return f"does not fit: {plan.memory.peak / GIB:.1f} GiB > {req.cluster.usable / GIB:.1f} GiB"
     diffs = {key: getattr(plan, f"{key}_s") / plan.tokens - getattr(best, f"{key}_s") / best.tokens
@@ -69,6 +71,8 @@ def loss_reason(plan: Plan, best: Plan, req: Request) -> str:
         return f"{ratio:.2f}x the time per token (a tie on the estimate)"
     if cause in ("intra", "inter"):
         text = _bytes_cause(plan, best, cause, req.shape.layers)
+    elif cause == "host" and plan.settings.param_offload and not best.settings.param_offload:
+        text = "copies parameter shards in and gradient shards out over PCIe (parameter offload)"
     elif cause == "host":
         text = "copies saved activations to host memory and back (activation offload)"
     else:
@@ -138,12 +142,18 @@ def settings_name(plan: Plan) -> str:
     s = plan.settings
     parts = [f"checkpointing {'on' if s.checkpointing else 'off'}"]
     parts += ["activation offload"] * s.activation_offload + [f"tiled MLP ({s.tiled_mlp_shards} tiles)"] * bool(s.tiled_mlp_shards)
+    parts += ["parameter offload (state in host memory)"] * s.param_offload
     return ", ".join(parts)
 
 
 def infeasible(req: Request, plans: list[Plan]) -> str:
     """Why no layout fits: the closest one, what its memory is made of, and what would change that."""
     low = min(plans, key=lambda p: p.memory.peak)
+    if low.memory.peak <= req.cluster.usable:  # the device would hold it: the host memory is what is short
+        host = min(plans, key=lambda p: p.host if p.memory.peak <= req.cluster.usable else float("inf"))
+        return (f"no layout fits: those that fit the GPUs need host memory for offloaded state and activations, at "
+                f"least {host.host / GIB:.1f} GiB per node ({layout_name(host.layout)}, {settings_name(host)}) > "
+                f"{req.cluster.host_usable / GIB:.1f} GiB usable of --host-memory-gib={req.cluster.host_memory_gib:g}")
     state = sum(v for k, v in low.memory.terms.items() if k.endswith(("state", "gradients")))
     usable, world = req.cluster.usable, req.cluster.world.world_size
     text = (f"no layout fits {req.cluster.gpu_memory_gib:g} GiB GPUs ({usable / GIB:.1f} GiB usable): the smallest "

@@ -24,6 +24,12 @@ Every number is bytes on ONE rank, for one micro-batch stream of `budget x token
              tp's re-gathered inputs, ring attention's block math (fp32 scores, probabilities and
              their gradients of one tile: up to 1024 of a sequence's rows on this rank x the
              visiting block's keys, as rlsp/parallel/ring.py computes them).
+  offload    FSDP parameter offload (param_offload, CPUOffloadPolicy): every role's state and the
+             gradients between updates live in host memory (rlsp/plan/offload.py counts them per node),
+             the optimizer step runs on the CPU; the device keeps the layers in flight and the root unit
+             (as above) and, per layer, fp32 shard copies: two layers' shards copied in before their
+             all-gather and one reduced gradient shard before it is copied out ("offload staging").
+  reference  none when neither KL term needs it (`ref=False`: use_kl_loss=false, use_kl_in_reward=false).
 The peak is the largest of: the start of backward (saved activations and the head), a layer's
 backward (saved activations or the gradients reduced so far, one recomputed layer with
 checkpointing, the working set), the end of backward (the root's gradients reduced) and the
@@ -56,6 +62,7 @@ class MemoryOptions:
     tiled_mlp_shards: int = 0  # 0: off; n: the MLP runs over n token tiles (recomputed in backward)
     activation_offload: bool = False  # checkpointed layer inputs kept in host memory (needs checkpointing)
     logprob_chunk: int = 1024  # actor_rollout_ref.actor.logprob_chunk_size
+    param_offload: bool = False  # FSDP2 CPUOffloadPolicy: every role's shards, gradients, AdamW state in host memory
     entropy_grad: bool = False  # actor.entropy_coeff != 0: the head's backward forms the entropy's gradient too
 
 
@@ -118,6 +125,12 @@ def state_bytes(shape: ModelShape, layout: RoleLayout, role: str, e: int) -> tup
     if role == "ref":
         return params * e, 0.0
     return params * 12.0, params * 4.0  # fp32 master + AdamW moments; fp32 gradients
+
+
+def offload_staging_bytes(shape: ModelShape, layout: RoleLayout) -> float:
+    """Param offload's device copies of fp32 shards: the two layers in flight copied in before their
+    all-gather, and one layer's reduced gradient shard before it is copied out."""
+    return 3 * shape.layer_params / layout.tp / layout.fsdp_shard * 4
 
 
 def layer_saved_bytes(shape: ModelShape, w: Workload, opts: MemoryOptions) -> float:
@@ -209,6 +222,8 @@ def role_peak(shape: ModelShape, w: Workload, role: str, opts: MemoryOptions) ->
     buf = buffer_terms(shape, w.layout, role, opts.dtype_bytes)
     _, grads = state_bytes(shape, w.layout, role, opts.dtype_bytes)
     fsdp = {"FSDP unsharded layers": buf["layers_unsharded"], "FSDP root unit": buf["root_unsharded"]}
+    if opts.param_offload:  # gradient shards leave for host memory layer by layer; the step runs on the CPU
+        grads, fsdp["offload staging"] = 0.0, offload_staging_bytes(shape, w.layout)
     layer = {"recomputed layer": act["recompute"], "layer backward": act["layer_backward"]}
     phases = {
         "start of backward": {**fsdp, "saved activations": act["saved"], "output head": act["head"]},
@@ -228,11 +243,13 @@ def plan_memory(shape: ModelShape, w: Workload, opts: MemoryOptions, critic: boo
     gradients stay allocated from its update to the start of its next one, so they are resident while
     the other role trains. `terms` are the parts that add up to the peak."""
     e, lay = opts.dtype_bytes, w.layout
-    actor_state, actor_grads = state_bytes(shape, lay, "actor", e)
+    # param offload: every role's state (and the gradients between updates) lives in host memory
+    on_device = 0.0 if opts.param_offload else 1.0
+    actor_state, actor_grads = (on_device * b for b in state_bytes(shape, lay, "actor", e))
     resident = {"actor state": actor_state}
     if ref:
-        resident["ref state"] = state_bytes(shape, lay, "ref", e)[0]
-    critic_state, critic_grads = state_bytes(shape, lay, "critic", e) if critic else (0.0, 0.0)
+        resident["ref state"] = on_device * state_bytes(shape, lay, "ref", e)[0]
+    critic_state, critic_grads = (on_device * b for b in state_bytes(shape, lay, "critic", e)) if critic else (0.0, 0.0)
     if critic:
         resident["critic state"] = critic_state
     best = MemoryEstimate(0.0, "")

@@ -17,6 +17,7 @@ from rlsp.plan.search import Plan, Request
 
 TILED_KEY = "actor_rollout_ref.model.tiled_mlp.num_shards"
 OFFLOAD_KEY = "actor_rollout_ref.model.enable_activation_offload"
+PARAM_OFFLOAD_KEY = "actor_rollout_ref.actor.fsdp_config.param_offload"
 
 
 def schema_has(key: str) -> bool:
@@ -99,6 +100,15 @@ def _model_options(prefix: str, plan: Plan) -> list[str]:
     return out
 
 
+def _offload(plan: Plan, critic: bool) -> list[str]:
+    """FSDP parameter offload for every role (CPUOffloadPolicy: the trainable roles' optimizer state goes
+    with their parameters, so optimizer_offload says so too)."""
+    on = str(plan.settings.param_offload).lower()
+    prefixes = ["actor_rollout_ref.actor.fsdp_config"] + ["critic.model.fsdp_config"] * critic
+    out = [f"{p}.{key}={on}" for p in prefixes for key in ("param_offload", "optimizer_offload")]
+    return out + [f"actor_rollout_ref.ref.fsdp_config.param_offload={on}"]
+
+
 def overrides(req: Request, plan: Plan, run: RunShape) -> list[str]:
     """key=value overrides of `plan` for `python -m rlsp.main --config-name grpo` (or ppo)."""
     arr, b, size = "actor_rollout_ref", plan.settings.budget, plan.layout.fsdp_size
@@ -113,7 +123,12 @@ def overrides(req: Request, plan: Plan, run: RunShape) -> list[str]:
            f"{arr}.ref.fsdp_config.fsdp_size={size}",
            f"{arr}.actor.use_dynamic_bsz=true", f"{arr}.actor.ppo_max_token_len_per_gpu={b}",
            f"{arr}.ref.log_prob_use_dynamic_bsz=true", f"{arr}.ref.log_prob_max_token_len_per_gpu={b}",
-           f"{arr}.rollout.log_prob_use_dynamic_bsz=true", f"{arr}.rollout.log_prob_max_token_len_per_gpu={b}"]
+           f"{arr}.rollout.log_prob_use_dynamic_bsz=true", f"{arr}.rollout.log_prob_max_token_len_per_gpu={b}",
+           f"{arr}.actor.logprob_chunk_size={req.logprob_chunk}"]
+    if schema_has(PARAM_OFFLOAD_KEY):
+        out += _offload(plan, run.algo == "ppo")
+    if not req.reference:  # actor only: the reference is placed for neither KL term
+        out += [f"{arr}.actor.use_kl_loss=false", "algorithm.use_kl_in_reward=false"]
     if run.algo == "ppo":
         out += [*_degrees("critic", plan), f"critic.model.fsdp_config.fsdp_size={size}",
                 *_model_options("critic.model", plan), f"critic.ppo_mini_batch_size={run.mini_batch_size}",

@@ -2,14 +2,16 @@
 
 A candidate is a RoleLayout (dp x ring x Ulysses x tp, sequence-parallel activations or not, FSDP
 shard group) plus settings that change memory but not the layout (activation checkpointing, tiled
-MLP, activation offload, the token budget per GPU). Only layouts validation accepts are generated:
+MLP and its tile count, activation offload, FSDP parameter offload, the token budget per GPU). Only layouts validation accepts are generated:
 tp divides the model's heads and MLP width, Ulysses x tp divides the GPUs of a node, ulysses x ring
 x tp divides the world. For each layout the settings that fit and run fastest are kept.
 
 Speed is a rough per-micro-batch time on one rank: matmul and attention FLOPs at a sustained rate
 (ring attention, which has no fused kernel yet, at RING_ATTENTION_SLOWDOWN times the cost),
 plus the bytes of `plan_comm` over the node's and the network's bandwidth (not overlapped), plus the
-host copies of activation offload. It ranks layouts; it does not predict step times.
+host copies of activation offload and of parameter offload (rlsp/plan/offload.py) over PCIe. A plan
+fits when its device peak fits a GPU and its host bytes (offloaded state and activations) the node's
+host memory. It ranks layouts; it does not predict step times.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 from rlsp.config.layout import RoleLayout, World
 from rlsp.plan.comm import Comm, HeadSplit, plan_comm
 from rlsp.plan.memory import GIB, HeadShare, MemoryEstimate, MemoryOptions, Workload, plan_memory
+from rlsp.plan.offload import host_bytes_per_node, offload_copy_bytes
 from rlsp.plan.shape import ModelShape
 from rlsp.utils.divisors import divisors
 
@@ -31,6 +34,8 @@ BUDGET_GRANULE = 64  # token budgets are multiples of this (streams stay multipl
 # Ring attention runs rlsp's reference block math (fp32 score tiles through einsum, rlsp/parallel/ring.py),
 # not a fused kernel: charged at this multiple of fused attention's time (an estimate, not measured on GPU).
 RING_ATTENTION_SLOWDOWN = 4.0
+TILED_MLP_SHARDS = (4, 16, 64)  # tile counts tried; a tile keeps at least MIN_TILE_TOKENS (smaller tiles starve the GPU)
+MIN_TILE_TOKENS = 4096
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,7 @@ class Cluster:
     gpus_per_node: int
     gpu_memory_gib: float
     headroom: float = 0.10  # kept free for the CUDA context, NCCL buffers, allocator fragmentation
+    host_memory_gib: float = 1024.0  # per node; holds offloaded state and activations (same headroom kept)
 
     @property
     def world(self) -> World:
@@ -48,13 +54,17 @@ class Cluster:
     def usable(self) -> float:
         return self.gpu_memory_gib * GIB * (1.0 - self.headroom)
 
+    @property
+    def host_usable(self) -> float:
+        return self.host_memory_gib * GIB * (1.0 - self.headroom)
+
 
 @dataclass(frozen=True)
 class Speeds:
     tflops: float = 300.0  # sustained dense FLOP/s per GPU, in TFLOP/s
     intra_gbps: float = 300.0  # GB/s a GPU sends inside its node
     inter_gbps: float = 40.0  # GB/s a GPU sends to other nodes
-    host_gbps: float = 25.0  # GB/s between GPU and host (activation offload)
+    host_gbps: float = 25.0  # GB/s between GPU and host over PCIe (activation and parameter offload)
 
 
 @dataclass(frozen=True)
@@ -69,6 +79,8 @@ class Request:
     speeds: Speeds = field(default_factory=Speeds)
     tiled_mlp: bool = False  # whether the schema has the tiled-MLP keys (the option is enumerated)
     activation_offload: bool = False
+    reference: bool = True  # a frozen reference model is placed (KL loss or KL in the reward)
+    param_offload: bool = True  # whether FSDP parameter offload is enumerated
 
 
 @dataclass(frozen=True)
@@ -77,6 +89,7 @@ class Settings:
     budget: int
     tiled_mlp_shards: int = 0
     activation_offload: bool = False
+    param_offload: bool = False
 
 
 @dataclass
@@ -92,6 +105,7 @@ class Plan:
     inter_s: float
     host_s: float
     tokens: float  # distinct tokens per GPU per micro-batch
+    host: float = 0.0  # host bytes per node (offloaded state and activations)
     reason: str = ""
 
     @property
@@ -142,14 +156,25 @@ def budgets(req: Request, layout: RoleLayout) -> list[int]:
     return out
 
 
+def tile_counts(req: Request, layout: RoleLayout, budget: int) -> tuple[int, ...]:
+    """Tiled-MLP tile counts tried (0: off): the first of TILED_MLP_SHARDS always, more tiles only while a
+    tile keeps MIN_TILE_TOKENS of the rank's sequence shard. Not with tp (validation refuses it)."""
+    if not req.tiled_mlp or layout.tp > 1:
+        return (0,)
+    shard = budget * layout.token_shards // layout.sp_size
+    more = tuple(n for n in TILED_MLP_SHARDS[1:] if shard // n >= MIN_TILE_TOKENS)
+    return (0, TILED_MLP_SHARDS[0], *more)
+
+
 def settings_for(req: Request, layout: RoleLayout) -> Iterator[Settings]:
-    tiled = (0, 4) if req.tiled_mlp and layout.tp == 1 else (0,)
+    params = (False, True) if req.param_offload else (False,)
     for budget in budgets(req, layout):
-        for shards in tiled:
-            yield Settings(False, budget, shards)
-            yield Settings(True, budget, shards)
-            if req.activation_offload:
-                yield Settings(True, budget, shards, activation_offload=True)
+        for shards in tile_counts(req, layout, budget):
+            for param in params:
+                yield Settings(False, budget, shards, param_offload=param)
+                yield Settings(True, budget, shards, param_offload=param)
+                if req.activation_offload:
+                    yield Settings(True, budget, shards, activation_offload=True, param_offload=param)
 
 
 def _flops(req: Request, w: Workload, s: Settings) -> float:
@@ -171,22 +196,28 @@ def _flops(req: Request, w: Workload, s: Settings) -> float:
 def evaluate(req: Request, layout: RoleLayout, s: Settings, split: HeadSplit) -> Plan:
     share = HeadShare(max(split.q_counts), max(split.kv_counts))
     w = Workload(layout, s.budget, req.seq_len, share)
-    opts = MemoryOptions(req.dtype_bytes, s.checkpointing, s.tiled_mlp_shards, s.activation_offload, req.logprob_chunk)
-    memory = plan_memory(req.shape, w, opts, critic=req.critic)
+    opts = MemoryOptions(req.dtype_bytes, s.checkpointing, s.tiled_mlp_shards, s.activation_offload, req.logprob_chunk,
+                         param_offload=s.param_offload)
+    memory = plan_memory(req.shape, w, opts, critic=req.critic, ref=req.reference)
+    host = host_bytes_per_node(req.shape, w, opts, req.critic, req.reference)
     comm = plan_comm(req.shape, w, split, req.dtype_bytes, s.checkpointing)
-    sp = req.speeds
+    sp, roles = req.speeds, ("actor", "critic") if req.critic else ("actor",)
     offloaded = req.shape.layers * w.kept * req.shape.hidden * req.dtype_bytes if s.activation_offload else 0.0
-    roles = 2 if req.critic else 1
-    return Plan(layout, s, memory, comm, split, memory.peak <= req.cluster.usable,
-                compute_s=roles * _flops(req, w, s) / (sp.tflops * 1e12), intra_s=roles * comm.intra / (sp.intra_gbps * 1e9),
-                inter_s=roles * comm.inter / (sp.inter_gbps * 1e9), host_s=roles * 2 * offloaded / (sp.host_gbps * 1e9), tokens=w.stream / layout.ranks_per_dp)
+    copies = len(roles) * 2 * offloaded  # activations out in forward, back in backward
+    if s.param_offload:
+        copies += sum(offload_copy_bytes(req.shape, layout, role) for role in roles)
+    fits = memory.peak <= req.cluster.usable and host <= req.cluster.host_usable
+    n = len(roles)
+    return Plan(layout, s, memory, comm, split, fits, compute_s=n * _flops(req, w, s) / (sp.tflops * 1e12),
+                intra_s=n * comm.intra / (sp.intra_gbps * 1e9), inter_s=n * comm.inter / (sp.inter_gbps * 1e9),
+                host_s=copies / (sp.host_gbps * 1e9), tokens=w.stream / layout.ranks_per_dp, host=host)
 
 
 def _best(plans: list[Plan]) -> Plan:
     """The fastest plan that fits, else the one needing the least memory."""
     fitting = [p for p in plans if p.fits]
     if fitting:
-        return max(fitting, key=lambda p: (p.throughput, -p.memory.peak))
+        return max(fitting, key=lambda p: (p.throughput, -p.settings.tiled_mlp_shards, -p.memory.peak))
     return min(plans, key=lambda p: p.memory.peak)
 
 

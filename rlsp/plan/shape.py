@@ -1,7 +1,8 @@
 """The shape of a decoder model as the layout planner needs it, read from a Hugging Face config.json.
 
 Only the numbers that decide memory and communication are kept: layers, hidden size, query / kv
-heads and head dim, MLP width, vocabulary and whether the output layer is tied to the embedding.
+heads and head dim, MLP width, vocabulary, whether the output layer is tied to the embedding, and the
+longest position the model takes (max_position_embeddings: rlsp's start-up checks refuse longer runs).
 Parameter counts follow the Llama / Qwen2 layer rlsp trains (q/k/v/o projections, a gated MLP of
 three matrices, two RMSNorms per layer; q/k/v biases where the architecture has them).
 
@@ -35,6 +36,7 @@ class ModelShape:
     tied: bool
     qkv_bias: bool = False
     name: str = "model"
+    max_positions: int | None = None  # config.json's max_position_embeddings (None: the config sets none)
 
     @property
     def layer_params(self) -> int:
@@ -73,7 +75,8 @@ class ModelShape:
         tie = "tied" if self.tied else "untied"
         return (f"{self.name}: {self.layers} layers, hidden {self.hidden}, {self.q_heads} q / {self.kv_heads} kv "
                 f"heads of dim {self.head_dim}, intermediate {self.intermediate}, vocab {self.vocab} ({tie}); "
-                f"{self.params / 1e9:.2f} B parameters")
+                f"{self.params / 1e9:.2f} B parameters" +
+                (f"; {self.max_positions} positions" if self.max_positions else ""))
 
 
 def shape_from_config(cfg: dict[str, Any], name: str = "model") -> ModelShape:
@@ -90,7 +93,15 @@ def shape_from_config(cfg: dict[str, Any], name: str = "model") -> ModelShape:
     bias = bool(cfg.get("attention_bias", cfg.get("model_type") in _QKV_BIAS_TYPES))
     return ModelShape(layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"], q_heads=q, kv_heads=kv,
                       head_dim=head_dim, intermediate=cfg["intermediate_size"], vocab=cfg["vocab_size"],
-                      tied=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=bias, name=name)
+                      tied=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=bias, name=name,
+                      max_positions=_max_positions(cfg, name))
+
+
+def _max_positions(cfg: dict[str, Any], name: str) -> int | None:
+    limit = cfg.get("max_position_embeddings")
+    if limit is not None and (not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"{name}: config.json has max_position_embeddings={limit!r}; expected an integer >= 1 or none")
+    return limit
 
 
 def read_model_shape(path: str | Path) -> ModelShape:

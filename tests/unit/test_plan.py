@@ -2,7 +2,7 @@
 the runtime's own numbers, recommended plans whose overrides compose and validate, refusals and
 their explanations, and the exit code of a request nothing fits.
 
-Shapes are public configs written as config.json files: Qwen2.5-0.5B / 7B / 14B and Llama-3-70B.
+Shapes are public configs written as config.json files: Qwen2.5-0.5B / 7B / 14B, Llama-3.1-8B / 70B.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from rlsp.config.validate import validate_config
 from rlsp.parallel.tensor_parallel import legal_tp_sizes
 from rlsp.plan import HeadShare, MemoryOptions, Workload, cli, plan_memory, read_model_shape
 from rlsp.plan.comm import plan_comm
+from rlsp.plan.longest import LENGTH_GRANULE, plan_at
 from rlsp.plan.memory import layer_saved_bytes, state_bytes
 from rlsp.plan.shape import shape_from_config
 
@@ -30,7 +31,8 @@ from rlsp.plan.shape import shape_from_config
 SHAPES = {name.lower(): cfg for name, cfg in
           json.loads((Path(__file__).resolve().parents[1] / "data" / "public_model_shapes.json").read_text()).items()}
 CONFIGS = str(Path(__file__).resolve().parents[2] / "configs")
-PARAMS_B = {"qwen2.5-0.5b": 0.494, "qwen2.5-7b": 7.616, "qwen2.5-14b": 14.770, "llama-3-70b": 70.554}
+PARAMS_B = {"qwen2.5-0.5b": 0.494, "qwen2.5-7b": 7.616, "qwen2.5-14b": 14.770, "llama-3.1-8b": 8.030,
+            "llama-3.1-70b": 70.554}
 
 
 @pytest.fixture(scope="module")
@@ -118,10 +120,12 @@ def _compose_and_validate(keys: list[str], algo: str):
     return layout
 
 
-# (model, nodes, GPUs per node, sequence length) of 80 GiB GPUs that have a plan
+# (model, nodes, GPUs per node, sequence length) of 80 GiB GPUs that have a plan (lengths beyond the model's
+# max_position_embeddings are planned at that limit)
 FEASIBLE = [("qwen2.5-0.5b", 1, 8, 32768), ("qwen2.5-0.5b", 8, 8, 1048576), ("qwen2.5-7b", 1, 8, 32768),
             ("qwen2.5-7b", 2, 8, 131072), ("qwen2.5-7b", 8, 8, 1048576), ("qwen2.5-14b", 2, 8, 32768),
-            ("qwen2.5-14b", 1, 8, 1048576), ("llama-3-70b", 8, 8, 32768), ("llama-3-70b", 8, 8, 131072)]
+            ("qwen2.5-14b", 1, 8, 131072), ("llama-3.1-8b", 1, 1, 131072), ("llama-3.1-70b", 8, 8, 32768),
+            ("llama-3.1-70b", 8, 8, 131072)]
 
 
 @pytest.mark.parametrize("name,nodes,per_node,seq", FEASIBLE)
@@ -133,9 +137,10 @@ def test_recommended_overrides_compose_and_validate(models, capsys, name, nodes,
     layout = _compose_and_validate(keys, "grpo")
     values = dict(k.split("=", 1) for k in keys)
     assert layout.world_size == nodes * per_node
+    planned = min(seq, SHAPES[name]["max_position_embeddings"])
     budget = int(values["actor_rollout_ref.actor.ppo_max_token_len_per_gpu"])
-    assert budget * layout.actor.token_shards >= seq  # one whole sequence fits a micro-batch
-    assert int(values["data.max_prompt_length"]) + int(values["data.max_response_length"]) == seq
+    assert budget * layout.actor.token_shards >= planned  # one whole sequence fits a micro-batch
+    assert int(values["data.max_prompt_length"]) + int(values["data.max_response_length"]) == planned
     memory = float(out.split("memory per GPU: ")[1].split(" GiB")[0])
     assert memory <= 80 * 0.9
 
@@ -163,11 +168,43 @@ def test_refusals_are_explained(models, capsys):
 
 
 def test_infeasible_request_exits_2_naming_why(models, capsys):
-    code, out, err = run_cli(capsys, "--model", models["llama-3-70b"], "--gpus-per-node", 8, "--gpu-memory-gib", 24,
-                             "--seq-len", 1048576, "--overrides")
+    code, out, err = run_cli(capsys, "--model", models["llama-3.1-70b"], "--gpus-per-node", 8, "--gpu-memory-gib", 8,
+                             "--seq-len", 32768, "--overrides")
     assert code == 2
-    assert "no layout fits 24 GiB GPUs (21.6 GiB usable)" in err and "model state" in err
+    assert "no layout fits 8 GiB GPUs (7.2 GiB usable)" in err and "activations and buffers" in err
     assert "does not fit: " in out and "actor_rollout_ref" not in out
+    assert "longest length that fits on 8 GPUs: none" in err
+
+
+def test_host_memory_bounds_parameter_offload(models, capsys):
+    """Llama-3.1-70B on 8 GPUs of 24 GiB fits the devices only with its state offloaded: 70.55 B parameters x
+    (16 bytes of trainable state + 4 of AdamW's temporaries + 2 of the reference) = 1,443 GiB per node."""
+    args = ("--model", models["llama-3.1-70b"], "--gpus-per-node", 8, "--gpu-memory-gib", 24, "--seq-len", 32768)
+    code, _, err = run_cli(capsys, *args)
+    assert code == 2 and "need host memory for offloaded state and activations" in err
+    host_gib = float(re.search(r"at least ([\d.]+) GiB per node", err).group(1))
+    assert host_gib >= 70.554e9 * 22 / 2**30 and "> 921.6 GiB usable of --host-memory-gib=1024" in err
+    code, out, _ = run_cli(capsys, *args, "--host-memory-gib", 2048, "--overrides")
+    keys = _overrides(out)
+    assert code == 0 and "actor_rollout_ref.actor.fsdp_config.param_offload=true" in keys
+    assert "actor_rollout_ref.ref.fsdp_config.param_offload=true" in keys
+    assert float(re.search(r"^host memory per node: ([\d.]+) GiB", out, re.M).group(1)) <= 2048 * 0.9
+    _compose_and_validate(keys, "grpo")
+
+
+def test_longest_length_is_the_boundary(models, capsys, tmp_path):
+    """Nothing fits a million tokens of the Llama-3.1-8B shape (no position limit) on one 80 GiB GPU: the answer
+    names the longest length that does, which fits while 1024 tokens more do not."""
+    cfg = {k: v for k, v in SHAPES["llama-3.1-8b"].items() if k != "max_position_embeddings"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    code, _, err = run_cli(capsys, "--model", tmp_path, "--gpus-per-node", 1, "--gpu-memory-gib", 80,
+                           "--seq-len", 1048576, "--no-reference")
+    longest = int(re.search(r"longest length that fits on 1 GPUs: (\d+) tokens", err).group(1))
+    assert code == 2 and 131072 < longest < 1048576
+    req, _ = cli.build_request(cli.parse_args(["--model", str(tmp_path), "--gpus-per-node", "1", "--gpu-memory-gib",
+                                                 "80", "--seq-len", "1048576", "--no-reference"]))
+    assert plan_at(req, cli.head_split, longest) is not None
+    assert plan_at(req, cli.head_split, longest + LENGTH_GRANULE) is None
 
 
 def test_memory_options_follow_the_schema(models, capsys, monkeypatch):
