@@ -6,16 +6,24 @@ budget: fixed sp runs every micro-batch over the whole Ulysses group (each rank 
 all-to-alls per layer); adaptive runs the short ones at degree 1, one per rank, and only the long
 ones over the group. Both are exact (tests/distributed/test_adaptive_sp.py); this measures time.
 
+Both engines live in the same worker processes and their updates alternate (fixed, adaptive, then
+adaptive, fixed, ...), so load from other jobs on a shared machine hits both modes alike.
+
 Model: random-init Qwen2, hidden 256, 8 q / 4 kv heads (head dim 32), 4 layers, vocab 1024, fp32.
 Batch per dp group: 28 rows of 40-200 tokens and 4 of 1700-2000 (prompt 32). Budget 1024 tokens per
-rank. Prints ONE JSON line: median seconds per update for each mode and the speed-up.
-Usage: python benchmarks/adaptive_sp.py [--world 2] [--reps 5]
+rank. Prints ONE JSON line: median seconds per update for each mode, the speed-up (ratio of the
+medians), the 1-minute load average before and after, and with `--breakdown` one more update per
+mode timed round by round on every rank (`rounds`: degree, the rank's tokens and sum of squared row
+lengths, forward / backward seconds, seconds inside all-to-alls, and the seconds the rank's round
+ended before the slowest rank's).
+Usage: python benchmarks/adaptive_sp.py [--world 2] [--reps 5] [--breakdown]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -31,11 +39,13 @@ from _launch import layout_dims, run_distributed  # noqa: E402
 from test_fsdp_engine import LOSS, policy_engine  # noqa: E402
 
 from rlsp.data.batch import Batch  # noqa: E402
+from rlsp.engine.fsdp_engine import FSDPEngine  # noqa: E402
 from rlsp.engine.micro import plan_micro_batches  # noqa: E402
 from rlsp.models.tiny import TinyModelSpec, build_tiny_model  # noqa: E402
 from rlsp.workers.actor_loss import make_actor_loss  # noqa: E402
 
 PROMPT, RESPONSE, BUDGET = 32, 2000, 1024
+MODES = ("fixed", "adaptive")
 
 
 def _batch(seed: int = 0) -> Batch:
@@ -53,39 +63,88 @@ def _batch(seed: int = 0) -> Batch:
     return Batch.from_dict({"input_ids": ids * mask, "attention_mask": mask, "response_mask": resp, **fields})
 
 
-def _time_updates(rank: int, world: int, path: str, adaptive: bool, reps: int) -> dict | None:
-    dims = layout_dims(ulysses=world, adaptive=adaptive)
-    engine = policy_engine(path, dims)
+def _update(engine: FSDPEngine, batch: Batch, loss_fn) -> tuple[float, dict[str, float]]:
+    """Seconds of one update on this rank (started together on every rank) and its metrics."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    engine.optimizer.zero_grad(set_to_none=True)
+    metrics = engine.backward_batch(batch, PROMPT, 1, loss_fn, BUDGET, temperature=1.0)
+    return time.perf_counter() - t0, metrics
+
+
+def _rounds(engine: FSDPEngine, batch: Batch, loss_fn) -> list[dict]:
+    """One update's micro-batch loop (what backward_batch runs, metrics aside), timed per round on this
+    rank: (degree, tokens, sum of squared row lengths, forward s, backward s, all-to-all s, end time)."""
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    engine.optimizer.zero_grad(set_to_none=True)
+    engine.module.train()
+    dist.barrier()
+    out = []
+    for plan, rows in engine._micro_batches(batch, 1, BUDGET):
+        t0 = time.perf_counter()
+        micro = engine.prepare(rows, PROMPT, plan.degree)
+        loss, _ = loss_fn(engine.forward(micro, temperature=1.0), micro)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        out.append({"degree": plan.degree or engine.dims.layout.ulysses,
+                    "tokens": sum(lengths[i] for i in plan.rows) // (plan.degree or engine.dims.layout.ulysses),
+                    "sq_tokens": sum(lengths[i] ** 2 for i in plan.rows),
+                    "fwd_s": round(t1 - t0, 4), "bwd_s": round(t2 - t1, 4),
+                    "a2a_s": round(micro.ctx.stats.a2a_seconds, 4), "end": t2})
+    return out
+
+
+def _breakdown(engine: FSDPEngine, batch: Batch, loss_fn) -> list[list[dict]]:
+    """Per round, every rank's timings; `early_s`: how long before the slowest rank it finished the round."""
+    mine = _rounds(engine, batch, loss_fn)
+    ranks: list = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+    table = []
+    for k in range(len(mine)):
+        last = max(r[k]["end"] for r in ranks)
+        table.append([{**{key: v for key, v in r[k].items() if key != "end"}, "early_s": round(last - r[k]["end"], 4)}
+                      for r in ranks])
+    return table
+
+
+def _time_modes(rank: int, world: int, path: str, reps: int, breakdown: bool) -> dict | None:
     batch = _batch()
     loss_fn = make_actor_loss(LOSS, float(batch["response_mask"].sum()))
-    plans = plan_micro_batches(batch, 1, BUDGET, dims)
-    times = []
-    for _ in range(reps + 1):  # the first is a warm-up
-        dist.barrier()
-        t0 = time.perf_counter()
-        engine.optimizer.zero_grad(set_to_none=True)
-        engine.backward_batch(batch, PROMPT, 1, loss_fn, BUDGET, temperature=1.0)
-        times.append(time.perf_counter() - t0)
-    if rank != 0:
-        return None
-    return {"s_per_update": statistics.median(times[1:]), "micro_batches": len(plans),
-            "degrees": sorted({p.degree or world for p in plans})}
+    engines, out = {}, {}
+    for mode in MODES:
+        dims = layout_dims(ulysses=world, adaptive=mode == "adaptive")
+        engines[mode] = policy_engine(path, dims)
+        out[mode] = {"micro_batches": len(plan := plan_micro_batches(batch, 1, BUDGET, dims)),
+                     "degrees": sorted({p.degree or world for p in plan}), "times": []}
+        _update(engines[mode], batch, loss_fn)  # warm-up
+    for rep in range(reps):
+        for mode in MODES if rep % 2 == 0 else MODES[::-1]:
+            seconds, metrics = _update(engines[mode], batch, loss_fn)
+            out[mode]["times"].append(round(seconds, 4))
+            out[mode]["a2a_time_share"] = round(metrics["sp/a2a_time_share"], 4)
+    for mode in MODES:
+        out[mode]["s_per_update"] = statistics.median(out[mode]["times"])
+        if breakdown:
+            out[mode]["rounds"] = _breakdown(engines[mode], batch, loss_fn)
+    return out if rank == 0 else None
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--breakdown", action="store_true", help="add a per-round, per-rank timing of each mode")
     a = parser.parse_args()
     spec = TinyModelSpec(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
                          num_key_value_heads=4, vocab_size=1024, max_position_embeddings=4096)
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         path = build_tiny_model(spec, tmp)
-        fixed = run_distributed(_time_updates, a.world, path, False, a.reps, timeout_s=1800)[0]
-        adaptive = run_distributed(_time_updates, a.world, path, True, a.reps, timeout_s=1800)[0]
+        res = run_distributed(_time_modes, a.world, path, a.reps, a.breakdown, timeout_s=1800)[0]
     print(json.dumps({"benchmark": "adaptive_sp", "world": a.world, "budget_tokens_per_rank": BUDGET,
-                      "torch_threads": torch.get_num_threads(), "fixed": fixed, "adaptive": adaptive,
-                      "speedup": round(fixed["s_per_update"] / adaptive["s_per_update"], 3)}))
+                      "worker_threads": 1, "load_avg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+                      **res, "speedup": round(res["fixed"]["s_per_update"] / res["adaptive"]["s_per_update"], 3)}))
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from rlsp.data.batch import Batch
+from rlsp.engine.adaptive_plan import quadratic_tokens
 from rlsp.engine.fsdp_offload import build_offload_policy, to_device
 from rlsp.engine.micro import MicroBatch, MicroPlan, plan_micro_batches, plan_rows, prepare_micro_batch
 from rlsp.engine.offload import ActivationOffload
@@ -71,6 +72,7 @@ class FSDPEngine:
         self.dims, self.device, self.compute_dtype = dims, device, compute_dtype
         config = module.decoder.config
         self.config = config
+        self.quad_tokens = quadratic_tokens(config)  # adaptive sp: weighs attention when balancing lanes
         layout = dims.layout
         # Heads one rank's attention sees (a tp rank's share under tensor parallelism).
         self.num_q_heads, self.num_kv_heads = local_head_counts(config, layout.tp)
@@ -116,7 +118,8 @@ class FSDPEngine:
         return rows_BR * micro.rows["response_mask"]
 
     def _micro_batches(self, batch: Batch, micro_size: int, max_tokens: int | None) -> list[tuple[MicroPlan, Batch]]:
-        return [(plan, plan_rows(batch, plan)) for plan in plan_micro_batches(batch, micro_size, max_tokens, self.dims)]
+        plans = plan_micro_batches(batch, micro_size, max_tokens, self.dims, self.quad_tokens)
+        return [(plan, plan_rows(batch, plan)) for plan in plans]
 
     def infer(self, batch: Batch, prompt_len: int, micro_size: int, key: str, max_tokens: int | None = None,
               *, last_token: bool = False, **head_kwargs: Any) -> torch.Tensor:

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from rlsp.data.balance import count_token_bins, plan_degree_rounds, plan_token_bins
+from rlsp.data.balance import count_token_bins, plan_token_bins
 from rlsp.data.batch import Batch
 from rlsp.data.packing import PackedBatch, pack_sequences
+from rlsp.engine.adaptive_plan import plan_adaptive_rounds
 from rlsp.engine.stream import response_to_stream
 from rlsp.parallel.mesh import ParallelDims
 from rlsp.parallel.tensor_parallel import TPInfo
@@ -91,15 +92,17 @@ class MicroPlan:
     reports: bool = True
 
 
-def plan_micro_batches(batch: Batch, micro_size: int, max_tokens: int | None, dims: ParallelDims) -> list[MicroPlan]:
+def plan_micro_batches(batch: Batch, micro_size: int, max_tokens: int | None, dims: ParallelDims,
+                       quad_tokens: float | None = None) -> list[MicroPlan]:
     """This rank's micro-batches (collective when `max_tokens` is set): fixed-size or token-budget
     micro-batches at the layout's degrees, or, with adaptive sequence parallelism and a token budget,
-    rounds at the smallest Ulysses degree that holds them (`plan_degree_rounds`). Every rank of the
+    rounds at the smallest Ulysses degree that holds them, the lanes of a round balanced by work
+    (`plan_adaptive_rounds`; `quad_tokens` weighs attention's quadratic part). Every rank of the
     world runs the same number of micro-batches (FSDP's collectives); spare rounds are idle ones."""
     layout = dims.layout
     if max_tokens is None or not layout.adaptive:
         return [MicroPlan(idx) for idx in split_rows(batch, micro_size, max_tokens, layout.token_shards)]
-    rounds = plan_degree_rounds(batch["attention_mask"].sum(-1).tolist(), max_tokens, layout.ulysses)
+    rounds = plan_adaptive_rounds(batch["attention_mask"].sum(-1).tolist(), max_tokens, layout.ulysses, quad_tokens)
     total = torch.tensor([len(rounds)], dtype=torch.int64)
     dist.all_reduce(total, op=dist.ReduceOp.MAX)
     rank = dims.coords.ulysses
