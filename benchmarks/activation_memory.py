@@ -19,8 +19,9 @@ T * Tr bytes).
 
 Each saved storage is attributed to the module that saved it first (forward hooks), in five regions:
   block_inputs  the inputs the q/k/v and gate/up projections save: the normed residual [S, h], twice
-                per layer; under TP the full [S] tokens of the tp group on every tp rank (all-gathered
-                under sequence parallelism);
+                per layer; under TP without sequence parallelism the full [S] tokens of the tp group
+                on every tp rank, with it only the rank's [S/tp] shard (the block's all-gathered input
+                is re-gathered in backward, rlsp.parallel.tp_sp);
   attention     the rest of self_attn: rotary q/k, attention (Ulysses / ring), the o_proj input;
   mlp           the rest of the MLP: gate/up outputs, activation, the down_proj input;
   norms         the RMSNorms (two per layer and the final one);

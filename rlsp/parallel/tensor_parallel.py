@@ -8,10 +8,10 @@ before FSDP2 shards them over the dp mesh. Per decoder layer:
     I/tp intermediate features, so attention (rlsp_ulysses) sees q [1, Hq/tp, S, D];
   - o_proj and down_proj are row-parallel: their partial outputs are summed over tp.
 With `sequence_parallel=True` the residual stream (embedding output, norms, final norm) is sharded
-along the tokens over tp: an all-gather before the column-parallel projections and a
-reduce-scatter after the row-parallel ones (Nanotron's tp_mode=REDUCE_SCATTER, Megatron's sequence
-parallelism), so the decoder's final hidden state on a tp rank is its contiguous [S/tp] slice and the
-head runs on those tokens only. Without it the residual stream is replicated: all-reduce after the
+along the tokens over tp: an all-gather before the column-parallel projections (which save only the
+rank's [S/tp] input shard and re-gather it in backward: rlsp.parallel.tp_sp) and a reduce-scatter after
+the row-parallel ones (Nanotron's tp_mode=REDUCE_SCATTER, Megatron's sequence parallelism), so the
+decoder's final hidden state on a tp rank is its contiguous [S/tp] slice and the head runs on those tokens only. Without it the residual stream is replicated: all-reduce after the
 row-parallel projections, and every tp rank computes the same full [S] output.
 
 Everything else (embedding, norms, rotary buffers, `lm.lm_head`, the critic's value head) is
@@ -41,6 +41,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from rlsp.parallel.tp_sp import ShardedInputSaver
 
 TP_SIZE_KEY = "tensor_model_parallel_size"
 SEQ_DIM = 1  # activations inside the decoder are [1, tokens, hidden]
@@ -141,22 +143,25 @@ class _ReplicateParallel(ParallelStyle):
 
 class _BlockInput(ParallelStyle):
     """Input of an attention or MLP block (`kwarg`, or the first positional input): the full token
-    range, replicated over tp, as the column-parallel projections need it. From a token-sharded
-    residual (sequence parallel) an all-gather, whose backward reduce-scatters the gradient; from a
-    replicated residual the identity, whose backward all-reduces the gradient (Megatron's f operator)
-    so that the residual stream's gradient stays complete on every tp rank instead of travelling on
-    as a Partial sum. One collective per block and direction, shared by q/k/v (gate/up)."""
+    range, replicated over tp, as the column-parallel projections need it. From a token-sharded residual
+    (sequence parallel) an all-gather, whose backward reduce-scatters the gradient, and `projections`
+    save only this rank's shard for backward (rlsp.parallel.tp_sp); from a replicated residual the
+    identity, whose backward all-reduces the gradient (Megatron's f operator) so that the residual
+    stream's gradient stays complete on every tp rank instead of travelling on as a Partial sum. One
+    collective per block and direction, shared by q/k/v (gate/up)."""
 
-    def __init__(self, kwarg: str | None = None) -> None:
+    def __init__(self, projections: tuple[str, ...], kwarg: str | None = None) -> None:
         super().__init__()
-        self.kwarg = kwarg
+        self.projections, self.kwarg = projections, kwarg
+        self.saver = ShardedInputSaver()
 
-    @staticmethod
-    def _full(x: Any) -> DTensor:
+    def _full(self, x: Any) -> DTensor:
         if not isinstance(x, DTensor):
             raise RuntimeError(f"a tensor-parallel block expects the residual stream as a DTensor, got {type(x)}")
         if x.placements != (Replicate(),):
-            return x.redistribute(placements=[Replicate()])
+            full = x.redistribute(placements=[Replicate()])
+            self.saver.begin(x, full)
+            return full
         return DTensor.from_local(x.to_local(), x.device_mesh, [Replicate()], run_check=False)
 
     def _hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
@@ -168,6 +173,10 @@ class _BlockInput(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         module.register_forward_pre_hook(self._hook, with_kwargs=True)
+        module.register_forward_hook(self.saver.end, always_call=True)
+        module.tp_input_saver = self.saver  # inspectable (how often backward re-gathered)
+        for name in self.projections:
+            self.saver.attach(module.get_submodule(name))
         return module
 
 
@@ -175,13 +184,13 @@ def _layer_plan(seq: Placement) -> dict[str, ParallelStyle]:
     """TP plan of one Llama/Qwen2-style decoder layer; `seq` is the residual stream's layout."""
     return {
         "input_layernorm": _ReplicateParallel(seq, seq),
-        "self_attn": _BlockInput("hidden_states"),  # HF decoder layers pass hidden_states by keyword
+        "self_attn": _BlockInput(("q_proj", "k_proj", "v_proj"), "hidden_states"),  # HF passes it by keyword
         "self_attn.q_proj": ColwiseParallel(),
         "self_attn.k_proj": ColwiseParallel(),
         "self_attn.v_proj": ColwiseParallel(),
         "self_attn.o_proj": RowwiseParallel(output_layouts=seq, use_local_output=False),
         "post_attention_layernorm": _ReplicateParallel(seq, seq),
-        "mlp": _BlockInput(),
+        "mlp": _BlockInput(("gate_proj", "up_proj")),
         "mlp.gate_proj": ColwiseParallel(),
         "mlp.up_proj": ColwiseParallel(),
         "mlp.down_proj": RowwiseParallel(output_layouts=seq, use_local_output=False),
