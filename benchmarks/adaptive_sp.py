@@ -11,8 +11,9 @@ adaptive, fixed, ...), so load from other jobs on a shared machine hits both mod
 
 Model: random-init Qwen2, hidden 256, 8 q / 4 kv heads (head dim 32), 4 layers, vocab 1024, fp32.
 Batch per dp group: 28 rows of 40-200 tokens and 4 of 1700-2000 (prompt 32). Budget 1024 tokens per
-rank. Prints ONE JSON line: median seconds per update for each mode, the speed-up (ratio of the
-medians), the 1-minute load average before and after, and with `--breakdown` one more update per
+rank. Prints ONE JSON line: median (and least) seconds per update for each mode, the speed-up (ratio
+of the medians), the median of the per-rep ratios (each rep runs the two modes back to back, so a
+ratio sees one load), the 1-minute load average before and after, and with `--breakdown` one more update per
 mode timed round by round on every rank (`rounds`: degree, the rank's tokens and sum of squared row
 lengths, forward / backward seconds, seconds inside all-to-alls, and the seconds the rank's round
 ended before the slowest rank's).
@@ -123,8 +124,11 @@ def _time_modes(rank: int, world: int, path: str, reps: int, breakdown: bool) ->
             seconds, metrics = _update(engines[mode], batch, loss_fn)
             out[mode]["times"].append(round(seconds, 4))
             out[mode]["a2a_time_share"] = round(metrics["sp/a2a_time_share"], 4)
+    pairs = [f / a for f, a in zip(out["fixed"]["times"], out["adaptive"]["times"])]  # back-to-back updates
+    out["pair_speedup_median"] = round(statistics.median(pairs), 3)
     for mode in MODES:
         out[mode]["s_per_update"] = statistics.median(out[mode]["times"])
+        out[mode]["s_min"] = min(out[mode]["times"])
         if breakdown:
             out[mode]["rounds"] = _breakdown(engines[mode], batch, loss_fn)
     return out if rank == 0 else None
