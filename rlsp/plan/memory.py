@@ -136,7 +136,9 @@ def offload_staging_bytes(shape: ModelShape, layout: RoleLayout) -> float:
 def layer_saved_bytes(shape: ModelShape, w: Workload, opts: MemoryOptions) -> float:
     """Bytes one decoder layer saves for backward without checkpointing."""
     e, h, d, lay = opts.dtype_bytes, shape.hidden, shape.head_dim, w.layout
-    norms = 2 * (w.kept * (h * (4 + e) + 4) + w.shard * h * e)
+    # per block: the norm's fp32 tensors, and the normed input the projections save (under tp with
+    # sequence-parallel activations only this rank's [s, h] shard, re-gathered in backward)
+    norms = 2 * (w.kept * (h * (4 + e) + 4) + w.kept * h * e)
     attn = w.heads_len * ((2 * w.heads.q + 2 * w.heads.kv) * d * e + w.heads.q * 4)
     if not (lay.ulysses == 1 and lay.ring > 1):  # ring alone: o_proj reads attention's own output
         attn += w.shard * (shape.q_heads // lay.tp) * d * e
@@ -169,7 +171,9 @@ def _backward_working_set(shape: ModelShape, w: Workload, opts: MemoryOptions) -
         mlp += 4 * w.shard / tiles * shape.intermediate * e
     attn = 2 * w.heads_len * (w.heads.q + 2 * w.heads.kv) * d * e
     exchange = 2 * w.shard * (shape.q_heads + 2 * shape.kv_heads) // lay.tp * d * e if lay.ulysses > 1 else 0
-    gathers = 2 * w.shard * h * e if lay.tp_shards_tokens else 0  # tp: inputs all-gathered again for dW
+    # tp with sequence-parallel activations: the block input re-gathered [S, h] for the projections'
+    # weight gradients and its full-length gradient before the reduce-scatter
+    gathers = 2 * w.shard * h * e if lay.tp_shards_tokens else 0
     return max(mlp, attn + ring_bytes(w)) + exchange + gathers + 2 * w.kept * h * e
 
 
