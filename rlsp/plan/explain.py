@@ -131,7 +131,8 @@ def _sequence_lines(req: Request, plans: list[Plan], tp: int) -> list[str]:
 def _ring_text(req: Request, plan: Plan) -> str:
     """What ring attention's block math costs on this plan, when it is what breaks the memory."""
     share = HeadShare(max(plan.split.q_counts), max(plan.split.kv_counts))
-    ring = ring_bytes(Workload(plan.layout, plan.settings.budget, req.seq_len, share))
+    ring = ring_bytes(Workload(plan.layout, plan.settings.budget, req.seq_len, share), req.shape.head_dim,
+                      req.dtype_bytes)
     if ring < 0.25 * plan.memory.peak:
         return ""
     return (f": ring attention's block math holds fp32 score tiles of 1024 rows x a sequence's share, "

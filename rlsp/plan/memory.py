@@ -146,17 +146,24 @@ def layer_saved_bytes(shape: ModelShape, w: Workload, opts: MemoryOptions) -> fl
     return norms + attn + mlp
 
 
-RING_ROW_CHUNK = 1024  # query rows per score tile in rlsp/parallel/ring_plan.py (ROW_CHUNK)
-
-
-def ring_bytes(w: Workload) -> float:
-    """Ring attention's block math in backward: fp32 scores, probabilities and their gradients of one
-    tile (at most RING_ROW_CHUNK of a sequence's rows on this rank x the visiting block's keys), about
-    six such tensors at once (measured), plus the per-box metadata (1-D positions, O(tokens))."""
+def ring_bytes(w: Workload, head_dim: int, dtype_bytes: int) -> float:
+    """Ring attention's working set in a layer's backward with its fused kernels (rlsp/parallel/ring.py,
+    ring_block.py): no rows x keys scores, only O(tokens x heads x D) buffers. fp32 accumulators: dq
+    [Tr, hq] and three dK/dV [2, Tr, hkv] (this rank's, the visiting block's, its receive buffer); the
+    held and the next K/V block [2, Tr, hkv] in the element size; one tile's kernel buffers on CUDA,
+    where k/v are expanded to the q heads: expanded k/v and dq/dk/dv over up to a sequence's share
+    `box` (5 x box x hq, element size) plus the kernel's fp32 dq workspace (box x hq); plus the
+    per-box metadata (1-D positions). Measured (docs/benchmarks.md, "Ring attention blocks": one ring
+    step forward + backward, 8 q / 2 kv heads, D 64, 8k tokens a rank, H200): 113-121 MiB fp32 and
+    73-84 MiB bf16 where the explicit score tiles took 1.5 GiB; this model gives 152 / 104 MiB (it also
+    counts the accumulators and the K/V block that travel in a real ring)."""
     if w.layout.ring == 1:
         return 0.0
-    box = min(w.seq_len, w.stream) // w.layout.ring
-    return 6 * w.heads.q * min(box, RING_ROW_CHUNK) * box * 4 + 4 * 8 * box * w.layout.ring
+    tr, box, d, e = w.heads_len, min(w.seq_len, w.stream) // w.layout.ring, head_dim, dtype_bytes
+    accumulators = tr * d * 4 * (w.heads.q + 3 * 2 * w.heads.kv)
+    blocks = 2 * 2 * tr * w.heads.kv * d * e
+    tile = box * w.heads.q * d * (5 * e + 4)
+    return accumulators + blocks + tile + 4 * 8 * box * w.layout.ring
 
 
 def _backward_working_set(shape: ModelShape, w: Workload, opts: MemoryOptions) -> float:
@@ -174,7 +181,7 @@ def _backward_working_set(shape: ModelShape, w: Workload, opts: MemoryOptions) -
     # tp with sequence-parallel activations: the block input re-gathered [S, h] for the projections'
     # weight gradients and its full-length gradient before the reduce-scatter
     gathers = 2 * w.shard * h * e if lay.tp_shards_tokens else 0
-    return max(mlp, attn + ring_bytes(w)) + exchange + gathers + 2 * w.kept * h * e
+    return max(mlp, attn + ring_bytes(w, d, e)) + exchange + gathers + 2 * w.kept * h * e
 
 
 def _head_bytes(shape: ModelShape, w: Workload, role: str, opts: MemoryOptions) -> float:
