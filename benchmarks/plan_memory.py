@@ -75,6 +75,8 @@ class Case:
     checkpointing: bool = False
     budget: int = 2048
     critic: bool = False
+    reference: bool = True  # False: actor only (no KL term needs the reference)
+    chunk: int = 1024  # tokens per chunk of the logprob head (actor.logprob_chunk_size)
 
     def layout(self) -> RoleLayout:
         return RoleLayout(World(1, self.world), ulysses=self.ulysses, ring=self.ring, tp=self.tp,
@@ -92,6 +94,8 @@ CASES = (
     Case("Ulysses 2 x dp 2, HSDP fsdp_size 2", 4, ulysses=2, fsdp_size=2),
     Case("Ulysses 2 x tp 2, checkpointing", 4, ulysses=2, tp=2, checkpointing=True),
     Case("dp 2, PPO (actor + ref + critic)", 2, critic=True),
+    Case("one rank, actor only (no reference)", 1, reference=False),
+    Case("one rank, actor only, logprob chunk 256", 1, reference=False, chunk=256),
 )
 
 
@@ -105,8 +109,8 @@ def _batch(rows: int) -> Batch:
                             "returns": torch.randn(rows, ROW - PROMPT, generator=g), **fields})
 
 
-def _engines(case: Case, dims: Any) -> tuple[FSDPEngine, FSDPEngine, FSDPEngine | None]:
-    """(actor, reference, value model or None): the caller holds all three for the whole measurement (a
+def _engines(case: Case, dims: Any) -> tuple[FSDPEngine, FSDPEngine | None, FSDPEngine | None]:
+    """(actor, reference or None, value model or None): the caller holds all three for the whole measurement (a
     reference nobody holds would be freed whenever the garbage collector next runs, mid-step or not)."""
     config = Qwen2Config(**{k: v for k, v in CONFIG.items() if k != "model_type"})
     compute = DTYPES[case.dtype]
@@ -116,10 +120,12 @@ def _engines(case: Case, dims: Any) -> tuple[FSDPEngine, FSDPEngine, FSDPEngine 
     for model in (lm, critic):
         if model is not None and case.checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ref = build_causal_lm_from_config(config, dtype=compute)
-    frozen = FSDPEngine(TokenLogprobModel(ref), dims, torch.device("cpu"), compute_dtype=compute)
+    frozen = None
+    if case.reference:
+        ref = build_causal_lm_from_config(config, dtype=compute)
+        frozen = FSDPEngine(TokenLogprobModel(ref), dims, torch.device("cpu"), compute_dtype=compute)
     optim = OptimSettings(lr=1e-4, grad_clip=1.0)
-    actor = FSDPEngine(TokenLogprobModel(lm), dims, torch.device("cpu"), compute_dtype=compute, optim=optim)
+    actor = FSDPEngine(TokenLogprobModel(lm, chunk_size=case.chunk), dims, torch.device("cpu"), compute_dtype=compute, optim=optim)
     value = None if critic is None else FSDPEngine(ValueModel(critic), dims, torch.device("cpu"),
                                                    compute_dtype=compute, optim=optim)
     return actor, frozen, value
@@ -174,8 +180,10 @@ def estimate(case: Case) -> float:
     shape = shape_from_config(CONFIG)
     heads = plan_head_layout(shape.q_heads // case.tp, shape.kv_heads // case.tp, case.ulysses)
     share = HeadShare(max(heads.q_counts), max(heads.kv_counts))
-    opts = MemoryOptions(dtype_bytes=2 if case.dtype == "bfloat16" else 4, checkpointing=case.checkpointing)
-    return plan_memory(shape, Workload(layout, case.budget, ROW, share), opts, critic=case.critic).peak
+    opts = MemoryOptions(dtype_bytes=2 if case.dtype == "bfloat16" else 4, checkpointing=case.checkpointing,
+                         logprob_chunk=case.chunk)
+    return plan_memory(shape, Workload(layout, case.budget, ROW, share), opts, critic=case.critic,
+                       ref=case.reference).peak
 
 
 # Peaks recorded on one H100 by benchmarks/gpu_train_step.py (docs/benchmarks.md, "GPU" section): the

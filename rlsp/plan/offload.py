@@ -34,7 +34,9 @@ def host_bytes_per_rank(shape: ModelShape, w: Workload, opts: MemoryOptions, cri
         roles = ["actor"] + ["ref"] * ref + ["critic"] * critic
         for role in roles:
             state, grads = state_bytes(shape, w.layout, role, e)
-            terms[f"{role} state"] = state + 2 * grads  # the gradients, and AdamW's temporaries in the CPU step
+            terms[f"{role} state"] = state + grads  # parameter shards, optimizer state, gradient shards
+            if grads:  # AdamW's foreach temporaries in the CPU step, one fp32 tensor per parameter
+                terms[f"{role} AdamW temporaries"] = grads
     if opts.activation_offload:
         terms["offloaded activations"] = shape.layers * w.kept * shape.hidden * e
     return terms

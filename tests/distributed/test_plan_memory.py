@@ -1,5 +1,6 @@
 """The planner's memory model against the measured peak of real engine steps (benchmarks/plan_memory.py):
-two of the benchmark's layouts, one per process count, each within 15 % of the measured peak."""
+three of the benchmark's layouts (one an actor-only run with a smaller logprob chunk), each within 15 % of the
+measured peak."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import plan_memory  # noqa: E402
 pytestmark = pytest.mark.distributed
 
 
-@pytest.mark.parametrize("name", ["one rank, bf16, checkpointing", "tp 2, sequence-parallel"])
+@pytest.mark.parametrize("name", ["one rank, bf16, checkpointing", "tp 2, sequence-parallel",
+                                  "one rank, actor only, logprob chunk 256"])
 def test_estimate_within_15_percent_of_the_measured_peak(name):
     case = next(c for c in plan_memory.CASES if c.name == name)
     results = run_distributed(plan_memory.measure, case.world, case)
