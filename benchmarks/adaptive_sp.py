@@ -11,8 +11,9 @@ adaptive, fixed, ...), so load from other jobs on a shared machine hits both mod
 
 Model: random-init Qwen2, hidden 256, 8 q / 4 kv heads (head dim 32), 4 layers, vocab 1024, fp32.
 Batch per dp group: 28 rows of 40-200 tokens and 4 of 1700-2000 (prompt 32). Budget 1024 tokens per
-rank. Prints ONE JSON line: median (and least) seconds per update for each mode, the speed-up (ratio
-of the medians), the median of the per-rep ratios (each rep runs the two modes back to back, so a
+rank. Prints ONE JSON line: median (and least) seconds per update for each mode, the median CPU
+seconds of the busiest rank's process (its work, which other jobs' load does not inflate), the speed-up (ratio
+of the medians; `cpu_speedup` the same for CPU seconds), the median of the per-rep ratios (each rep runs the two modes back to back, so a
 ratio sees one load), the 1-minute load average before and after, and with `--breakdown` one more update per
 mode timed round by round on every rank (`rounds`: degree, the rank's tokens and sum of squared row
 lengths, forward / backward seconds, seconds inside all-to-alls, and the seconds the rank's round
@@ -64,13 +65,17 @@ def _batch(seed: int = 0) -> Batch:
     return Batch.from_dict({"input_ids": ids * mask, "attention_mask": mask, "response_mask": resp, **fields})
 
 
-def _update(engine: FSDPEngine, batch: Batch, loss_fn) -> tuple[float, dict[str, float]]:
-    """Seconds of one update on this rank (started together on every rank) and its metrics."""
+def _update(engine: FSDPEngine, batch: Batch, loss_fn) -> tuple[float, float, dict[str, float]]:
+    """Wall seconds of one update on this rank (started together on every rank), the most CPU seconds
+    a rank's process spent on it (its work, whatever the load; waits that block cost none) and its
+    metrics."""
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     engine.optimizer.zero_grad(set_to_none=True)
     metrics = engine.backward_batch(batch, PROMPT, 1, loss_fn, BUDGET, temperature=1.0)
-    return time.perf_counter() - t0, metrics
+    wall, cpu = time.perf_counter() - t0, torch.tensor([time.process_time() - c0], dtype=torch.float64)
+    dist.all_reduce(cpu, op=dist.ReduceOp.MAX)
+    return wall, float(cpu), metrics
 
 
 def _rounds(engine: FSDPEngine, batch: Batch, loss_fn) -> list[dict]:
@@ -121,14 +126,16 @@ def _time_modes(rank: int, world: int, path: str, reps: int, breakdown: bool) ->
         _update(engines[mode], batch, loss_fn)  # warm-up
     for rep in range(reps):
         for mode in MODES if rep % 2 == 0 else MODES[::-1]:
-            seconds, metrics = _update(engines[mode], batch, loss_fn)
+            seconds, cpu, metrics = _update(engines[mode], batch, loss_fn)
             out[mode]["times"].append(round(seconds, 4))
+            out[mode].setdefault("cpu_times", []).append(round(cpu, 4))
             out[mode]["a2a_time_share"] = round(metrics["sp/a2a_time_share"], 4)
     pairs = [f / a for f, a in zip(out["fixed"]["times"], out["adaptive"]["times"])]  # back-to-back updates
     out["pair_speedup_median"] = round(statistics.median(pairs), 3)
     for mode in MODES:
         out[mode]["s_per_update"] = statistics.median(out[mode]["times"])
         out[mode]["s_min"] = min(out[mode]["times"])
+        out[mode]["cpu_s_per_update"] = statistics.median(out[mode]["cpu_times"])
         if breakdown:
             out[mode]["rounds"] = _breakdown(engines[mode], batch, loss_fn)
     return out if rank == 0 else None
@@ -148,7 +155,8 @@ def main() -> None:
         res = run_distributed(_time_modes, a.world, path, a.reps, a.breakdown, timeout_s=1800)[0]
     print(json.dumps({"benchmark": "adaptive_sp", "world": a.world, "budget_tokens_per_rank": BUDGET,
                       "worker_threads": 1, "load_avg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-                      **res, "speedup": round(res["fixed"]["s_per_update"] / res["adaptive"]["s_per_update"], 3)}))
+                      **res, "speedup": round(res["fixed"]["s_per_update"] / res["adaptive"]["s_per_update"], 3),
+                      "cpu_speedup": round(res["fixed"]["cpu_s_per_update"] / res["adaptive"]["cpu_s_per_update"], 3)}))
 
 
 if __name__ == "__main__":
