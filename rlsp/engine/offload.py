@@ -63,6 +63,18 @@ def _layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
+def _unpack(packed: Any) -> torch.Tensor:
+    """A kept tensor as it is; an offloaded one from its queue (a DTensor rewrapped with its layout)."""
+    if isinstance(packed, torch.Tensor):
+        return packed
+    queue, index, layout = packed
+    local = queue.take(index)
+    if layout is None:
+        return local
+    mesh, placements, shape, stride = layout
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
 @contextlib.contextmanager
 def offload_saved_tensors(model: nn.Module, device: torch.device, stats: OffloadStats | None = None,
                           log: list[tuple[str, int]] | None = None) -> Iterator[OffloadStats]:
@@ -90,18 +102,8 @@ def offload_saved_tensors(model: nn.Module, device: torch.device, stats: Offload
         layout = (t.device_mesh, t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None
         return (queue, queue.put(local), layout)
 
-    def unpack(packed: Any) -> torch.Tensor:
-        if isinstance(packed, torch.Tensor):
-            return packed
-        owner, index, layout = packed
-        local = owner.take(index)
-        if layout is None:
-            return local
-        mesh, placements, shape, stride = layout
-        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
-
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
             yield stats
     finally:
         for handle in handles:

@@ -108,6 +108,8 @@ class ShardedInputSaver:
     def _enter(self, module: nn.Module, args: Any) -> None:
         push = self.current is not None and torch._C._autograd._saved_tensors_hooks_is_enabled()
         if push:
+            # the public saved_tensors_hooks context would hide an outer pair (only the innermost pair
+            # runs); reading the top of autograd's hook stack lets this pair delegate to it instead
             outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
             block = self.current
             torch._C._autograd._push_saved_tensors_default_hooks(
