@@ -9,7 +9,8 @@ Tr/2 rows x all Tr keys, one full tile). The code run is the ring's own per-step
 k/v [Tr, hkv, D] and the upstream gradient are allocated before measuring.
 
 One JSON line per config, each config in a fresh subprocess (so peaks do not carry over):
-  fwd_s / bwd_s: median over --repeats runs after one warm-up;
+  step_s / fwd_s / bwd_s: medians over --repeats runs after one warm-up (the forward and the backward of
+    each run timed separately; step = their sum);
   peak_mib: CUDA: max_memory_allocated - memory_allocated before the run; CPU: the process's peak
     resident set above its resident set before the run (max of ru_maxrss and a 0.5 ms sampler of
     /proc/self/statm), `rss_floor_mib` is how far ru_maxrss already was above the resident set before
@@ -65,35 +66,27 @@ def _blocks(keys: int, step: str, device: torch.device) -> list:
     return plan.step_blocks(device)[0 if step == "own" else 1]
 
 
-def _step(q, kv, do, blocks, ctx) -> None:
+def _step(q, kv, do, blocks, ctx, device: torch.device) -> tuple[float, float]:
+    """One step's forward then backward -> (forward seconds, backward seconds)."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    _sync(device)
+    t0 = time.perf_counter()
     out = q.new_zeros(q.shape, dtype=acc)
     lse = q.new_full(q.shape[1::-1], float("-inf"), dtype=acc)
     for block in blocks:
         ring._attend(q, kv, block, ctx, out, lse)
     out = out.to(q.dtype)  # as the ring saves it
+    _sync(device)
+    t1 = time.perf_counter()
     delta = None if ctx.fused else (do.to(acc) * out.to(acc)).sum(-1).T.contiguous()
     ring._block_grads(do, q, kv, blocks, (out, lse, delta, ctx), q.new_zeros(q.shape, dtype=acc))
-
-
-def _forward(q, kv, blocks, ctx) -> None:
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    out, lse = q.new_zeros(q.shape, dtype=acc), q.new_full(q.shape[1::-1], float("-inf"), dtype=acc)
-    for block in blocks:
-        ring._attend(q, kv, block, ctx, out, lse)
+    _sync(device)
+    return t1 - t0, time.perf_counter() - t1
 
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
-
-
-def _timed(fn, device: torch.device) -> float:
-    _sync(device)
-    t0 = time.perf_counter()
-    fn()
-    _sync(device)
-    return time.perf_counter() - t0
 
 
 def run_one(cfg: dict) -> dict:
@@ -110,20 +103,17 @@ def run_one(cfg: dict) -> dict:
     kernel_index = None if ring.native_gqa(device) else kv_index
     ctx = ring._Ctx(d**-0.5, kv_index, kernel_index, fused)
 
-    def fwd_bwd() -> None:
-        _step(q, kv, do, blocks, ctx)
-
     before, floor = _peak_start(device)
     sampler = _Sampler() if device.type == "cpu" else None
     if sampler:
         sampler.start()
-    first = _timed(fwd_bwd, device)
+    first = sum(_step(q, kv, do, blocks, ctx, device))
     peak = _peak_end(device, before, sampler)
-    times = [_timed(fwd_bwd, device) for _ in range(cfg["repeats"])]
-    fwd = [_timed(lambda: _forward(q, kv, blocks, ctx), device) for _ in range(cfg["repeats"])]
+    fwd, bwd = zip(*(_step(q, kv, do, blocks, ctx, device) for _ in range(cfg["repeats"])))
+    step = [f + b for f, b in zip(fwd, bwd)]
     tiles = sum(len(b.tiles) for b in blocks)
-    return {**cfg, "tiles": tiles, "first_s": round(first, 4), "step_s": round(statistics.median(times), 4),
-            "fwd_s": round(statistics.median(fwd), 4), "bwd_s": round(statistics.median(times) - statistics.median(fwd), 4),
+    return {**cfg, "tiles": tiles, "first_s": round(first, 4), "step_s": round(statistics.median(step), 4),
+            "fwd_s": round(statistics.median(fwd), 4), "bwd_s": round(statistics.median(bwd), 4),
             "peak_mib": round(peak / 2**20, 1), "rss_floor_mib": round(floor / 2**20, 1),
             "torch": torch.__version__, "threads": torch.get_num_threads()}
 
