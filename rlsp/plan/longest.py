@@ -23,7 +23,10 @@ def plan_at(req: Request, split_fn: SplitFn, seq_len: int) -> Plan | None:
 def longest_length(req: Request, split_fn: SplitFn) -> tuple[int, Plan] | None:
     """(the longest length <= req.seq_len, in LENGTH_GRANULE steps, that fits; its recommended plan), or
     None when not even LENGTH_GRANULE tokens fit."""
-    lo, hi = 1, max(1, req.seq_len // LENGTH_GRANULE)
+    if req.seq_len < LENGTH_GRANULE:  # shorter than one step: that length or nothing
+        short = plan_at(req, split_fn, req.seq_len)
+        return None if short is None else (req.seq_len, short)
+    lo, hi = 1, req.seq_len // LENGTH_GRANULE
     best = plan_at(req, split_fn, lo * LENGTH_GRANULE)
     if best is None:
         return None

@@ -4,6 +4,8 @@ measured peak."""
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -25,3 +27,15 @@ def test_estimate_within_15_percent_of_the_measured_peak(name):
     estimate = plan_memory.estimate(case)
     assert all(r["at_step_start"] > 0 for r in results)  # the state built before the step is counted
     assert abs(estimate - measured) <= 0.15 * measured, (name, estimate / 2**20, measured / 2**20)
+
+
+def test_offloaded_state_is_where_the_planner_puts_it():
+    """benchmarks/plan_offload.py on CPU: with FSDP parameter offload the parameter shards, gradients and AdamW
+    state counted after a step come to the planner's host term, 16 bytes per parameter, exactly."""
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "plan_offload.py"
+    proc = subprocess.run([sys.executable, str(script), "--device", "cpu", "--tokens", "512"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
+    offloaded = result["runs"][1]
+    assert offloaded["param_offload"] and result["checks"]["host_bytes_equal_term"]
+    assert offloaded["counted_bytes_by_device"] == {"cpu": 16 * result["params"]}
