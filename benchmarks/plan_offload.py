@@ -40,7 +40,7 @@ from rlsp.engine.optim import OptimSettings  # noqa: E402
 from rlsp.models.lm import TokenLogprobModel  # noqa: E402
 from rlsp.models.loading import build_causal_lm_from_config  # noqa: E402
 from rlsp.parallel.mesh import build_parallel_dims  # noqa: E402
-from rlsp.plan import HeadShare, MemoryOptions, Workload, plan_memory, shape_from_config  # noqa: E402
+from rlsp.plan import HeadShare, MemoryEstimate, MemoryOptions, Workload, plan_memory, shape_from_config  # noqa: E402
 from rlsp.plan.offload import host_bytes_per_rank  # noqa: E402
 from rlsp.utils.device import backend_for  # noqa: E402
 from rlsp.workers.actor_loss import ActorLossConfig, make_actor_loss  # noqa: E402
@@ -83,6 +83,15 @@ def _watch_phases(engine: FSDPEngine, phases: dict[str, float]) -> None:
     wrap(engine.optimizer, "step", "optimizer step")
 
 
+def _estimate(name: str, tokens: int, offload: bool) -> tuple[MemoryEstimate, float]:
+    """The planner's device estimate for this run, and its host term for the actor's state (bytes)."""
+    shape = shape_from_config(MODELS[name])
+    w = Workload(RoleLayout(World(1, 1)), tokens, pm.ROW, HeadShare(shape.q_heads, shape.kv_heads))
+    opts = MemoryOptions(dtype_bytes=2, checkpointing=True, param_offload=offload)
+    host = host_bytes_per_rank(shape, w, opts, critic=False, ref=False).get("actor state", 0.0)
+    return plan_memory(shape, w, opts, ref=False), host
+
+
 def run(name: str, tokens: int, device: torch.device, offload: bool) -> dict[str, object]:
     cfg = {k: v for k, v in MODELS[name].items() if k != "model_type"}
     dims = build_parallel_dims(RoleLayout(World(1, 1)), device.type)
@@ -110,11 +119,7 @@ def run(name: str, tokens: int, device: torch.device, offload: bool) -> dict[str
     else:
         engine.train_step(batch, pm.PROMPT, rows, loss, tokens, temperature=1.0, with_entropy=True)
     counted = _tensor_bytes(engine)
-    shape = shape_from_config(MODELS[name])
-    w = Workload(RoleLayout(World(1, 1)), tokens, pm.ROW, HeadShare(shape.q_heads, shape.kv_heads))
-    opts = MemoryOptions(dtype_bytes=2, checkpointing=True, param_offload=offload)
-    est = plan_memory(shape, w, opts, ref=False)
-    host_term = host_bytes_per_rank(shape, w, opts, critic=False, ref=False).get("actor state", 0.0)
+    est, host_term = _estimate(name, tokens, offload)
     row: dict[str, object] = {"param_offload": offload, "counted_bytes_by_device": counted,
                               "host_term_bytes": int(host_term),
                               "estimate_device_peak_mib": round(est.peak / MIB, 1)}
