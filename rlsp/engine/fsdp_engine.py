@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 from rlsp.data.batch import Batch
 from rlsp.engine.adaptive_plan import quadratic_tokens
 from rlsp.engine.fsdp_offload import build_offload_policy, to_device
-from rlsp.engine.micro import MicroBatch, MicroPlan, plan_micro_batches, plan_rows, prepare_micro_batch
+from rlsp.engine.micro import MicroBatch, MicroPlan, merge_reported, plan_micro_batches, plan_rows, prepare_micro_batch
 from rlsp.engine.offload import ActivationOffload
 from rlsp.engine.optim import OptimSettings, build_optimizer
 from rlsp.engine.parallelize import parallelize
@@ -72,7 +72,6 @@ class FSDPEngine:
         self.dims, self.device, self.compute_dtype = dims, device, compute_dtype
         config = module.decoder.config
         self.config = config
-        self.quad_tokens = quadratic_tokens(config)  # adaptive sp: weighs attention when balancing lanes
         layout = dims.layout
         # Heads one rank's attention sees (a tp rank's share under tensor parallelism).
         self.num_q_heads, self.num_kv_heads = local_head_counts(config, layout.tp)
@@ -118,7 +117,7 @@ class FSDPEngine:
         return rows_BR * micro.rows["response_mask"]
 
     def _micro_batches(self, batch: Batch, micro_size: int, max_tokens: int | None) -> list[tuple[MicroPlan, Batch]]:
-        plans = plan_micro_batches(batch, micro_size, max_tokens, self.dims, self.quad_tokens)
+        plans = plan_micro_batches(batch, micro_size, max_tokens, self.dims, quadratic_tokens(self.config))
         return [(plan, plan_rows(batch, plan)) for plan in plans]
 
     def infer(self, batch: Batch, prompt_len: int, micro_size: int, key: str, max_tokens: int | None = None,
@@ -146,10 +145,8 @@ class FSDPEngine:
             if plan.reports:
                 for key in keys:
                     outs[key][plan.rows] = values[key]
-        if adaptive and self.dims.ulysses_group is not None:
-            # each micro-batch was reported by one rank of its sub-group: the Ulysses group's sum has them all
-            for key in keys:
-                dist.all_reduce(outs[key], group=self.dims.ulysses_group)
+        if adaptive:
+            merge_reported(outs, self.dims)
         return {key: out[:, 0] if last_token else out for key, out in outs.items()}
 
     @torch.no_grad()

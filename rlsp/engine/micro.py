@@ -110,6 +110,15 @@ def plan_micro_batches(batch: Batch, micro_size: int, max_tokens: int | None, di
     return plans + [MicroPlan([], 1, False)] * (int(total) - len(rounds))
 
 
+def merge_reported(outs: dict[str, torch.Tensor], dims: ParallelDims) -> None:
+    """Adaptive sequence parallelism's results, in place: each micro-batch's rows were written by the one
+    reporting rank of its sub-group (zeros elsewhere), so the Ulysses group's sum gives every rank all
+    of them (collective over that group)."""
+    if dims.ulysses_group is not None:
+        for out in outs.values():
+            dist.all_reduce(out, group=dims.ulysses_group)
+
+
 def plan_rows(batch: Batch, plan: MicroPlan) -> Batch:
     """The rows of a micro-batch; an idle one (no rows) is the first row with every token masked out: a
     stream of padding that runs the same collectives and contributes nothing."""
