@@ -106,8 +106,19 @@ def plan_micro_batches(batch: Batch, micro_size: int, max_tokens: int | None, di
     total = torch.tensor([len(rounds)], dtype=torch.int64)
     dist.all_reduce(total, op=dist.ReduceOp.MAX)
     rank = dims.coords.ulysses
-    plans = [MicroPlan(bins[rank // d], d, rank % d == 0) for d, bins in rounds]
+    plans = [_lane_plan(lanes, rank) for lanes in rounds]
     return plans + [MicroPlan([], 1, False)] * (int(total) - len(rounds))
+
+
+def _lane_plan(lanes: list[tuple[int, list[int]]], rank: int) -> MicroPlan:
+    """Ulysses rank `rank`'s micro-batch in a round of lanes (degree, rows) laid out in rank order; the
+    lane's first rank reports its results."""
+    first = 0
+    for degree, rows in lanes:
+        if first <= rank < first + degree:
+            return MicroPlan(rows, degree, rank == first)
+        first += degree
+    raise ValueError(f"Ulysses rank {rank} is in no lane of {lanes}")
 
 
 def merge_reported(outs: dict[str, torch.Tensor], dims: ParallelDims) -> None:

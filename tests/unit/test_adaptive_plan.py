@@ -45,8 +45,8 @@ def test_lanes_balanced_by_work_where_first_fit_stacks_them():
     # budget 10, group 2, all rows at degree 1: first-fit makes 3 bins of 10 tokens -> 2 rounds.
     # LPT over 2 rounds x 2 lanes: 9 | 8 | 7 | 3+2+1; the two heaviest bins share a round.
     rounds = plan_adaptive_rounds([9, 8, 7, 3, 2, 1], 10, 2)
-    assert rounds == [(1, [[0], [1]]), (1, [[2], [3, 4, 5]])]
-    slowest = sum(max(sum([9, 8, 7, 3, 2, 1][i] for i in lane) for lane in lanes) for _, lanes in rounds)
+    assert rounds == [[(1, [0]), (1, [1])], [(1, [2]), (1, [3, 4, 5])]]
+    slowest = sum(max(sum([9, 8, 7, 3, 2, 1][i] for i in rows) for _, rows in lanes) for lanes in rounds)
     assert slowest == 9 + 7  # the token-only plan's rounds end at 10 + 10
     assert plan_degree_rounds([9, 8, 7, 3, 2, 1], 10, 2) == [(1, [[0, 5], [1, 4]]), (1, [[2, 3], []])]  # 10 | 10, 10 | -
 
@@ -58,23 +58,33 @@ def test_quadratic_part_moves_a_long_row_away_from_short_ones():
     # rows share the other lane (112), where the token-only lanes would cost 132 + 28 = 160 and 84.
     lengths = [60, 20, 20, 20, 20]
     assert [row_cost(n, 50.0) for n in lengths] == pytest.approx([132.0, 28.0, 28.0, 28.0, 28.0], abs=1e-12)
-    assert plan_adaptive_rounds(lengths, 100, 2) == [(1, [[0, 4], [1, 2, 3]])]
-    assert plan_adaptive_rounds(lengths, 100, 2, quad_tokens=50.0) == [(1, [[0], [1, 2, 3, 4]])]
+    assert plan_adaptive_rounds(lengths, 100, 2) == [[(1, [0, 4]), (1, [1, 2, 3])]]
+    assert plan_adaptive_rounds(lengths, 100, 2, quad_tokens=50.0) == [[(1, [0]), (1, [1, 2, 3, 4])]]
 
 
 def test_first_fit_bins_kept_where_balancing_finds_no_room():
     # budget 10, one round of 2 lanes holds [5, 5] and [4, 3, 3] (first-fit); LPT's lightest-bin
     # choice would leave no room for the last 3, so first-fit's bins are kept: still one round.
     rounds = plan_adaptive_rounds([5, 5, 4, 3, 3], 10, 2)
-    assert len(rounds) == 1
-    assert sorted(sorted(lane) for lane in rounds[0][1]) == [[0, 1], [2, 3, 4]]
+    assert rounds == [[(1, [0, 1]), (1, [2, 3, 4])]]
 
 
 def test_over_long_row_runs_alone_at_full_degree():
     # budget 5, group 2: 3 and 4 at degree 1 (one lane each, 7 > 5); 9 at degree 2; 25 > 5 * 2 runs
-    # alone at the full degree too, in a round of its own; heavier bins first within a degree
+    # alone at the full degree too, in a round of its own; the widest lanes are placed first, and
+    # within a degree the heavier bins take the earlier rounds
     rounds = plan_adaptive_rounds([25, 3, 9, 4], 5, 2)
-    assert rounds == [(1, [[3], [1]]), (2, [[0]]), (2, [[2]])]
+    assert rounds == [[(2, [0])], [(2, [2])], [(1, [3]), (1, [1])]]
+
+
+def test_short_rows_fill_the_ranks_a_long_rows_round_leaves_free():
+    # group 4, budget 5: the 8-token row runs at degree 2 on ranks 2-3 (wide lanes take the group's
+    # highest free block); the two 5-token rows run at degree 1 on ranks 0 and 1 of the same round:
+    # one round, where one degree per round takes two (5 | 5 | idle | idle, then 8 | idle)
+    assert plan_adaptive_rounds([8, 5, 5], 5, 4) == [[(1, [1]), (1, [2]), (2, [0])]]
+    assert plan_degree_rounds([8, 5, 5], 5, 4) == [(1, [[1], [2], [], []]), (2, [[0], []])]
+    # two 8-token rows take ranks 0-1 and 2-3; the 5-token row runs in a round of its own, on rank 3
+    assert plan_adaptive_rounds([8, 8, 5], 5, 4) == [[(2, [0]), (2, [1])], [(1, []), (1, []), (1, []), (1, [2])]]
 
 
 @pytest.mark.parametrize("seed,group,quad", [(0, 2, None), (1, 2, 2304.0), (2, 4, 500.0), (3, 8, None)])
@@ -84,19 +94,22 @@ def test_random_mixes_every_row_once_within_budget_no_extra_rounds(seed, group, 
     lengths = [rng.randint(40, 250) for _ in range(40)] + [rng.randint(1000, budget * group + 300) for _ in range(6)]
     rounds = plan_adaptive_rounds(lengths, budget, group, quad)
     assert rounds == plan_adaptive_rounds(list(lengths), budget, group, quad)  # same lengths, same plan
-    seen = sorted(i for _, lanes in rounds for lane in lanes for i in lane)
+    seen = sorted(i for lanes in rounds for _, rows in lanes for i in rows)
     assert seen == list(range(len(lengths)))  # every row exactly once
     degrees = row_degrees(lengths, budget, group)
-    for d, lanes in rounds:
-        assert len(lanes) == group // d
-        for lane in lanes:
-            assert lane == sorted(lane)
-            assert all(degrees[i] == d for i in lane)
-            assert sum(lengths[i] for i in lane) <= budget * d or len(lane) == 1
-    assert [d for d, _ in rounds] == sorted(d for d, _ in rounds)
-    for d in set(degrees):  # never more rounds than first-fit decreasing needs at that degree
-        rows = [lengths[i] for i in range(len(lengths)) if degrees[i] == d]
-        assert sum(1 for e, _ in rounds if e == d) == math.ceil(count_token_bins(rows, budget * d) / (group // d))
+    for lanes in rounds:
+        first = 0
+        for d, rows in lanes:
+            assert first % d == 0  # a lane is one of mesh.py's sub-groups: d consecutive ranks from a multiple of d
+            assert rows == sorted(rows) and all(degrees[i] == d for i in rows)
+            assert sum(lengths[i] for i in rows) <= budget * d or len(rows) == 1
+            first += d
+        assert first == group  # the lanes cover the group's ranks once
+    # never more rounds than one degree per round (first-fit decreasing's bins, rounded up to full rounds)
+    uniform = sum(math.ceil(count_token_bins([lengths[i] for i in range(len(lengths)) if degrees[i] == d],
+                                             budget * d) / (group // d)) for d in set(degrees))
+    assert len(rounds) <= uniform
+    assert len(rounds) <= len(plan_degree_rounds(lengths, budget, group))
 
 
 def test_degree_one_lanes_balanced_on_the_benchmark_mix():
@@ -105,12 +118,15 @@ def test_degree_one_lanes_balanced_on_the_benchmark_mix():
              78, 111, 223, 86, 96, 153, 141, 161]
     lengths = short + [1981, 1912, 1913, 1744]
     rounds = plan_adaptive_rounds(lengths, 1024, 2, 2304.0)
-    ones = [lanes for d, lanes in rounds if d == 1]
-    assert len(ones) == 2 and [d for d, _ in rounds].count(2) == 4
-    tokens = [sum(lengths[i] for i in lane) for lanes in ones for lane in lanes]
+    # the long rows' rounds first (widest lanes are placed first), one long row each
+    assert [[(d, [lengths[i] for i in rows]) for d, rows in lanes] for lanes in rounds[:4]] == [
+        [(2, [1981])], [(2, [1913])], [(2, [1912])], [(2, [1744])]]
+    ones = rounds[4:]
+    assert len(ones) == 2 and all(d == 1 for lanes in ones for d, _ in lanes)
+    tokens = [sum(lengths[i] for i in rows) for lanes in ones for _, rows in lanes]
     assert sum(tokens) == sum(short)
     # LPT bound: no lane exceeds the mean lane by more than the longest short row (226 tokens); here
     # the lanes are within 10 tokens of each other, where first-fit's were 1017, 1015, 1023, 829
     assert max(tokens) - min(tokens) <= 10
-    per_rank = [sum(lengths[i] for lanes in ones for i in lanes[r]) for r in range(2)]
+    per_rank = [sum(lengths[i] for lanes in ones for i in lanes[r][1]) for r in range(2)]
     assert abs(per_rank[0] - per_rank[1]) <= 10
