@@ -135,8 +135,8 @@ def _ring_text(req: Request, plan: Plan) -> str:
                       req.dtype_bytes)
     if ring < 0.25 * plan.memory.peak:
         return ""
-    return (f": ring attention's block math holds fp32 score tiles of 1024 rows x a sequence's share, "
-            f"{ring / GIB:,.0f} GiB (rlsp/parallel/ring.py has no fused kernel yet)")
+    return (f": ring attention's accumulators and fused-kernel buffers over a rank's share of the stream, "
+            f"{ring / GIB:,.0f} GiB")
 
 
 def settings_name(plan: Plan) -> str:
