@@ -10,7 +10,7 @@ Tolerances are max abs errors for the O(1) values here (inputs ~ N(0, 1), D = 8,
 most 40 keys per row), from the dtype's machine epsilon: fp64 1e-12 (eps 2.2e-16; seen <= 4e-15),
 fp32 1e-5 (eps 1.2e-7, ~80 eps; seen <= 1.1e-6); bf16 (eps 7.8e-3: outputs and gradients are rounded
 to bf16 while the kernel accumulates in fp32) 2e-2 for the output (~2.5 eps; seen <= 7e-3) and 5e-2
-for gradients (~6 eps: sums of up to 40 rounded products; seen <= 2.4e-2); fp16 (CUDA only, eps
+for gradients (~6 eps: sums of up to 40 rounded products; seen <= 2.4e-2); fp16 (eps
 9.8e-4) 3e-3 and 6e-3, the same multiples. The reference gets the inputs already rounded to the dtype.
 """
 
@@ -152,7 +152,7 @@ def _check_fused_tiles(device: str, dtype: torch.dtype, lens: tuple[int, ...], r
         assert err <= tol, f"{name}: max abs error {err:.3g} > {tol:.0g} ({dtype} on {device}, ring {ring_size})"
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("lens", [PACKED, (40,)])
 @pytest.mark.parametrize("ring_size, hq, hkv", [(1, 4, 4), (2, 8, 2), (4, 3, 1)])
 def test_fused_tiles_match_dense_attention(dtype: torch.dtype, lens: tuple[int, ...], ring_size: int, hq: int,
