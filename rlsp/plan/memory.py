@@ -21,9 +21,8 @@ Every number is bytes on ONE rank, for one micro-batch stream of `budget x token
              block at a time: one fp32 buffer (the logit gradient formed in place), two when the
              entropy is in the loss (entropy_coeff != 0), plus a compute-dtype copy below fp32.
   working    one layer's backward: the MLP's intermediate gradients, the Ulysses exchange buffers,
-             tp's re-gathered inputs, ring attention's block math (fp32 scores, probabilities and
-             their gradients of one tile: up to 1024 of a sequence's rows on this rank x the
-             visiting block's keys, as rlsp/parallel/ring.py computes them).
+             tp's re-gathered inputs, ring attention's fused tiles (fp32 accumulators, the K/V blocks
+             in flight, one tile's kernel buffers: O(tokens x heads x D), see `ring_bytes`).
   offload    FSDP parameter offload (param_offload, CPUOffloadPolicy): every role's state and the
              gradients between updates live in host memory (rlsp/plan/offload.py counts them per node),
              the optimizer step runs on the CPU; the device keeps the layers in flight and the root unit

@@ -7,7 +7,7 @@ tp divides the model's heads and MLP width, Ulysses x tp divides the GPUs of a n
 x tp divides the world. For each layout the settings that fit and run fastest are kept.
 
 Speed is a rough per-micro-batch time on one rank: matmul and attention FLOPs at a sustained rate
-(ring attention, which has no fused kernel yet, at RING_ATTENTION_SLOWDOWN times the cost),
+(ring attention's fused tiles at RING_ATTENTION_SLOWDOWN times the cost of one flash kernel),
 plus the bytes of `plan_comm` over the node's and the network's bandwidth (not overlapped), plus the
 host copies of activation offload and of parameter offload (rlsp/plan/offload.py) over PCIe. A plan
 fits when its device peak fits a GPU and its host bytes (offloaded state and activations) the node's
@@ -31,8 +31,11 @@ from rlsp.utils.divisors import divisors
 # computes it (the CLI passes an adapter: that module sits above this layer).
 SplitFn = Callable[[int, int, int], HeadSplit]
 BUDGET_GRANULE = 64  # token budgets are multiples of this (streams stay multiples of stream_multiple)
-# Ring attention runs rlsp's reference block math (fp32 score tiles through einsum, rlsp/parallel/ring.py),
-# not a fused kernel: charged at this multiple of fused attention's time (an estimate, not measured on GPU).
+# Ring attention runs each tile through the memory-efficient kernel with kv expanded and fp32 accumulators
+# (rlsp/parallel/ring_block.py), charged at this multiple of a flash kernel's time for the same work. Measured:
+# one ring step of 32k keys, bf16, 8 q / 2 kv heads on an H200 (causal work of 32k tokens) takes 39.1 ms
+# (benchmarks/ring_block.py), cuDNN's flash kernel ~8.9 ms for it (64k causal, 14 q heads: 62.2 ms on an
+# H100, scaled by 1/4 and 8/14; benchmarks/gpu_attention.py): 4.4x, 3.9x for the visiting step.
 RING_ATTENTION_SLOWDOWN = 4.0
 TILED_MLP_SHARDS = (4, 16, 64)  # tile counts tried; a tile keeps at least MIN_TILE_TOKENS (smaller tiles starve the GPU)
 MIN_TILE_TOKENS = 4096
