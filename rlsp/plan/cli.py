@@ -26,6 +26,7 @@ from rlsp.plan.explain import fsdp_name, infeasible, layout_name, loss_reason, r
 from rlsp.plan.longest import longest_length
 from rlsp.plan.memory import GIB
 from rlsp.plan.overrides import (
+    LEAN_NORM_KEY,
     OFFLOAD_KEY,
     PARAM_OFFLOAD_KEY,
     TILED_KEY,
@@ -98,7 +99,8 @@ def build_request(a: argparse.Namespace) -> tuple[Request, RunShape]:
                   max_budget=a.max_budget, logprob_chunk=a.logprob_chunk,
                   speeds=Speeds(a.tflops, a.intra_gbps, a.inter_gbps, a.pcie_gbps),
                   tiled_mlp=schema_has(TILED_KEY), activation_offload=schema_has(OFFLOAD_KEY),
-                  reference=not a.no_reference, param_offload=schema_has(PARAM_OFFLOAD_KEY))
+                  reference=not a.no_reference, param_offload=schema_has(PARAM_OFFLOAD_KEY),
+                  lean_norm=schema_has(LEAN_NORM_KEY))
     run = RunShape(a.model, prompt, seq - prompt, 0, 0, a.rollout_n, algo)
     return req, run
 
@@ -116,7 +118,8 @@ def position_note(asked: int, req: Request) -> str | None:
 def _row(i: int, plan: Plan, verdict: str, layers: int) -> str:
     s, c = plan.settings, plan.comm
     names = ["ckpt"] * s.checkpointing + ["offload"] * s.activation_offload + \
-        [f"tiled{s.tiled_mlp_shards}"] * bool(s.tiled_mlp_shards) + ["paramoff"] * s.param_offload
+        [f"tiled{s.tiled_mlp_shards}"] * bool(s.tiled_mlp_shards) + ["paramoff"] * s.param_offload + \
+        ["lean"] * s.lean_norm
     opts = "+".join(names) or "-"
     comm = f"{c.intra / layers / MB:>9,.0f} {c.inter / layers / MB:>9,.0f}"
     return (f"{i:>3}  {layout_name(plan.layout):<40} {fsdp_name(plan.layout):<8} {opts:<29} {s.budget:>8} "
@@ -146,7 +149,7 @@ def print_header(req: Request, run: RunShape) -> None:
     print(f"speed model (ranking only): {sp.tflops:g} TFLOP/s per GPU, {sp.intra_gbps:g} GB/s inside a node, "
           f"{sp.inter_gbps:g} GB/s between nodes, {sp.host_gbps:g} GB/s to host memory ({c.host_memory_gib:g} GiB per "
           "node), communication not overlapped; MB = per layer and micro-batch sent by one GPU")
-    missing = [k for k in (TILED_KEY, OFFLOAD_KEY, PARAM_OFFLOAD_KEY) if not schema_has(k)]
+    missing = [k for k in (TILED_KEY, OFFLOAD_KEY, PARAM_OFFLOAD_KEY, LEAN_NORM_KEY) if not schema_has(k)]
     if missing:
         print(f"not available in this version (not enumerated): {', '.join(missing)}")
 

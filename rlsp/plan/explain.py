@@ -143,7 +143,7 @@ def settings_name(plan: Plan) -> str:
     s = plan.settings
     parts = [f"checkpointing {'on' if s.checkpointing else 'off'}"]
     parts += ["activation offload"] * s.activation_offload + [f"tiled MLP ({s.tiled_mlp_shards} tiles)"] * bool(s.tiled_mlp_shards)
-    parts += ["parameter offload (state in host memory)"] * s.param_offload
+    parts += ["parameter offload (state in host memory)"] * s.param_offload + ["lean RMSNorms"] * s.lean_norm
     return ", ".join(parts)
 
 

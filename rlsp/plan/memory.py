@@ -8,8 +8,8 @@ Every number is bytes on ONE rank, for one micro-batch stream of `budget x token
              sharded over the FSDP group.
   saved      what autograd keeps for backward (per decoder layer, measured op by op on rlsp's
              forward): two RMSNorms (fp32 upcast of the input, the normalised output and the
-             projection input: h*(4+e)+4 per token each, plus h*e per token of the [S] tensor the
-             column-parallel projections read), attention (q, k, v and output for the rank's heads
+             projection input: h*(4+e)+4 per token each; with model.lean_rmsnorm only the input and the
+             fp32 1/rms, h*e+4; plus h*e per token of the [S] tensor the column-parallel projections read), attention (q, k, v and output for the rank's heads
              over its ring share of the stream, fp32 log-sum-exp, the o_proj input) and the gated MLP
              (four [tokens, I/tp] tensors). Activation checkpointing keeps one [tokens, h] input per
              layer instead, and recomputes one layer at a time in backward.
@@ -63,6 +63,7 @@ class MemoryOptions:
     logprob_chunk: int = 1024  # actor_rollout_ref.actor.logprob_chunk_size
     param_offload: bool = False  # FSDP2 CPUOffloadPolicy: every role's shards, gradients, AdamW state in host memory
     entropy_grad: bool = False  # actor.entropy_coeff != 0: the head's backward forms the entropy's gradient too
+    lean_norm: bool = False  # model.lean_rmsnorm: a norm keeps its input and fp32 1/rms per token (rlsp/models/rms_norm.py)
 
 
 @dataclass(frozen=True)
@@ -135,9 +136,11 @@ def offload_staging_bytes(shape: ModelShape, layout: RoleLayout) -> float:
 def layer_saved_bytes(shape: ModelShape, w: Workload, opts: MemoryOptions) -> float:
     """Bytes one decoder layer saves for backward without checkpointing."""
     e, h, d, lay = opts.dtype_bytes, shape.hidden, shape.head_dim, w.layout
-    # per block: the norm's fp32 tensors, and the normed input the projections save (under tp with
-    # sequence-parallel activations only this rank's [s, h] shard, re-gathered in backward)
-    norms = 2 * (w.kept * (h * (4 + e) + 4) + w.kept * h * e)
+    # per block: the norm's own tensors (HF's: the fp32 upcast, the normed value and 1/rms; the lean norm:
+    # its input and 1/rms), and the normed input the projections save (under tp with sequence-parallel
+    # activations only this rank's [s, h] shard, re-gathered in backward)
+    norm = h * e + 4 if opts.lean_norm else h * (4 + e) + 4
+    norms = 2 * (w.kept * norm + w.kept * h * e)
     attn = w.heads_len * ((2 * w.heads.q + 2 * w.heads.kv) * d * e + w.heads.q * 4)
     if not (lay.ulysses == 1 and lay.ring > 1):  # ring alone: o_proj reads attention's own output
         attn += w.shard * (shape.q_heads // lay.tp) * d * e
@@ -199,7 +202,7 @@ def activation_terms(shape: ModelShape, w: Workload, role: str, opts: MemoryOpti
     """Saved activations, one layer recomputed (checkpointing), a layer's backward working set and the
     output head's backward of one training role."""
     e, h = opts.dtype_bytes, shape.hidden
-    final_norm = w.kept * (h * (4 + 2 * e) + 4)  # its backward runs before the layers'
+    final_norm = w.kept * ((2 * h * e if opts.lean_norm else h * (4 + 2 * e)) + 4)  # its backward runs before the layers'
     shared = final_norm + w.shard * (20 + 2 * shape.head_dim * e)  # + token ids, labels, rotary tables
     layer = layer_saved_bytes(shape, w, opts)
     if opts.checkpointing:

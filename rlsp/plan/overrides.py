@@ -18,6 +18,7 @@ from rlsp.plan.search import Plan, Request
 TILED_KEY = "actor_rollout_ref.model.tiled_mlp.num_shards"
 OFFLOAD_KEY = "actor_rollout_ref.model.enable_activation_offload"
 PARAM_OFFLOAD_KEY = "actor_rollout_ref.actor.fsdp_config.param_offload"
+LEAN_NORM_KEY = "actor_rollout_ref.model.lean_rmsnorm"
 
 
 def schema_has(key: str) -> bool:
@@ -97,6 +98,8 @@ def _model_options(prefix: str, plan: Plan) -> list[str]:
         out.append(f"{prefix}.tiled_mlp.enabled={str(bool(s.tiled_mlp_shards)).lower()}")
         if s.tiled_mlp_shards:
             out.append(f"{prefix}.tiled_mlp.num_shards={s.tiled_mlp_shards}")
+    if schema_has(f"{prefix}.lean_rmsnorm"):
+        out.append(f"{prefix}.lean_rmsnorm={str(s.lean_norm).lower()}")
     return out
 
 

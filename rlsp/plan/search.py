@@ -2,7 +2,8 @@
 
 A candidate is a RoleLayout (dp x ring x Ulysses x tp, sequence-parallel activations or not, FSDP
 shard group) plus settings that change memory but not the layout (activation checkpointing, tiled
-MLP and its tile count, activation offload, FSDP parameter offload, the token budget per GPU). Only layouts validation accepts are generated:
+MLP and its tile count, activation offload, FSDP parameter offload, memory-lean RMSNorms with
+checkpointing, the token budget per GPU). Only layouts validation accepts are generated:
 tp divides the model's heads and MLP width, Ulysses x tp divides the GPUs of a node, ulysses x ring
 x tp divides the world. For each layout the settings that fit and run fastest are kept.
 
@@ -84,6 +85,7 @@ class Request:
     activation_offload: bool = False
     reference: bool = True  # a frozen reference model is placed (KL loss or KL in the reward)
     param_offload: bool = True  # whether FSDP parameter offload is enumerated
+    lean_norm: bool = False  # whether the schema has model.lean_rmsnorm (enumerated with checkpointing)
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,7 @@ class Settings:
     tiled_mlp_shards: int = 0
     activation_offload: bool = False
     param_offload: bool = False
+    lean_norm: bool = False
 
 
 @dataclass
@@ -175,9 +178,10 @@ def settings_for(req: Request, layout: RoleLayout) -> Iterator[Settings]:
         for shards in tile_counts(req, layout, budget):
             for param in params:
                 yield Settings(False, budget, shards, param_offload=param)
-                yield Settings(True, budget, shards, param_offload=param)
-                if req.activation_offload:
-                    yield Settings(True, budget, shards, activation_offload=True, param_offload=param)
+                for lean in (False, True) if req.lean_norm else (False,):  # lean norms where memory is tight
+                    yield Settings(True, budget, shards, param_offload=param, lean_norm=lean)
+                    if req.activation_offload:
+                        yield Settings(True, budget, shards, activation_offload=True, param_offload=param, lean_norm=lean)
 
 
 def _flops(req: Request, w: Workload, s: Settings) -> float:
@@ -200,7 +204,7 @@ def evaluate(req: Request, layout: RoleLayout, s: Settings, split: HeadSplit) ->
     share = HeadShare(max(split.q_counts), max(split.kv_counts))
     w = Workload(layout, s.budget, req.seq_len, share)
     opts = MemoryOptions(req.dtype_bytes, s.checkpointing, s.tiled_mlp_shards, s.activation_offload, req.logprob_chunk,
-                         param_offload=s.param_offload)
+                         param_offload=s.param_offload, lean_norm=s.lean_norm)
     memory = plan_memory(req.shape, w, opts, critic=req.critic, ref=req.reference)
     host = host_bytes_per_node(req.shape, w, opts, req.critic, req.reference)
     comm = plan_comm(req.shape, w, split, req.dtype_bytes, s.checkpointing)
@@ -220,7 +224,8 @@ def _best(plans: list[Plan]) -> Plan:
     """The fastest plan that fits, else the one needing the least memory."""
     fitting = [p for p in plans if p.fits]
     if fitting:
-        return max(fitting, key=lambda p: (p.throughput, -p.settings.tiled_mlp_shards, -p.memory.peak))
+        # on a tie, fewer memory options: tiled MLP and lean norms are chosen where they let a plan fit or run faster
+        return max(fitting, key=lambda p: (p.throughput, -p.settings.tiled_mlp_shards, -p.settings.lean_norm, -p.memory.peak))
     return min(plans, key=lambda p: p.memory.peak)
 
 

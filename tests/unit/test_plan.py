@@ -24,7 +24,7 @@ from rlsp.parallel.tensor_parallel import legal_tp_sizes
 from rlsp.plan import HeadShare, MemoryOptions, Workload, cli, plan_memory, read_model_shape
 from rlsp.plan.comm import plan_comm
 from rlsp.plan.longest import LENGTH_GRANULE, plan_at
-from rlsp.plan.memory import layer_saved_bytes, state_bytes
+from rlsp.plan.memory import activation_terms, layer_saved_bytes, state_bytes
 from rlsp.plan.shape import shape_from_config
 
 # Public model shapes (config.json fields), also used by scripts/gen_plan_doc.py for docs/plan.md.
@@ -85,6 +85,18 @@ def test_memory_shards_as_the_layout_says():
     ckpt = plan_memory(shape, Workload(RoleLayout(world), 32768, 32768, HeadShare(28, 4)), MemoryOptions(2, True))
     plain = plan_memory(shape, Workload(RoleLayout(world), 32768, 32768, HeadShare(28, 4)), opts)
     assert ckpt.peak < plain.peak / 3 and sum(plain.terms.values()) == pytest.approx(plain.peak)
+
+
+def test_lean_norms_keep_input_and_inverse_rms_only():
+    """Per norm and token, HF's RMSNorm keeps h*(4+e)+4 bytes (fp32 upcast, normed value, 1/rms), the lean
+    norm h*e+4 (its input, 1/rms): two norms per layer, 4*h bytes each fewer; the final norm likewise."""
+    shape = shape_from_config(SHAPES["qwen2.5-7b"])
+    w = Workload(RoleLayout(World(1, 8), ulysses=4), 8192, 8192, HeadShare(7, 1))
+    hf, lean = (layer_saved_bytes(shape, w, MemoryOptions(2, True, lean_norm=on)) for on in (False, True))
+    assert hf - lean == 2 * w.kept * 4 * shape.hidden
+    hf, lean = (activation_terms(shape, w, "actor", MemoryOptions(2, True, lean_norm=on)) for on in (False, True))
+    assert hf["recompute"] - lean["recompute"] == 2 * w.kept * 4 * shape.hidden
+    assert hf["final_norm"] - lean["final_norm"] == w.kept * 4 * shape.hidden
 
 
 @pytest.mark.parametrize("uly,ring,dtype_bytes,expected", [
