@@ -102,6 +102,7 @@ class ModelConfig:
     fused_kernel_options: FusedKernelOptions = field(default_factory=FusedKernelOptions)
     enable_activation_offload: bool = False  # saved activations (checkpointed layer inputs) wait in pinned host memory for backward; needs enable_gradient_checkpointing; no effect on cpu
     tiled_mlp: TiledMLPConfig = field(default_factory=TiledMLPConfig)
+    lean_rmsnorm: bool = False  # true or false: RMSNorms keep only their input and a per-token fp32 inverse RMS for backward (same outputs; gradients to rounding); not with tensor parallelism
     # LoRA on the actor (peft): the base stays frozen, the reference is the base itself (adapters off).
     lora_rank: int = 0  # > 0: train rank-r LoRA adapters only (peft); 0 = full fine-tuning
     lora_alpha: float = 16  # adapter scale = lora_alpha / lora_rank
@@ -178,6 +179,7 @@ class CriticModelConfig:
     use_remove_padding: bool = True  # as actor_rollout_ref.model.use_remove_padding, for the values
     enable_activation_offload: bool = False  # as actor_rollout_ref.model.enable_activation_offload, for the critic
     tiled_mlp: TiledMLPConfig = field(default_factory=TiledMLPConfig)
+    lean_rmsnorm: bool = False  # as actor_rollout_ref.model.lean_rmsnorm, for the critic
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 

@@ -59,7 +59,7 @@ COURSE_NEUTRAL = (
     "trainer.plot", "trainer.save_*", "trainer.resume_*", "trainer.max_*_ckpt_to_keep", "trainer.balance_batch",
     "data.val_files", "*.val_kwargs.*", "*sequence_parallel_size", "*.tensor_model_parallel_size",
     "*.sequence_parallel", "*.sequence_parallel_adaptive", "*.fsdp_config.fsdp_size", "*.fsdp_config.*offload*",
-    "*.tiled_mlp.*", "*.enable_activation_offload", "*micro_batch_size_per_gpu", "*use_dynamic_bsz",
+    "*.tiled_mlp.*", "*.lean_rmsnorm", "*.enable_activation_offload", "*micro_batch_size_per_gpu", "*use_dynamic_bsz",
     "*max_token_len_per_gpu", "*.logprob_chunk_size", "*.enable_gradient_checkpointing",
     "actor_rollout_ref.actor.reuse_update_logprobs", "critic.colocate", "critic.nnodes", "critic.n_gpus_per_node",
     "actor_rollout_ref.rollout.cpu_kvcache_space_gib", "actor_rollout_ref.rollout.gpu_memory_utilization",

@@ -18,6 +18,7 @@ from rlsp.engine.fsdp_engine import FSDPEngine
 from rlsp.models.lm import TokenLogprobModel
 from rlsp.models.loading import load_causal_lm
 from rlsp.models.lora import LORA_ADAPTER_DIR, LoraAdapters, LoraSettings, apply_lora
+from rlsp.models.rms_norm import apply_lean_rmsnorm
 from rlsp.models.tiled_mlp import apply_tiled_mlp
 from rlsp.utils.dtypes import resolve_dtype
 from rlsp.workers.actor_loss import ActorLossConfig, make_actor_loss
@@ -57,6 +58,8 @@ def build_policy_engine(ctx: RoleContext, trainable: bool,
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if arr.model.tiled_mlp.enabled:  # before TP/FSDP; parameter names stay the same
         apply_tiled_mlp(lm.model, arr.model.tiled_mlp.num_shards)
+    if arr.model.lean_rmsnorm:  # before TP/FSDP; the norms keep their weight Parameters and names
+        apply_lean_rmsnorm(lm.model)
     adapters = apply_lora(lm, lora) if trainable and lora is not None else None  # after tiling: peft wraps the linears in place
     module = TokenLogprobModel(lm.to(ctx.device), chunk_size=arr.actor.logprob_chunk_size)
     optim = optim_settings(ctx.cfg, "actor") if trainable else None

@@ -14,6 +14,7 @@ from rlsp.data.batch import Batch
 from rlsp.engine.checkpoint import load_engine, save_engine
 from rlsp.engine.fsdp_engine import FSDPEngine
 from rlsp.models.loading import load_backbone
+from rlsp.models.rms_norm import apply_lean_rmsnorm
 from rlsp.models.tiled_mlp import apply_tiled_mlp
 from rlsp.models.value import ValueModel
 from rlsp.utils.dtypes import resolve_dtype
@@ -34,6 +35,8 @@ def build_critic_engine(ctx: RoleContext) -> FSDPEngine:
         backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if c.model.tiled_mlp.enabled:  # before TP/FSDP; parameter names stay the same
         apply_tiled_mlp(backbone, c.model.tiled_mlp.num_shards)
+    if c.model.lean_rmsnorm:  # before TP/FSDP; the norms keep their weight Parameters and names
+        apply_lean_rmsnorm(backbone)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(ctx.cfg.trainer.seed)  # the same value head on every rank, whatever ran before
         module = ValueModel(backbone)
