@@ -1,0 +1,96 @@
+"""Lean RMSNorm in the engine, built by the roles from `*.model.lean_rmsnorm`: against the same engine
+without it (same layout, same micro-batches), the actor's logprobs and the critic's values are
+bit-identical (the lean forward is HF's arithmetic op for op), and the loss metrics, every gradient
+and an AdamW step agree within fp32 rounding — alone, with Ulysses 2 and gradient checkpointing, and
+with LoRA adapters (frozen norm weights: the lean backward skips their gradient).
+
+Tolerances: a norm's analytic backward differs from autograd's by at most 2 (H + 8) u of its scale
+per element (tests/unit/test_rms_norm.py derives it; H = 32, u = 2^-24: 4.8e-6), carried through two
+layers: gradients within 1e-5 relative (norm of the difference over the norm), metrics within 1e-6
+absolute, parameters after AdamW's first step within 1e-6 plus twice the step's sensitivity to the
+gradient difference (lr * eps * |dg| / (|g| + eps)^2, see test_tiled_mlp_engine).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _launch import run_distributed
+from test_critic_exact import CLIP, SPECS, _with_critic_fields
+from test_fsdp_engine import LOSS, P, _rollout_batch
+from test_tiled_mlp_engine import MICRO, _assert_same, _config, _layout
+
+from rlsp.data.batch import Batch
+from rlsp.models.rms_norm import LeanRMSNorm
+from rlsp.models.tiny import build_tiny_model
+from rlsp.workers.actor_loss import make_actor_loss
+from rlsp.workers.context import RoleContext
+from rlsp.workers.critic_loss import make_critic_loss
+from rlsp.workers.ppo_loop import global_token_count
+from rlsp.workers.roles.actor import ActorRole
+from rlsp.workers.roles.critic import CriticRole
+
+pytestmark = pytest.mark.distributed
+
+
+def _step(rank: int, world: int, path: str, role: str, overrides: dict, batch: Batch):
+    """The role's forward outputs, then one update (backward over the micro-batches, AdamW step)."""
+    cfg = _config(path, world, role, overrides)
+    ctx = RoleContext(cfg, rank, _layout(cfg, world), torch.device("cpu"), pad_token_id=0)
+    engine = (ActorRole(ctx) if role == "actor" else CriticRole(ctx)).engine
+    key = "logprobs" if role == "actor" else "values"
+    head = {"temperature": 1.0} if role == "actor" else {}
+    forward = engine.infer(batch, P, MICRO, key, **head)
+    shard = batch.chunk(engine.dims.dp_size)[engine.dims.dp_rank]
+    count = global_token_count(shard, engine.dims.dp_group)
+    if role == "actor":
+        loss_fn, kwargs = make_actor_loss(LOSS, count), {"temperature": 1.0, "with_entropy": True}
+    else:
+        loss_fn, kwargs = make_critic_loss(CLIP, count), {}
+    engine.optimizer.zero_grad(set_to_none=True)
+    metrics = engine.backward_batch(shard, P, MICRO, loss_fn, None, **kwargs)
+    grads = {k: v.clone() for k, v in engine.iter_full_grads()}
+    engine.optimizer.step()
+    params = {k: v.clone() for k, v in engine.iter_full_params()}
+    lean = sum(isinstance(m, LeanRMSNorm) for m in engine.module.modules())
+    return {"forward": forward, "metrics": metrics, "grads": grads, "params": params, "lean": lean}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    path = build_tiny_model(SPECS["4q2kv"], str(tmp_path_factory.mktemp("tiny")))
+    from transformers import AutoConfig
+
+    return path, _with_critic_fields(_rollout_batch(AutoConfig.from_pretrained(path).vocab_size))
+
+
+def _compare(path: str, batch: Batch, role: str, world: int, overrides: dict, model: str, metric_keys) -> None:
+    plain = run_distributed(_step, world, path, role, overrides, batch)
+    lean = run_distributed(_step, world, path, role, {**overrides, f"{model}.lean_rmsnorm": True}, batch)
+    for out, ref in zip(lean, plain):
+        assert out["lean"] == 5 and ref["lean"] == 0  # two per decoder layer and the final norm
+        assert torch.equal(out["forward"], ref["forward"])
+        _assert_same(out, ref, metric_keys)
+
+
+ACTOR = "actor_rollout_ref.actor"
+ACTOR_MODEL = "actor_rollout_ref.model"
+CASES = {  # world, overrides
+    "one-rank": (1, {}),
+    "ulysses2-checkpointing": (2, {f"{ACTOR}.ulysses_sequence_parallel_size": 2,
+                                   f"{ACTOR_MODEL}.enable_gradient_checkpointing": True}),
+    "dp2-lora": (2, {f"{ACTOR_MODEL}.lora_rank": 4, f"{ACTOR_MODEL}.lora_alpha": 8}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_actor_with_lean_rmsnorm_matches_hf_norms(setup, case):
+    path, batch = setup
+    world, overrides = CASES[case]
+    _compare(path, batch, "actor", world, overrides, ACTOR_MODEL, ("actor/pg_loss", "actor/kl_loss", "actor/entropy"))
+
+
+def test_critic_with_lean_rmsnorm_matches_hf_norms(setup):
+    path, batch = setup
+    overrides = {"critic.ulysses_sequence_parallel_size": 2, "critic.model.enable_gradient_checkpointing": True}
+    _compare(path, batch, "critic", 2, overrides, "critic.model", ("critic/vf_loss", "critic/vpred_mean"))
