@@ -102,7 +102,7 @@ class ModelConfig:
     fused_kernel_options: FusedKernelOptions = field(default_factory=FusedKernelOptions)
     enable_activation_offload: bool = False  # saved activations (checkpointed layer inputs) wait in pinned host memory for backward; needs enable_gradient_checkpointing; no effect on cpu
     tiled_mlp: TiledMLPConfig = field(default_factory=TiledMLPConfig)
-    lean_rmsnorm: bool = False  # true or false: RMSNorms keep only their input and a per-token fp32 inverse RMS for backward (same outputs; gradients to rounding); not with tensor parallelism
+    lean_rmsnorm: bool = False  # true or false: RMSNorms keep only their input and a per-token fp32 inverse RMS for backward (same outputs; gradients to rounding)
     # LoRA on the actor (peft): the base stays frozen, the reference is the base itself (adapters off).
     lora_rank: int = 0  # > 0: train rank-r LoRA adapters only (peft); 0 = full fine-tuning
     lora_alpha: float = 16  # adapter scale = lora_alpha / lora_rank

@@ -29,19 +29,10 @@ def _check_tiled_mlp(prefix: str, model: Any, roles: dict[str, RoleLayout], erro
             )
 
 
-def _check_lean_rmsnorm(prefix: str, model: Any, roles: dict[str, RoleLayout], errors: list[str]) -> None:
+def _check_lean_rmsnorm(prefix: str, model: Any, errors: list[str]) -> None:
     lean = model.lean_rmsnorm
     if not isinstance(lean, bool):
         errors.append(f"{prefix}lean_rmsnorm={lean!r} must be true or false")
-        return
-    for key, layout in roles.items():
-        if lean and layout.tp > 1:
-            errors.append(
-                f"{prefix}lean_rmsnorm=true does not combine with {key}.tensor_model_parallel_size={layout.tp}: "
-                "tensor parallelism runs the norms on DTensors (sequence-sharded residual, replicated weight), "
-                f"which the lean norm's autograd function does not take; legal: {prefix}lean_rmsnorm=false, or "
-                "tensor_model_parallel_size=1"
-            )
 
 
 def _check_offload(prefix: str, model: Any, errors: list[str]) -> None:
@@ -55,14 +46,14 @@ def _check_offload(prefix: str, model: Any, errors: list[str]) -> None:
 
 
 def check_memory_options(cfg: Any, layout: ParallelLayout, errors: list[str]) -> None:
-    """Tiled MLP (num_shards >= 1, no tensor parallelism), lean RMSNorm (a bool, no tensor parallelism) and
+    """Tiled MLP (num_shards >= 1, no tensor parallelism), lean RMSNorm (a bool) and
     activation offload (with checkpointing)."""
     arr = cfg.actor_rollout_ref
     policy = {"actor_rollout_ref.actor": layout.actor, "actor_rollout_ref.ref": layout.ref}
     _check_tiled_mlp("actor_rollout_ref.model.", arr.model, policy, errors)
     _check_offload("actor_rollout_ref.model.", arr.model, errors)
-    _check_lean_rmsnorm("actor_rollout_ref.model.", arr.model, policy, errors)
+    _check_lean_rmsnorm("actor_rollout_ref.model.", arr.model, errors)
     if layout.critic is not None:
         _check_tiled_mlp("critic.model.", cfg.critic.model, {"critic": layout.critic}, errors)
         _check_offload("critic.model.", cfg.critic.model, errors)
-        _check_lean_rmsnorm("critic.model.", cfg.critic.model, {"critic": layout.critic}, errors)
+        _check_lean_rmsnorm("critic.model.", cfg.critic.model, errors)

@@ -28,8 +28,12 @@ post-attention norms, the final norm, Qwen3's per-head q_norm / k_norm) for a `L
 over the weight Parameter object under the same name, so parameter names (FSDP, LoRA, checkpoints,
 weight sync) do not change. A norm that does not compute HF's function on two random tokens (Gemma's
 `(1 + weight)` scale, a norm without a weight) is refused with an error naming the key to turn off.
-Tensor parallelism runs the norms on DTensors, which `LeanRMSNorm` refuses (configuration validation
-refuses lean_rmsnorm with tensor_model_parallel_size > 1 before anything is built).
+Tensor parallelism (rlsp.parallel.tensor_parallel) runs the norms on DTensors: the input sharded along
+the sequence (sequence parallel) or replicated, the weight replicated. The autograd function's ops are
+then DTensor ops on the local shards (the hidden dim, the one the norm reduces over, is never split),
+what it saves is the local input shard and the local inverse RMS, and the weight's gradient (with
+sequence parallelism a Partial sum over the tp ranks' tokens) is reduced like the one autograd computes
+through HF's norm (tests/distributed/test_lean_rmsnorm_engine.py runs tp 2 with and without it).
 """
 
 from __future__ import annotations
@@ -38,7 +42,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 KEY = "lean_rmsnorm"  # the model config key that turns the swap on (named in errors)
 
@@ -72,7 +75,9 @@ class _LeanRMSNormFunction(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             z = y.to(x.dtype).to(inv_rms.dtype)
             prod = grad.to(inv_rms.dtype) * z
-            grad_w = prod.reshape(-1, prod.shape[-1]).sum(0).to(weight.dtype)
+            # summed over all leading dims (not reshaped: under tensor parallelism prod is a DTensor sharded
+            # along the sequence, and the sum is then a Partial DTensor, as autograd's own weight gradient)
+            grad_w = prod.sum(dim=tuple(range(prod.dim() - 1))).to(weight.dtype)
         return grad_x, grad_w, None
 
 
@@ -85,9 +90,6 @@ class LeanRMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if isinstance(hidden_states, DTensor) or isinstance(self.weight, DTensor):
-            raise RuntimeError(f"lean RMSNorm got a DTensor (tensor parallelism); it runs on plain tensors only: set "
-                               f"{KEY}=false or tensor_model_parallel_size=1")
         return _LeanRMSNormFunction.apply(hidden_states, self.weight, self.variance_epsilon)
 
     def extra_repr(self) -> str:

@@ -2,7 +2,8 @@
 without it (same layout, same micro-batches), the actor's logprobs and the critic's values are
 bit-identical (the lean forward is HF's arithmetic op for op), and the loss metrics, every gradient
 and an AdamW step agree within fp32 rounding — alone, with Ulysses 2 and gradient checkpointing, and
-with LoRA adapters (frozen norm weights: the lean backward skips their gradient).
+with LoRA adapters (frozen norm weights: the lean backward skips their gradient), and under tensor
+parallelism 2 with and without sequence-parallel norms (the norms then run on DTensors).
 
 Tolerances: a norm's analytic backward differs from autograd's by at most 2 (H + 8) u of its scale
 per element (tests/unit/test_rms_norm.py derives it; H = 32, u = 2^-24: 4.8e-6), carried through two
@@ -18,8 +19,9 @@ import torch
 from _launch import run_distributed
 from test_critic_exact import CLIP, SPECS, _with_critic_fields
 from test_fsdp_engine import LOSS, P, _rollout_batch
-from test_tiled_mlp_engine import MICRO, _assert_same, _config, _layout
+from test_tiled_mlp_engine import MICRO, _assert_same, _config
 
+from rlsp.config.layout import ParallelLayout, RoleLayout, World
 from rlsp.data.batch import Batch
 from rlsp.models.rms_norm import LeanRMSNorm
 from rlsp.models.tiny import build_tiny_model
@@ -31,6 +33,18 @@ from rlsp.workers.roles.actor import ActorRole
 from rlsp.workers.roles.critic import CriticRole
 
 pytestmark = pytest.mark.distributed
+
+
+def _layout(cfg, world: int) -> ParallelLayout:
+    """The roles' degrees on one node of `world` workers, tensor parallelism included."""
+    policy = World(1, world)
+
+    def role(section) -> RoleLayout:
+        return RoleLayout(policy, ulysses=section.ulysses_sequence_parallel_size, tp=section.tensor_model_parallel_size,
+                          sequence_parallel=section.sequence_parallel)
+
+    actor = role(cfg.actor_rollout_ref.actor)
+    return ParallelLayout(policy, actor, actor, role(cfg.critic))
 
 
 def _step(rank: int, world: int, path: str, role: str, overrides: dict, batch: Batch):
@@ -80,6 +94,9 @@ CASES = {  # world, overrides
     "ulysses2-checkpointing": (2, {f"{ACTOR}.ulysses_sequence_parallel_size": 2,
                                    f"{ACTOR_MODEL}.enable_gradient_checkpointing": True}),
     "dp2-lora": (2, {f"{ACTOR_MODEL}.lora_rank": 4, f"{ACTOR_MODEL}.lora_alpha": 8}),
+    # norms on DTensors: the residual sharded along the sequence, or replicated
+    "tp2-sequence-parallel": (2, {f"{ACTOR}.tensor_model_parallel_size": 2, f"{ACTOR}.sequence_parallel": True}),
+    "tp2-replicated": (2, {f"{ACTOR}.tensor_model_parallel_size": 2, f"{ACTOR}.sequence_parallel": False}),
 }
 
 
@@ -90,7 +107,10 @@ def test_actor_with_lean_rmsnorm_matches_hf_norms(setup, case):
     _compare(path, batch, "actor", world, overrides, ACTOR_MODEL, ("actor/pg_loss", "actor/kl_loss", "actor/entropy"))
 
 
-def test_critic_with_lean_rmsnorm_matches_hf_norms(setup):
+@pytest.mark.parametrize("overrides", [
+    {"critic.ulysses_sequence_parallel_size": 2, "critic.model.enable_gradient_checkpointing": True},
+    {"critic.tensor_model_parallel_size": 2},
+])
+def test_critic_with_lean_rmsnorm_matches_hf_norms(setup, overrides):
     path, batch = setup
-    overrides = {"critic.ulysses_sequence_parallel_size": 2, "critic.model.enable_gradient_checkpointing": True}
     _compare(path, batch, "critic", 2, overrides, "critic.model", ("critic/vf_loss", "critic/vpred_mean"))
