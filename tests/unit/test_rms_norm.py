@@ -29,6 +29,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 from rlsp.config.schema import RLSPConfig
 from rlsp.config.validate import validate_config
 from rlsp.models.rms_norm import LeanRMSNorm, apply_lean_rmsnorm
+from rlsp.trainer.resume_check import changed_settings
 
 H, SHAPE, EPS = 64, (3, 7), 1e-6  # hidden size, leading dims (21 tokens), epsilon
 
@@ -240,3 +241,10 @@ def test_config_key_is_a_bool_and_combines_with_tensor_parallelism(prefix):
     assert OmegaConf.select(cfg, f"{prefix}.lean_rmsnorm") is True
     with pytest.raises(ValidationError, match="lean_rmsnorm"):  # the typed bool field refuses anything else
         OmegaConf.update(cfg, f"{prefix}.lean_rmsnorm", "sometimes")
+
+
+def test_resume_treats_the_key_as_not_changing_the_model():
+    saved = OmegaConf.to_container(_config(), resolve=True)
+    cfg = _config(**{"actor_rollout_ref.model.lean_rmsnorm": True, "critic.model.lean_rmsnorm": True})
+    assert changed_settings(cfg, saved) == []
+    assert changed_settings(_config(**{"actor_rollout_ref.model.dtype": "bfloat16"}), saved)  # the check does see changes
