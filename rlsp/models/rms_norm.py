@@ -11,9 +11,13 @@ the weight: about 6 bytes per element in bf16, 8 in fp32. `LeanRMSNorm` keeps, p
     the input x itself (H elements in its own dtype: 2 * H bytes in bf16, 4 * H in fp32 — the same
     tensor the previous op produced, not a copy) and the fp32 inverse RMS r (4 bytes),
 
-plus a reference to the weight (shared with the model, no copy): 2 * H + 4 bytes per token in bf16.
-Under activation checkpointing that is what a layer's two norms hold while the layer is recomputed
-in backward (the input of the second norm is the residual stream, which the layer keeps anyway).
+plus a reference to the weight (shared with the model, no copy): 2 * H + 4 bytes per token in bf16,
+4 * H + 4 in fp32, against HF's 6 * H + 4 in bf16 (x32 and the bf16 normalised value; HF does not keep
+the bf16 input itself) and 8 * H + 4 in fp32 (the input, which is x32, and the normalised value): 4 * H
+bytes per token less per norm in either dtype. Under activation checkpointing that is what a layer's
+two norms hold while the layer is recomputed in backward (the first norm's input is the layer input,
+which checkpointing keeps anyway; the second norm's, the residual after attention, is kept for it
+alone). benchmarks/rmsnorm_memory.py measures it.
 
 Forward (`_LeanRMSNormFunction`): HF's arithmetic in HF's order, so the output is bit-identical to
 HF's module for fp32, bf16 and fp16 inputs (fp64 inputs are computed in fp64 instead of being
