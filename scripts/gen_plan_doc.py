@@ -52,6 +52,7 @@ SEQ = {"32768": "32k", "131072": "128k", "1048576": "1M"}
 ROLLOUT_NOTE = " (training only: the rollout holds the whole model)"
 # ALST (Arctic Long Sequence Training) published lengths for Llama-8B: (nodes, GPUs per node, tokens)
 ALST = ((1, 1, 500_000), (1, 8, 3_700_000), (4, 8, 15_000_000))
+BIG_HOST_GIB = 2048  # the last column: host memory per node where activation offload needs more than the default
 ALST_TITLE = "### Longest trainable length, Llama-3.1-8B shape, bf16, 80 GiB GPUs"
 ALST_INTRO = (
     "The planner's binary search (`rlsp.plan.longest.longest_length`, the length in steps of 1024 tokens; the "
@@ -60,7 +61,9 @@ ALST_INTRO = (
     "does not override config.json entries), so lengths beyond it need a config.json whose "
     "max_position_embeddings and rope_scaling cover them. Actor-only: no reference model "
     "(`--no-reference`); GRPO with reference: the frozen reference's bf16 shards next to the actor. Host "
-    "memory 1024 GiB per node (`--host-memory-gib`), 10 % headroom on device and host. Beside each length: "
+    "memory 1024 GiB per node (`--host-memory-gib`; the last column 2048), 10 % headroom on device and host: "
+    "activation offload keeps every layer's input of a rank's stream in host memory, so at millions of tokens the "
+    "host, not the GPU, can bound the length. Beside each length: "
     "the layout and options the planner picked, its peak per GPU; where ALST's length does not fit, the "
     "smallest estimate at ALST's length and the terms of its peak (GiB).")
 
@@ -122,7 +125,8 @@ def subsection(args: str, code: int, out: str, err: str) -> str:
     return "\n\n".join(parts)
 
 
-def _longest_cells(model: str, nodes: int, per_node: int, alst: int, reference: bool) -> tuple[str, str]:
+def _longest_cells(model: str, nodes: int, per_node: int, alst: int, reference: bool,
+                   host_gib: int | None = None) -> tuple[str, str]:
     """(the table cell, the detail line) of one search: the longest length, its plan, and at ALST's length
     either "fits" or where the memory goes."""
     sys.path.insert(0, str(ROOT))
@@ -132,7 +136,8 @@ def _longest_cells(model: str, nodes: int, per_node: int, alst: int, reference: 
     from rlsp.plan.search import search
 
     args = ["--model", model, "--nodes", str(nodes), "--gpus-per-node", str(per_node), "--gpu-memory-gib", "80",
-            "--seq-len", str(2 * alst)] + ["--no-reference"] * (not reference)
+            "--seq-len", str(2 * alst)] + ["--no-reference"] * (not reference) + \
+        (["--host-memory-gib", str(host_gib)] if host_gib else [])
     req, _ = cli.build_request(cli.parse_args(args))
     found = longest_length(req, cli.head_split)
     if found is None:
@@ -160,8 +165,8 @@ def _peak_text(plan) -> str:  # noqa: ANN001 (a rlsp.plan.search.Plan, imported 
 
     gib = 2**30
     terms = ", ".join(f"{k} {v / gib:.1f}" for k, v in plan.memory.terms.items() if v >= 0.05 * gib)
-    return (f"{plan.memory.peak / gib:.1f} GiB per GPU at the {plan.memory.phase} ({layout_name(plan.layout)}, "
-            f"{settings_name(plan)}; GiB: {terms})")
+    return (f"{plan.memory.peak / gib:.1f} GiB per GPU at the {plan.memory.phase}, {plan.host / gib:,.0f} GiB of "
+            f"host memory per node ({layout_name(plan.layout)}, {settings_name(plan)}; GiB: {terms})")
 
 
 def alst_table(models: str) -> str:
@@ -170,14 +175,17 @@ def alst_table(models: str) -> str:
     Path(model).mkdir()
     config = {k: v for k, v in SHAPES["Llama-3.1-8B"].items() if k != "max_position_embeddings"}
     (Path(model) / "config.json").write_text(json.dumps(config))
-    rows = ["| GPUs (80 GiB) | ALST (published) | rlsp: actor-only | rlsp: GRPO with reference |", "|---|---|---|---|"]
+    rows = ["| GPUs (80 GiB) | ALST (published) | rlsp: actor-only | rlsp: GRPO with reference "
+            f"| rlsp: actor-only, {BIG_HOST_GIB} GiB host memory per node |", "|---|---|---|---|---|"]
     details = []
     for nodes, per_node, alst in ALST:
         gpus = nodes * per_node
         cells = {ref: _longest_cells(model, nodes, per_node, alst, ref) for ref in (False, True)}
-        rows.append(f"| {gpus} ({nodes} x {per_node}) | {alst:,} | {cells[False][0]} | {cells[True][0]} |")
+        big = _longest_cells(model, nodes, per_node, alst, False, BIG_HOST_GIB)
+        rows.append(f"| {gpus} ({nodes} x {per_node}) | {alst:,} | {cells[False][0]} | {cells[True][0]} | {big[0]} |")
         gpus_text = f"{gpus} GPU" + "s" * (gpus > 1)
-        details += [f"- {gpus_text}, actor-only: {cells[False][1]}", f"- {gpus_text}, GRPO with reference: {cells[True][1]}"]
+        details += [f"- {gpus_text}, actor-only: {cells[False][1]}", f"- {gpus_text}, GRPO with reference: {cells[True][1]}",
+                    f"- {gpus_text}, actor-only, {BIG_HOST_GIB} GiB host memory per node: {big[1]}"]
     return "\n\n".join([ALST_TITLE, ALST_INTRO, "\n".join(rows), "\n".join(details)])
 
 
