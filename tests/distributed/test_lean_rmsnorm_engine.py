@@ -17,18 +17,15 @@ from __future__ import annotations
 import pytest
 import torch
 from _launch import run_distributed
-from test_critic_exact import CLIP, SPECS, _with_critic_fields
-from test_fsdp_engine import LOSS, P, _rollout_batch
-from test_tiled_mlp_engine import MICRO, _assert_same, _config
+from test_critic_exact import SPECS, _with_critic_fields
+from test_fsdp_engine import P, _rollout_batch
+from test_tiled_mlp_engine import MICRO, _assert_same, _config, update_once
 
 from rlsp.config.layout import ParallelLayout, RoleLayout, World
 from rlsp.data.batch import Batch
 from rlsp.models.rms_norm import LeanRMSNorm
 from rlsp.models.tiny import build_tiny_model
-from rlsp.workers.actor_loss import make_actor_loss
 from rlsp.workers.context import RoleContext
-from rlsp.workers.critic_loss import make_critic_loss
-from rlsp.workers.ppo_loop import global_token_count
 from rlsp.workers.roles.actor import ActorRole
 from rlsp.workers.roles.critic import CriticRole
 
@@ -55,17 +52,7 @@ def _step(rank: int, world: int, path: str, role: str, overrides: dict, batch: B
     key = "logprobs" if role == "actor" else "values"
     head = {"temperature": 1.0} if role == "actor" else {}
     forward = engine.infer(batch, P, MICRO, key, **head)
-    shard = batch.chunk(engine.dims.dp_size)[engine.dims.dp_rank]
-    count = global_token_count(shard, engine.dims.dp_group)
-    if role == "actor":
-        loss_fn, kwargs = make_actor_loss(LOSS, count), {"temperature": 1.0, "with_entropy": True}
-    else:
-        loss_fn, kwargs = make_critic_loss(CLIP, count), {}
-    engine.optimizer.zero_grad(set_to_none=True)
-    metrics = engine.backward_batch(shard, P, MICRO, loss_fn, None, **kwargs)
-    grads = {k: v.clone() for k, v in engine.iter_full_grads()}
-    engine.optimizer.step()
-    params = {k: v.clone() for k, v in engine.iter_full_params()}
+    metrics, grads, params = update_once(engine, batch, role)
     lean = sum(isinstance(m, LeanRMSNorm) for m in engine.module.modules())
     return {"forward": forward, "metrics": metrics, "grads": grads, "params": params, "lean": lean}
 

@@ -38,6 +38,23 @@ from rlsp.workers.roles.critic import CriticRole
 pytestmark = pytest.mark.distributed
 
 MICRO = 3  # rows per micro-batch: several micro-batches per rank
+
+
+def update_once(engine, batch: Batch, role: str) -> tuple[dict, dict, dict]:  # noqa: ANN001 (an FSDPEngine)
+    """One update of this rank's share of `batch`: (metrics, full gradients, full parameters after AdamW)."""
+    shard = batch.chunk(engine.dims.dp_size)[engine.dims.dp_rank]
+    count = global_token_count(shard, engine.dims.dp_group)
+    if role == "actor":
+        loss_fn, kwargs = make_actor_loss(LOSS, count), {"temperature": 1.0, "with_entropy": True}
+    else:
+        loss_fn, kwargs = make_critic_loss(CLIP, count), {}
+    engine.optimizer.zero_grad(set_to_none=True)
+    metrics = engine.backward_batch(shard, P, MICRO, loss_fn, None, **kwargs)
+    grads = {k: v.clone() for k, v in engine.iter_full_grads()}
+    engine.optimizer.step()
+    return metrics, grads, {k: v.clone() for k, v in engine.iter_full_params()}
+
+
 LR, ADAM_EPS = 1e-3, 1e-8  # the optimizer's learning rate (set below) and torch's AdamW eps
 NO_EFFECT = "activation offload (enable_activation_offload=true) has no effect on cpu"
 
@@ -81,17 +98,7 @@ def _step(rank: int, world: int, path: str, role: str, overrides: dict, batch: B
     try:
         ctx = RoleContext(cfg, rank, _layout(cfg, world), torch.device("cpu"), pad_token_id=0)
         engine = (ActorRole(ctx) if role == "actor" else CriticRole(ctx)).engine
-        shard = batch.chunk(engine.dims.dp_size)[engine.dims.dp_rank]
-        count = global_token_count(shard, engine.dims.dp_group)
-        if role == "actor":
-            loss_fn, kwargs = make_actor_loss(LOSS, count), {"temperature": 1.0, "with_entropy": True}
-        else:
-            loss_fn, kwargs = make_critic_loss(CLIP, count), {}
-        engine.optimizer.zero_grad(set_to_none=True)
-        metrics = engine.backward_batch(shard, P, MICRO, loss_fn, None, **kwargs)
-        grads = {k: v.clone() for k, v in engine.iter_full_grads()}
-        engine.optimizer.step()
-        params = {k: v.clone() for k, v in engine.iter_full_params()}
+        metrics, grads, params = update_once(engine, batch, role)
     finally:
         logger.removeHandler(records)
     tiled = sum(isinstance(m, TiledMLP) for m in engine.module.modules())

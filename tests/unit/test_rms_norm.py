@@ -20,13 +20,13 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
+from test_config import make as _config
 from torch import nn
 from transformers import Qwen2Config, Qwen2Model, Qwen3Config, Qwen3Model
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
-from rlsp.config.schema import RLSPConfig
 from rlsp.config.validate import validate_config
 from rlsp.models.rms_norm import LeanRMSNorm, apply_lean_rmsnorm
 from rlsp.trainer.resume_check import changed_settings
@@ -223,13 +223,6 @@ def test_gemma_style_and_weightless_norms_are_refused():
     apply_lean_rmsnorm(model)
     with pytest.raises(ValueError, match="has no RMSNorm modules"):  # applied twice: nothing left to swap
         apply_lean_rmsnorm(model)
-
-
-def _config(**overrides):
-    cfg = OmegaConf.structured(RLSPConfig)
-    for key, val in overrides.items():
-        OmegaConf.update(cfg, key, val)
-    return cfg
 
 
 @pytest.mark.parametrize("prefix", ["actor_rollout_ref.model", "critic.model"])

@@ -11,11 +11,10 @@ import copy
 
 import pytest
 import torch
-from omegaconf import OmegaConf
+from test_config import make as _config
 from torch import nn
 from transformers import Qwen2Config, Qwen2Model
 
-from rlsp.config.schema import RLSPConfig
 from rlsp.config.validate import validate_config
 from rlsp.models.tiled_mlp import TiledMLP, apply_tiled_mlp
 
@@ -123,13 +122,6 @@ def test_refuses_bad_num_shards_other_mlps_and_a_second_application():
     apply_tiled_mlp(model, 2)
     with pytest.raises(RuntimeError, match="already tiled"):
         apply_tiled_mlp(model, 2)
-
-
-def _config(**overrides):
-    cfg = OmegaConf.structured(RLSPConfig)
-    for key, val in overrides.items():
-        OmegaConf.update(cfg, key, val)
-    return cfg
 
 
 @pytest.mark.parametrize("prefix", ["actor_rollout_ref.model", "critic.model"])
