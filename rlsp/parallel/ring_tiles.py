@@ -10,7 +10,11 @@ that visibility is exactly the union of:
   convention to mind);
 - the rows after e and the keys [s, e): visible to every one of those rows ("full" tile).
 Keys after the last row are invisible. So every box is covered exactly, with no fallback; neighbouring
-full tiles that share their keys (or rows) and touch are merged to save kernel calls.
+full tiles that share their keys (or rows) and touch are merged to save kernel calls. Last, no tile
+keeps more than MAX_TILE rows or keys: a kernel's buffers grow with its tile (on CUDA k/v are expanded
+to the q heads over the tile's keys), so a long sequence's box, hundreds of thousands of tokens on a
+rank, runs as a grid of bounded tiles — a causal square as causal squares on its diagonal and full tiles
+below it — and the tiles' outputs merge by their log-sum-exp as every tile's do.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+MAX_TILE = 16384  # rows and keys per tile at most (the planner's rlsp.plan.memory.RING_TILE_TOKENS)
 
 
 @dataclass(frozen=True)
@@ -79,8 +85,26 @@ def _merge_full(tiles: list[Tile]) -> list[Tile]:
     return out
 
 
+def _bounded(t: Tile, m: int) -> list[Tile]:
+    """`t` as tiles of at most m rows and m keys covering the same pairs: a full tile as a grid, a causal
+    square as causal squares on its diagonal and the full tiles below them."""
+    if max(t.q1 - t.q0, t.k1 - t.k0) <= m:
+        return [t]
+    if not t.causal:
+        return [Tile(a, min(a + m, t.q1), b, min(b + m, t.k1), False)
+                for a in range(t.q0, t.q1, m) for b in range(t.k0, t.k1, m)]
+    n, out = t.q1 - t.q0, []
+    for i in range(0, n, m):
+        end = min(i + m, n)
+        out += [Tile(t.q0 + i, t.q0 + end, t.k0 + j, t.k0 + j + m, False) for j in range(0, i, m)]
+        out.append(Tile(t.q0 + i, t.q0 + end, t.k0 + i, t.k0 + end, True))
+    return out
+
+
 def split_box(pos_Q: torch.Tensor, pos_K: torch.Tensor, q0: int, k0: int) -> tuple[Tile, ...]:
     """Tiles of a box whose rows (keys) start at local index q0 (k0) with increasing stream positions
-    pos_Q (pos_K), all of one segment. Together they cover each visible pair exactly once."""
+    pos_Q (pos_K), all of one segment. Together they cover each visible pair exactly once; none holds
+    more than MAX_TILE rows or keys."""
     rows, keys = _runs(pos_Q.tolist(), q0), _runs(pos_K.tolist(), k0)
-    return tuple(_merge_full([t for r in rows for k in keys for t in _pair_tiles(r, k)]))
+    merged = _merge_full([t for r in rows for k in keys for t in _pair_tiles(r, k)])
+    return tuple(b for t in merged for b in _bounded(t, MAX_TILE))

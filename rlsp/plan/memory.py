@@ -148,13 +148,17 @@ def layer_saved_bytes(shape: ModelShape, w: Workload, opts: MemoryOptions) -> fl
     return norms + attn + mlp
 
 
+RING_TILE_TOKENS = 16384  # rows and keys of a ring-attention tile at most (rlsp/parallel/ring_tiles.py MAX_TILE)
+
+
 def ring_bytes(w: Workload, head_dim: int, dtype_bytes: int) -> float:
     """Ring attention's working set in a layer's backward with its fused kernels (rlsp/parallel/ring.py,
     ring_block.py): no rows x keys scores, only O(tokens x heads x D) buffers. fp32 accumulators: dq
     [Tr, hq] and three dK/dV [2, Tr, hkv] (this rank's, the visiting block's, its receive buffer); the
     held and the next K/V block [2, Tr, hkv] in the element size; one tile's kernel buffers on CUDA,
     where k/v are expanded to the q heads: expanded k/v and dq/dk/dv over up to a sequence's share
-    `box` (5 x box x hq, element size) plus the kernel's fp32 dq workspace (box x hq); plus the
+    `box`, at most RING_TILE_TOKENS (5 x box x hq, element size) plus the kernel's fp32 dq workspace
+    (box x hq); plus the
     per-box metadata (1-D positions). Measured (docs/benchmarks.md, "Ring attention blocks": one ring
     step forward + backward, 8 q / 2 kv heads, D 64, 8k tokens a rank, H200): 113-121 MiB fp32 and
     73-84 MiB bf16 where the explicit score tiles took 1.5 GiB; this model gives 152 / 104 MiB (it also
@@ -164,7 +168,7 @@ def ring_bytes(w: Workload, head_dim: int, dtype_bytes: int) -> float:
     tr, box, d, e = w.heads_len, min(w.seq_len, w.stream) // w.layout.ring, head_dim, dtype_bytes
     accumulators = tr * d * 4 * (w.heads.q + 3 * 2 * w.heads.kv)
     blocks = 2 * 2 * tr * w.heads.kv * d * e
-    tile = box * w.heads.q * d * (5 * e + 4)
+    tile = min(box, RING_TILE_TOKENS) * w.heads.q * d * (5 * e + 4)
     return accumulators + blocks + tile + 4 * 8 * box * w.layout.ring
 
 

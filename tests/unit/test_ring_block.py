@@ -20,10 +20,12 @@ import pytest
 import torch
 
 import rlsp.parallel.ring as ring_module
+from rlsp.parallel import ring_tiles
 from rlsp.parallel.ring import ring_attention
 from rlsp.parallel.ring_block import fused_backward, fused_forward, fused_supported, native_gqa
 from rlsp.parallel.ring_plan import RingPlan, build_ring_plan, zigzag_indices
 from rlsp.parallel.ring_tiles import split_box
+from rlsp.plan.memory import RING_TILE_TOKENS
 
 TOL = {torch.float64: (1e-12, 1e-12), torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 5e-2),
        torch.float16: (3e-3, 6e-3)}
@@ -58,11 +60,16 @@ def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: tuple[int, .
     return torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v)
 
 
+@pytest.mark.parametrize("max_tile", [None, 3])
 @pytest.mark.parametrize("lens", [PACKED, (40,), (5,) * 8, (16, 24)])
 @pytest.mark.parametrize("ring_size", [1, 2, 4])
-def test_tiles_cover_each_box_exactly_once(lens: tuple[int, ...], ring_size: int) -> None:
+def test_tiles_cover_each_box_exactly_once(lens: tuple[int, ...], ring_size: int, max_tile: int | None,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Full tiles are all visible, causal tiles are square with their diagonal at equal positions, and
-    the tiles of a box add up to its mask (each visible pair once, nothing else)."""
+    the tiles of a box add up to its mask (each visible pair once, nothing else); with a tile bound, no
+    tile has more rows or keys than it."""
+    if max_tile:
+        monkeypatch.setattr(ring_tiles, "MAX_TILE", max_tile)
     for rank in range(ring_size):
         plan = _plan_for(lens, ring_size, rank)
         for step, blocks in enumerate(plan.step_blocks(torch.device("cpu"))):
@@ -70,6 +77,7 @@ def test_tiles_cover_each_box_exactly_once(lens: tuple[int, ...], ring_size: int
             for block in blocks:
                 covered = torch.zeros(block.q1 - block.q0, block.k1 - block.k0, dtype=torch.int64)
                 for t in block.tiles:
+                    assert max_tile is None or max(t.q1 - t.q0, t.k1 - t.k0) <= max_tile
                     rows, keys = pos_q[t.q0:t.q1], pos_k[t.k0:t.k1]
                     visible = keys[None, :] <= rows[:, None]
                     if t.causal:
@@ -158,6 +166,19 @@ def _check_fused_tiles(device: str, dtype: torch.dtype, lens: tuple[int, ...], r
 def test_fused_tiles_match_dense_attention(dtype: torch.dtype, lens: tuple[int, ...], ring_size: int, hq: int,
                                            hkv: int) -> None:
     _check_fused_tiles("cpu", dtype, lens, ring_size, hq, hkv)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("ring_size, hq, hkv", [(1, 4, 4), (2, 8, 2)])
+def test_bounded_tiles_match_dense_attention(dtype: torch.dtype, ring_size: int, hq: int, hkv: int,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Boxes cut into tiles of at most 3 rows and keys (long sequences' grid) stay exact."""
+    monkeypatch.setattr(ring_tiles, "MAX_TILE", 3)
+    _check_fused_tiles("cpu", dtype, PACKED, ring_size, hq, hkv)
+
+
+def test_planner_counts_the_runtime_tile_bound() -> None:
+    assert RING_TILE_TOKENS == ring_tiles.MAX_TILE
 
 
 @pytest.mark.gpu
