@@ -11,13 +11,18 @@ running (out, lse), and meanwhile passes the block on to rank i+1 (receiving the
 i-1). Backward is written out: delta = rowsum(dO * O); at each step dq is accumulated locally and
 the visiting block's dk/dv contribution is added to an accumulator that travels around the ring
 with the block and reaches its owner after the last step. Only the local q, k, v, out and lse are
-saved. A step whose plan has no visible box is skipped (its block still travels).
+saved. A step whose plan has no visible box is skipped (its block still travels). The backward runs
+this ring once per head group (rlsp/parallel/ring_heads.py: G = hkv / n passes of n kv heads and their
+q heads, n from the accumulators' byte bound; G = 1 for all but large problems), so its fp32 (fp64)
+accumulators and K/V blocks in flight exist for one group at a time (step math: ring_grads.py).
 
 Bytes SENT by a rank per call (r > 1; nothing when r == 1), e_in = element size of q/k/v,
 e_acc = 4 (8 for fp64 inputs):
   forward:  (r-1) * 2*Tr*hkv*D * e_in                  (K and V in one buffer, hkv heads only)
   backward: (r-1) * 2*Tr*hkv*D * (e_in + e_acc)        (K/V again, plus the dK/dV accumulators)
 The dK/dV accumulator of block j starts at rank j+1 and ends at j (r-1 hops); j adds its own part.
+With G head groups the backward sends the same bytes as G * 2*(r-1) batches of 1/G the size:
+G * (r-1) * 2*Tr*(hkv/G)*D * (e_in + e_acc).
 
 Why sends and receives match on NCCL. NCCL ignores tags: between two ranks of one communicator the
 k-th send of i to j meets the k-th receive of j from i, whatever their sizes. Two guarantees:
@@ -26,10 +31,11 @@ k-th send of i to j meets the k-th receive of j from i, whatever their sizes. Tw
   group over the ring's ranks created once with the meshes), so K/V blocks and accumulators never
   share a communicator's queue, whatever order they are issued in; else the ring group itself.
 - The same program on every rank. Each communicator's ops are issued by a loop whose shape depends
-  only on the ring size, never on the data, the plan's boxes or the rank: forward, steps 0..r-2 each
-  post one batch (send to i+1, receive from i-1) of the same [2, Tr, hkv, D] K/V buffer; backward,
-  the same K/V batches at steps 0..r-2 and, at steps 1..r-1, one batch of the [2, Tr, hkv, D]
-  accumulator in fp32 (fp64). A step without a visible box still posts its batches, and a rank whose
+  only on the ring size and the shapes, never on the data, the plan's boxes or the rank: forward,
+  steps 0..r-2 each post one batch (send to i+1, receive from i-1) of the same [2, Tr, hkv, D] K/V
+  buffer; backward, per head group (equal on every rank of a ring: they follow from the shapes) the
+  same K/V batches of the group's heads at steps 0..r-2 and, at steps 1..r-1, one batch of its
+  dK/dV accumulator in fp32 (fp64). A step without a visible box still posts its batches, and a rank whose
   ring group has no heads returns before any (every rank of a ring group holds the same heads). So
   i's sends to j and j's receives from i are the same sequence, in order and shape, on each group,
   and also when both passes share one group (`dkv_group=None`: K/V then accumulator within a step on
@@ -53,13 +59,17 @@ one block (its bounding box), H heads (hq for q and o, hkv for k and v), D head 
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from rlsp.parallel import ring_reference
-from rlsp.parallel.ring_block import fused_backward, fused_forward, fused_supported, native_gqa
+from rlsp.parallel.ring_block import fused_forward, fused_supported, native_gqa
+from rlsp.parallel.ring_grads import BlockCtx as _Ctx
+from rlsp.parallel.ring_grads import block_grads as _block_grads
+from rlsp.parallel.ring_grads import expand as _expand
+from rlsp.parallel.ring_heads import RING_BWD_ACC_BYTES, head_groups, kv_heads_per_pass
 from rlsp.parallel.ring_plan import ROW_CHUNK, RingPlan, StepBlock
 from rlsp.parallel.ring_reference import acc_dtype as _acc_dtype
 from rlsp.parallel.ring_reference import block_attention, block_attention_backward
@@ -68,15 +78,6 @@ from rlsp.parallel.ring_reference import finite as _finite
 __all__ = ["ROW_CHUNK", "block_attention", "block_attention_backward", "ring_attention"]
 
 _KV_TAG, _DKV_TAG = 0, 1
-
-
-class _Ctx(NamedTuple):
-    """Per-call constants of the block math."""
-
-    scale: float
-    kv_index: torch.Tensor | None  # kv head of each q head (None: hq == hkv, head h reads h)
-    kernel_index: torch.Tensor | None  # heads the fused kernel needs k/v expanded to (None: as they are)
-    fused: bool  # fused kernel (else the explicit reference path)
 
 
 def _merge(out_QHD: torch.Tensor, lse_HQ: torch.Tensor, o_QHD: torch.Tensor, blk_lse_HQ: torch.Tensor) -> None:
@@ -109,10 +110,6 @@ def _wait(works: list[dist.Work]) -> None:
         work.wait()
 
 
-def _expand(x_KHD: torch.Tensor, kv_index: torch.Tensor | None) -> torch.Tensor:
-    return x_KHD if kv_index is None else x_KHD.index_select(1, kv_index)
-
-
 def _count(stats: Any, suffix: str, nbytes: int) -> None:
     if stats is not None:
         setattr(stats, f"ring_bytes_{suffix}", getattr(stats, f"ring_bytes_{suffix}") + nbytes)
@@ -125,7 +122,7 @@ def _attend(q_THD: torch.Tensor, kv_2THD: torch.Tensor, block: StepBlock, ctx: _
     if not ctx.fused:
         k_KHD, v_KHD = (_expand(x[block.k0:block.k1], ctx.kv_index) for x in kv_2THD)
         o_QHD, lse_HQ = ring_reference.attend_box(q_THD[block.q0:block.q1], k_KHD, v_KHD, block, ctx.scale,
-                                                  ROW_CHUNK)
+                                                  ctx.row_chunk)
         _merge(out_THD[block.q0:block.q1], lse_HT[:, block.q0:block.q1], o_QHD, lse_HQ)
         return
     for tile in block.tiles:
@@ -149,54 +146,6 @@ def _ring_forward(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor,
         _wait(works)
         kv_2THD = next_2THD
     return out_THD.to(q_THD.dtype), lse_HT, sent
-
-
-_Saved = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, _Ctx]  # out, lse, delta (explicit path), ctx
-
-
-def _block_grads(do_THD: torch.Tensor, q_THD: torch.Tensor, kv_2THD: torch.Tensor, blocks: list[StepBlock],
-                 saved: _Saved, dq_THD: torch.Tensor) -> torch.Tensor:
-    """Add one step's dq into dq_THD; return the visiting block's dK/dV part [2, Tr, hkv, D] (fp32/fp64)."""
-    dkv_2THD = kv_2THD.new_zeros(kv_2THD.shape, dtype=dq_THD.dtype)
-    for block in blocks:
-        if saved[3].fused:
-            _add_fused_grads(do_THD, q_THD, kv_2THD, block, saved, dq_THD, dkv_2THD)
-        else:
-            _add_explicit_grads(do_THD, q_THD, kv_2THD, block, saved, dq_THD, dkv_2THD)
-    return dkv_2THD
-
-
-def _add_kv_grads(dkv_2THD: torch.Tensor, keys: slice, dk_KHD: torch.Tensor, dv_KHD: torch.Tensor,
-                  index: torch.Tensor | None) -> None:
-    for dst_KHD, grad_KHD in ((dkv_2THD[0, keys], dk_KHD), (dkv_2THD[1, keys], dv_KHD)):
-        if index is None:
-            dst_KHD.add_(grad_KHD)  # boxes (tiles) of different segments may overlap: accumulate
-        else:  # sum the expanded heads' gradients back onto the kv heads before they travel
-            dst_KHD.index_add_(1, index, grad_KHD.to(dst_KHD.dtype))
-
-
-def _add_fused_grads(do_THD: torch.Tensor, q_THD: torch.Tensor, kv_2THD: torch.Tensor, block: StepBlock,
-                     saved: _Saved, dq_THD: torch.Tensor, dkv_2THD: torch.Tensor) -> None:
-    out_THD, lse_HT, _, ctx = saved
-    for tile in block.tiles:
-        rows, keys = slice(tile.q0, tile.q1), slice(tile.k0, tile.k1)
-        k_KHD, v_KHD = (_expand(x[keys], ctx.kernel_index) for x in kv_2THD)
-        dq_QHD, dk_KHD, dv_KHD = fused_backward(do_THD[rows], q_THD[rows], k_KHD, v_KHD, out_THD[rows],
-                                                lse_HT[:, rows], tile.causal, ctx.scale)
-        dq_THD[rows] += dq_QHD
-        _add_kv_grads(dkv_2THD, keys, dk_KHD, dv_KHD, ctx.kernel_index)
-
-
-def _add_explicit_grads(do_THD: torch.Tensor, q_THD: torch.Tensor, kv_2THD: torch.Tensor, block: StepBlock,
-                        saved: _Saved, dq_THD: torch.Tensor, dkv_2THD: torch.Tensor) -> None:
-    _, lse_HT, delta_HT, ctx = saved
-    assert delta_HT is not None  # computed whenever the explicit path runs
-    rows, keys = slice(block.q0, block.q1), slice(block.k0, block.k1)
-    k_KHD, v_KHD = (_expand(x[keys], ctx.kv_index) for x in kv_2THD)
-    dq_QHD, dk_KHD, dv_KHD = ring_reference.attend_box_backward(
-        do_THD[rows], q_THD[rows], k_KHD, v_KHD, block, ctx.scale, lse_HT[:, rows], delta_HT[:, rows], ROW_CHUNK)
-    dq_THD[rows] += dq_QHD
-    _add_kv_grads(dkv_2THD, keys, dk_KHD, dv_KHD, ctx.kv_index)
 
 
 def _ring_backward(do_THD: torch.Tensor, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor,
@@ -230,6 +179,29 @@ def _ring_backward(do_THD: torch.Tensor, q_THD: torch.Tensor, k_THD: torch.Tenso
     return dq_THD.to(q_THD.dtype), own_2THD[0].to(k_THD.dtype), own_2THD[1].to(v_THD.dtype), sent
 
 
+def _grouped_backward(do_THD: torch.Tensor, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor,
+                      out_THD: torch.Tensor, lse_HT: torch.Tensor, plan: RingPlan,
+                      ctx: _Ctx) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The ring backward one head group after another (rlsp/parallel/ring_heads.py): the fp32 (fp64)
+    accumulators and K/V blocks in flight exist for one group at a time -> (dq, dk, dv, bytes sent)."""
+    hq, hkv = q_THD.shape[1], k_THD.shape[1]
+    groups = head_groups(hq, hkv, ctx.kv_per_pass or hkv)
+    if len(groups) == 1:
+        return _ring_backward(do_THD, q_THD, k_THD, v_THD, out_THD, lse_HT, plan, ctx)
+    # groups exist only in the standard order, so a group's q head i reads its kv head i // (hq / hkv):
+    # the first hq / G entries of the indices
+    hq_g = groups[0].q.stop
+    gctx = ctx._replace(kv_index=None if ctx.kv_index is None else ctx.kv_index[:hq_g],
+                        kernel_index=None if ctx.kernel_index is None else ctx.kernel_index[:hq_g])
+    dq_THD, dk_THD, dv_THD = (torch.empty_like(x) for x in (q_THD, k_THD, v_THD))
+    sent = 0
+    for qs, ks in groups:  # views: the kernels read strided heads, the K/V block is stacked per group
+        dq_THD[:, qs], dk_THD[:, ks], dv_THD[:, ks], nbytes = _ring_backward(
+            do_THD[:, qs], q_THD[:, qs], k_THD[:, ks], v_THD[:, ks], out_THD[:, qs], lse_HT[qs], plan, gctx)
+        sent += nbytes
+    return dq_THD, dk_THD, dv_THD, sent
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(fctx: Any, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, plan: RingPlan,
@@ -243,7 +215,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(fctx: Any, do_THD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         plan, ctx, stats = fctx.ring
-        dq, dk, dv, sent = _ring_backward(do_THD.contiguous(), *fctx.saved_tensors, plan, ctx)
+        dq, dk, dv, sent = _grouped_backward(do_THD.contiguous(), *fctx.saved_tensors, plan, ctx)
         _count(stats, "bwd", sent)
         return dq, dk, dv, None, None, None
 
@@ -275,14 +247,19 @@ def _check_inputs(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor,
 
 
 def ring_attention(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, plan: RingPlan, scale: float,
-                   kv_index: torch.Tensor | None = None, stats: object | None = None) -> torch.Tensor:
+                   kv_index: torch.Tensor | None = None, stats: object | None = None,
+                   acc_bytes_bound: int = RING_BWD_ACC_BYTES) -> torch.Tensor:
     """Exact causal varlen attention over the whole stream for this ring group's heads.
 
     q [Tr, hq, D], k/v [Tr, hkv, D] (this rank's zigzag tokens) -> o [Tr, hq, D]. `kv_index` (int64
     [hq]) is the local kv head each local q head reads; None means q head h reads h // (hq // hkv).
     `stats` (optional) gets ring_bytes_fwd/bwd and ring_calls_fwd/bwd incremented (bytes sent).
+    The backward runs over head groups whose fp32 accumulators fit `acc_bytes_bound` bytes
+    (rlsp/parallel/ring_heads.py; one group unless the problem is large, or kv_index is given).
     """
     _check_inputs(q_THD, k_THD, v_THD, plan, kv_index)
+    kv_per_pass = kv_heads_per_pass(plan.local_len, q_THD.shape[1], k_THD.shape[1], q_THD.shape[2],
+                                    _acc_dtype(q_THD.dtype).itemsize, acc_bytes_bound, standard=kv_index is None)
     if q_THD.shape[1] == 0:  # no heads on this ring group: nothing to exchange, keep the graph connected
         return q_THD * 0.0
     hq, hkv, device = q_THD.shape[1], k_THD.shape[1], q_THD.device
@@ -293,5 +270,5 @@ def ring_attention(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor
     elif kv_index is not None:
         kv_index = kernel_index = kv_index.to(device=device, dtype=torch.int64)
     q_THD, k_THD, v_THD = q_THD.contiguous(), k_THD.contiguous(), v_THD.contiguous()
-    ctx = _Ctx(scale, kv_index, kernel_index, fused_supported(device, q_THD.dtype))
+    ctx = _Ctx(scale, kv_index, kernel_index, fused_supported(device, q_THD.dtype), kv_per_pass, ROW_CHUNK)
     return _RingAttention.apply(q_THD, k_THD, v_THD, plan, ctx, stats)
