@@ -46,6 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rlsp.config.layout import RoleLayout
+from rlsp.parallel.ring_heads import acc_bytes, kv_heads_per_pass
 from rlsp.plan.shape import ModelShape
 
 GIB = 2**30
@@ -153,22 +154,26 @@ RING_TILE_TOKENS = 16384  # rows and keys of a ring-attention tile at most (rlsp
 
 def ring_bytes(w: Workload, head_dim: int, dtype_bytes: int) -> float:
     """Ring attention's working set in a layer's backward with its fused kernels (rlsp/parallel/ring.py,
-    ring_block.py): no rows x keys scores, only O(tokens x heads x D) buffers. fp32 accumulators: dq
-    [Tr, hq] and three dK/dV [2, Tr, hkv] (this rank's, the visiting block's, its receive buffer); the
-    held and the next K/V block [2, Tr, hkv] in the element size; one tile's kernel buffers on CUDA,
-    where k/v are expanded to the q heads: expanded k/v and dq/dk/dv over up to a sequence's share
-    `box`, at most RING_TILE_TOKENS (5 x box x hq, element size) plus the kernel's fp32 dq workspace
-    (box x hq); plus the
-    per-box metadata (1-D positions). Measured (docs/benchmarks.md, "Ring attention blocks": one ring
-    step forward + backward, 8 q / 2 kv heads, D 64, 8k tokens a rank, H200): 113-121 MiB fp32 and
-    73-84 MiB bf16 where the explicit score tiles took 1.5 GiB; this model gives 152 / 104 MiB (it also
-    counts the accumulators and the K/V block that travel in a real ring)."""
+    ring_block.py): no rows x keys scores, only O(tokens x heads x D) buffers, for ONE head group: the
+    backward runs over groups of n kv heads and their q heads, one after another, n by the runtime's
+    rule (`kv_heads_per_pass`: the largest divisor of hkv whose fp32 accumulators fit RING_BWD_ACC_BYTES,
+    rlsp/parallel/ring_heads.py), so per group: fp32 accumulators dq [Tr, hq_g] and three dK/dV
+    [2, Tr, n] (this rank's, the visiting block's, its receive buffer); the held and the next K/V block
+    [2, Tr, n] in the element size; one tile's kernel buffers on CUDA, where k/v are expanded to the q
+    heads: expanded k/v and dq/dk/dv over up to a sequence's share `box`, at most RING_TILE_TOKENS
+    (5 x box x hq_g, element size) plus the kernel's fp32 dq workspace (box x hq_g); plus the per-box
+    metadata (1-D positions). Measured (docs/benchmarks.md, "Ring attention blocks": one ring step
+    forward + backward, 8 q / 2 kv heads, D 64, 8k tokens a rank, H200, one group): 113-121 MiB fp32
+    and 73-84 MiB bf16 where the explicit score tiles took 1.5 GiB; this model gives 152 / 104 MiB (it
+    also counts the accumulators and the K/V block that travel in a real ring)."""
     if w.layout.ring == 1:
         return 0.0
     tr, box, d, e = w.heads_len, min(w.seq_len, w.stream) // w.layout.ring, head_dim, dtype_bytes
-    accumulators = tr * d * 4 * (w.heads.q + 3 * 2 * w.heads.kv)
-    blocks = 2 * 2 * tr * w.heads.kv * d * e
-    tile = min(box, RING_TILE_TOKENS) * w.heads.q * d * (5 * e + 4)
+    kv = kv_heads_per_pass(tr, w.heads.q, w.heads.kv, d, 4)
+    q = w.heads.q * kv // w.heads.kv if w.heads.kv else w.heads.q  # the group's q heads
+    accumulators = acc_bytes(tr, q, kv, d, 4)
+    blocks = 2 * 2 * tr * kv * d * e
+    tile = min(box, RING_TILE_TOKENS) * q * d * (5 * e + 4)
     return accumulators + blocks + tile + 4 * 8 * box * w.layout.ring
 
 

@@ -134,3 +134,21 @@ def test_default_bound_keeps_one_pass_and_kv_index_runs_one_pass(monkeypatch: py
     ring_attention(q, k, v, build_ring_plan(None, _cu(LENS), total), 1.0, torch.tensor([0, 0, 1, 1]),
                    acc_bytes_bound=1).sum().backward()
     assert passes == [(total, 4, 2), (total, 4, 2)]
+
+
+def test_planner_counts_one_head_group() -> None:
+    """rlsp.plan.memory.ring_bytes with the runtime's rule, by hand: fp32 accumulators (dq + 3 dK/dV) and
+    the K/V blocks (held + next) of one group, a tile's CUDA buffers (5 e + 4 bytes per row, q head, D),
+    the boxes' positions (32 bytes a token a step)."""
+    from rlsp.config.layout import RoleLayout, World
+    from rlsp.plan.memory import HeadShare, Workload, ring_bytes
+
+    # Llama-3.1-8B at 15M tokens on ring 32, bf16: 468,750 tokens a rank, one kv head (4 q heads) a group
+    tr = 15_000_000 // 32
+    w = Workload(RoleLayout(World(4, 8), ring=32), tr, 15_000_000, HeadShare(32, 8))
+    want = tr * 128 * 4 * (4 + 6 * 1) + 2 * 2 * tr * 1 * 128 * 2 + 16_384 * 4 * 128 * (5 * 2 + 4) + 32 * tr * 32
+    assert ring_bytes(w, 128, 2) == want
+    # 8 q / 2 kv heads, D 64, 8k tokens a rank, fp32: small, one group of all heads (152.5 MiB, as before)
+    w = Workload(RoleLayout(World(1, 2), ring=2), 8192, 16_384, HeadShare(8, 2))
+    want = 8192 * 64 * 4 * (8 + 6 * 2) + 2 * 2 * 8192 * 2 * 64 * 4 + 8192 * 8 * 64 * (5 * 4 + 4) + 32 * 8192 * 2
+    assert ring_bytes(w, 64, 4) == want == 152.5 * 2**20
