@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from rlsp.config.model_shape import read_model_shape
 from rlsp.parallel.heads import plan_head_layout
 from rlsp.plan.comm import HeadSplit
 from rlsp.plan.explain import fsdp_name, infeasible, layout_name, loss_reason, refusals, settings_name
@@ -37,7 +38,6 @@ from rlsp.plan.overrides import (
     schema_has,
 )
 from rlsp.plan.search import Cluster, Plan, Request, Speeds, search
-from rlsp.plan.shape import read_model_shape
 
 MB = 1e6
 

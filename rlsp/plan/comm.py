@@ -26,8 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rlsp.config.layout import RoleLayout
+from rlsp.config.model_shape import ModelShape
 from rlsp.plan.memory import Workload
-from rlsp.plan.shape import ModelShape
 
 
 @dataclass(frozen=True)

@@ -46,8 +46,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rlsp.config.layout import RoleLayout
+from rlsp.config.model_shape import ModelShape
 from rlsp.parallel.ring_heads import acc_bytes, kv_heads_per_pass
-from rlsp.plan.shape import ModelShape
 
 GIB = 2**30
 ROLES = ("actor", "ref", "critic")

@@ -23,8 +23,8 @@ step (not per micro-batch) and is not in the per-micro-batch time the search ran
 from __future__ import annotations
 
 from rlsp.config.layout import RoleLayout
+from rlsp.config.model_shape import ModelShape
 from rlsp.plan.memory import MemoryOptions, Workload, state_bytes
-from rlsp.plan.shape import ModelShape
 
 
 def host_bytes_per_rank(shape: ModelShape, w: Workload, opts: MemoryOptions, critic: bool, ref: bool) -> dict[str, float]:

@@ -22,10 +22,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from rlsp.config.layout import RoleLayout, World
+from rlsp.config.model_shape import ModelShape
 from rlsp.plan.comm import Comm, HeadSplit, plan_comm
 from rlsp.plan.memory import GIB, HeadShare, MemoryEstimate, MemoryOptions, Workload, plan_memory
 from rlsp.plan.offload import host_bytes_per_node, offload_copy_bytes
-from rlsp.plan.shape import ModelShape
 from rlsp.utils.divisors import divisors
 
 # (q heads, kv heads, ulysses) -> heads of every Ulysses rank; rlsp.parallel.heads.plan_head_layout

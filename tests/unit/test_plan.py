@@ -17,6 +17,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from rlsp.config.layout import RoleLayout, World
+from rlsp.config.model_shape import shape_from_config
 from rlsp.config.schema import RLSPConfig
 from rlsp.config.store import register_schema
 from rlsp.config.validate import validate_config
@@ -25,7 +26,6 @@ from rlsp.plan import HeadShare, MemoryOptions, Workload, cli, plan_memory, read
 from rlsp.plan.comm import plan_comm
 from rlsp.plan.longest import LENGTH_GRANULE, plan_at
 from rlsp.plan.memory import activation_terms, layer_saved_bytes, state_bytes
-from rlsp.plan.shape import shape_from_config
 
 # Public model shapes (config.json fields), also used by scripts/gen_plan_doc.py for docs/plan.md.
 SHAPES = {name.lower(): cfg for name, cfg in

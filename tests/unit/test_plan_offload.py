@@ -18,10 +18,10 @@ from test_plan import SHAPES, _compose_and_validate, _overrides, run_cli
 
 from rlsp.check import run_checks
 from rlsp.config.layout import RoleLayout, World
+from rlsp.config.model_shape import shape_from_config
 from rlsp.plan import HeadShare, MemoryOptions, Workload, plan_memory
 from rlsp.plan.memory import activation_terms
 from rlsp.plan.offload import host_bytes_per_node, offload_copy_bytes
-from rlsp.plan.shape import shape_from_config
 
 LAYER, ROOT, PARAMS = 218_112_000, 1_050_677_248, 8_030_261_248
 LLAMA8 = shape_from_config(SHAPES["llama-3.1-8b"])
