@@ -23,6 +23,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from rlsp.config.auto import AutoChoice
 from rlsp.config.compose import DEFAULT_CONFIG, CommandLine, compose_collecting, parse_command_line
 from rlsp.config.describe import describe_batches, describe_placement, describe_schedule
 from rlsp.config.layout import ParallelLayout
@@ -55,12 +56,15 @@ class Report:
 
 
 def _validate(cfg: DictConfig, report: Report) -> ParallelLayout | None:
-    """The config stage (building the layout), as rlsp.main runs it."""
+    """The config stage (setting the `auto` keys, building the layout), as rlsp.main runs it."""
+    auto: list[AutoChoice] = []
     try:
-        return validate_config(cfg)
+        return validate_config(cfg, auto)
     except ValueError as exc:
         report.problems += [line[4:] for line in str(exc).splitlines() if line.startswith("  - ")]
         return None
+    finally:
+        report.add("auto settings (what rlsp chose where the command left auto)", *(c.line() for c in auto))
 
 
 def _model(cfg: DictConfig, report: Report) -> Any:

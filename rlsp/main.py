@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from rlsp.config.auto import AutoChoice
 from rlsp.config.compose import CONFIG_DIR, DEFAULT_CONFIG, refused_overrides, verl_argv
 from rlsp.config.layout import ParallelLayout
 from rlsp.config.schema_policy_loss import rewrite_policy_loss_overrides
@@ -236,13 +237,16 @@ def _prepare_checked(cfg: DictConfig, layout: ParallelLayout) -> tuple[RayTraine
 
 @hydra.main(config_path=CONFIG_DIR, config_name=DEFAULT_CONFIG, version_base=None)
 def main(cfg: DictConfig) -> None:
+    auto: list[AutoChoice] = []
     try:
-        layout = validate_config(cfg)
+        layout = validate_config(cfg, auto)
     except ValueError as exc:
         log.error("%s", exc)
         raise SystemExit(2) from None
     os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # worker output goes to a file: no colour codes
     with log_to_run_file(os.path.join(cfg.trainer.default_local_dir, RUN_LOG_NAME)):
+        for choice in auto:  # once, at start-up: what rlsp chose where the command left `auto`
+            log.info("auto: %s", choice.line())
         _run_logged(cfg, layout)
 
 

@@ -4,9 +4,9 @@ command that `rlsp.check` passes is one that `rlsp.main` starts, and the other w
 
 Stages (each check appends its messages to one list; a stage's messages are reported together):
 
-    config     config values only, no torch and no files (`validate_config`): the key gate, verl's
-               spellings, the layout (`rlsp.config.layout_build`), then every rlsp/config/validate_*.py
-               check; registered here
+    config     config values, no torch (`validate_config`): the key gate, verl's spellings, the `auto`
+               keys (rlsp.config.auto: reads the model's config.json and the machine's memory), the layout
+               (`rlsp.config.layout_build`), then every rlsp/config/validate_*.py check; registered here
     preflight  files and registries (data files, model config and tokenizer against the layout,
                estimator and loss names, reward model, teachers, agent tools, trackers); registered by
                rlsp/trainer/preflight.py
@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlsp.config.auto import resolve_auto
 from rlsp.config.layout import ParallelLayout
 from rlsp.config.layout_build import build_layout
 from rlsp.config.validate_agent import check_multi_turn
@@ -131,6 +132,8 @@ def _layout(cfg: Any, ctx: CheckContext, errors: list[str]) -> None:
 # The config stage, in order. Typos first: the other checks would trip over a misspelled section.
 register("known_keys", "config", gate=True, target=check_known_keys)(lambda cfg, ctx, errors: check_known_keys(cfg, errors))
 _values("verl_spellings", apply_verl_spellings)  # verl's spellings onto rlsp's keys, as composed configs get them
+# `auto` keys decided from the model and the machine (before the layout: fsdp_size is one of its degrees)
+register("auto", "config", target=resolve_auto)(lambda cfg, ctx, errors: ctx.results.update(auto=resolve_auto(cfg, errors)))
 register("layout", "config", target=build_layout)(_layout)
 _placed("adaptive_sp", check_adaptive, needs_layout=True)
 _placed("batches", check_batches, needs_layout=True)

@@ -116,7 +116,7 @@ class ActorConfig(verl_keys.ActorVerlKeys):
     strategy: str = "fsdp2"
     ppo_mini_batch_size: int = 16  # prompts per optimizer step (x rollout.n samples), verl semantics
     ppo_micro_batch_size_per_gpu: int = 32  # samples per forward/backward on one worker
-    use_dynamic_bsz: bool = False  # micro-batches filled to a token budget instead of a fixed row count
+    use_dynamic_bsz: Any = "auto"  # micro-batches filled to a token budget instead of a fixed row count; auto: true unless ppo_micro_batch_size_per_gpu is set (rlsp.config.auto)
     ppo_max_token_len_per_gpu: int = 16384  # that budget, tokens per rank (a packed stream holds budget x sp)
     ppo_epochs: int = 1
     shuffle: bool = True  # reshuffle rows into mini-batches every epoch (when there is more than one)
@@ -157,7 +157,7 @@ class RefConfig(verl_keys.RefVerlKeys):
     sequence_parallel_adaptive: bool | None = None
     log_prob_micro_batch_size_per_gpu: int = 64
     # As in verl, the token budget follows the actor's unless set.
-    log_prob_use_dynamic_bsz: bool = II("actor_rollout_ref.actor.use_dynamic_bsz")
+    log_prob_use_dynamic_bsz: Any = II("actor_rollout_ref.actor.use_dynamic_bsz")
     log_prob_max_token_len_per_gpu: int = II("actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
     strategy: str = "fsdp2"  # fsdp | fsdp2: both run rlsp's FSDP2 engine
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
@@ -199,7 +199,7 @@ class CriticConfig(verl_keys.CriticVerlKeys):
     ppo_mini_batch_size: int = II("actor_rollout_ref.actor.ppo_mini_batch_size")  # prompts per optimizer step (x rollout.n samples), verl semantics
     ppo_micro_batch_size_per_gpu: int = 32  # samples per forward/backward on one worker
     forward_micro_batch_size_per_gpu: int = II(".ppo_micro_batch_size_per_gpu")  # samples per value forward (no grad)
-    use_dynamic_bsz: bool = II("actor_rollout_ref.actor.use_dynamic_bsz")  # token-budget micro-batches for the value forward and the update
+    use_dynamic_bsz: Any = II("actor_rollout_ref.actor.use_dynamic_bsz")  # token-budget micro-batches for the value forward and the update
     ppo_max_token_len_per_gpu: int = 32768
     forward_max_token_len_per_gpu: int = II(".ppo_max_token_len_per_gpu")
     ppo_epochs: int = II("actor_rollout_ref.actor.ppo_epochs")

@@ -5,6 +5,7 @@ offload, optimizer, tiled MLP, fused-kernel options. Re-exported by rlsp/config/
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -24,7 +25,7 @@ class FSDPConfig:
     # but its tensor-parallel dimension (FSDP); a divisor of those shards within groups of that many
     # ranks and replicates across groups (HSDP); 1 = every rank holds everything (its tp share) and only
     # gradients are reduced (DDP-like: least communication, fastest for models that fit one device).
-    fsdp_size: int = -1
+    fsdp_size: Any = "auto"  # auto | -1 | ranks per shard group; auto: 1 when the role's training state fits 1/4 of a rank's memory, else -1 (rlsp.config.auto)
     # Offload (verl's keys): FSDP2 keeps parameters, gradients and optimizer state in host memory together
     # (CPUOffloadPolicy; the optimizer step runs on the CPU). Accepted on cpu, where it saves nothing.
     param_offload: bool = False  # true: that policy (the optimizer state follows its parameters, whatever optimizer_offload says)

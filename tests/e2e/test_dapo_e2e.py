@@ -1,4 +1,4 @@
-"""DAPO end to end on the tiny model (Ray workers, FSDP2 over gloo, in-process vLLM): dynamic sampling
+"""DAPO end to end on the tiny model (Ray workers, FSDP2 over gloo, the rollout engine rlsp picks: HF generate for this model): dynamic sampling
 (algorithm.filter_groups) with the dapo reward manager's overlong shaping.
 
 The reward function scores 0 for every prompt whose answer is odd (those groups never differ: filtered)

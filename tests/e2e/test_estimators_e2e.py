@@ -1,4 +1,4 @@
-"""End to end through `python -m rlsp.main` on the tiny model (Ray workers, FSDP2 over gloo, in-process vLLM):
+"""End to end through `python -m rlsp.main` on the tiny model (Ray workers, FSDP2 over gloo, the rollout engine rlsp picks: HF generate for this model):
 the estimators that need more than the rewards get it from the real pipeline.
 
 * remax: a greedy pass per step, its reward logged as the baseline, its time as timing/gen_baseline_s;

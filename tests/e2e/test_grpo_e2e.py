@@ -30,6 +30,7 @@ from rlsp.trainer.ray_trainer import RayTrainer, _prompt_batch
 pytestmark = pytest.mark.e2e
 
 SMALL = {
+    "actor_rollout_ref.rollout.name": "vllm",  # these tests compare vLLM's logprobs with the trainer's
     "data.train_batch_size": 4,
     "actor_rollout_ref.rollout.n": 4,
     "actor_rollout_ref.actor.ppo_mini_batch_size": 2,

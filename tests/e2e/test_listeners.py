@@ -1,6 +1,7 @@
 """A local run opens no listener beyond loopback.
 
-The default run (private Ray, two workers with in-process vLLM over gloo) is watched from the outside
+The default run (private Ray, two workers over gloo) with in-process vLLM rollouts (the engine that opens
+sockets of its own; the tiny model's default is HF generate) is watched from the outside
 while it runs: every TCP socket in the LISTEN state owned by a process the run started (driver, Ray's
 services, the workers) must be bound to 127.0.0.1 or ::1 — not to 0.0.0.0/:: (every interface) nor
 to an external address. The workers' process-group store used to listen on every interface.
@@ -60,7 +61,8 @@ def _is_loopback(addr: str) -> bool:
 
 def test_local_run_listens_on_loopback_only(tmp_path):
     marker = uuid.uuid4().hex
-    cmd = [sys.executable, "-m", "rlsp.main", "trainer.total_training_steps=1", "trainer.test_freq=0",
+    cmd = [sys.executable, "-m", "rlsp.main", "actor_rollout_ref.rollout.name=vllm", "trainer.total_training_steps=1",
+           "trainer.test_freq=0",
            "trainer.save_final_model=false", "trainer.plot=false", f"trainer.default_local_dir={tmp_path / 'run'}",
            f"trainer.cache_dir={tmp_path / 'cache'}"]
     seen: set[tuple[str, int, str]] = set()

@@ -1,4 +1,4 @@
-"""End to end through `python -m rlsp.main` on the tiny model (Ray workers, FSDP2 over gloo, in-process vLLM):
+"""End to end through `python -m rlsp.main` on the tiny model (Ray workers, FSDP2 over gloo, the rollout engine rlsp picks: HF generate for this model):
 a sequence-level policy loss in the real pipeline.
 
 gspo, named with rlsp's old flat spelling (rewritten by rlsp.main onto policy_loss.loss_mode), its clip keys

@@ -56,7 +56,8 @@ def test_every_validator_check_is_registered_or_run_by_one():
 
 def test_stages_and_their_order():
     names = {stage: [c.name for c in checks.registered(stage)] for stage in checks.STAGES}
-    assert names["config"][:3] == ["known_keys", "verl_spellings", "layout"]  # the key gate, then the layout
+    # the key gate, verl's spellings, the `auto` keys (fsdp_size is a degree of the layout), then the layout
+    assert names["config"][:4] == ["known_keys", "verl_spellings", "auto", "layout"]
     assert names["preflight"] == ["data_files", "names", "model", "critic_model", "custom_reward", "reward_model",
                                   "teachers", "agent", "trackers"]
     assert names["resume"] == ["resume"]

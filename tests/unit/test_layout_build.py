@@ -17,7 +17,9 @@ from rlsp.config.schema import RLSPConfig
 from rlsp.config.validate import validate_config
 
 RLSP = pathlib.Path(__file__).resolve().parents[2] / "rlsp"
-GRPO = {"algorithm.adv_estimator": "grpo", "actor_rollout_ref.actor.use_kl_loss": True, "algorithm.use_kl_in_reward": False}
+GRPO = {"algorithm.adv_estimator": "grpo", "actor_rollout_ref.actor.use_kl_loss": True, "algorithm.use_kl_in_reward": False,
+        # FSDP over all ranks, as RoleLayout's default (the `auto` value is tests/unit/test_auto_settings.py's)
+        **{f"{role}.fsdp_config.fsdp_size": -1 for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model")}}
 FOUR = {"trainer.n_gpus_per_node": 4, "data.train_batch_size": 8, "actor_rollout_ref.actor.ppo_mini_batch_size": 8}
 
 

@@ -15,10 +15,12 @@ from rlsp.workers.worker import Worker
 def test_layout_without_and_with_critic():
     layout = validate_config(make())
     policy = World(1, 2)
-    assert layout == ParallelLayout(policy, RoleLayout(policy), RoleLayout(policy)) and not layout.has_critic
+    # fsdp_size auto: the tiny model's training state fits every worker, so each holds all of it
+    whole = RoleLayout(policy, fsdp_size=1)
+    assert layout == ParallelLayout(policy, whole, whole) and not layout.has_critic
     assert layout.roles_of("policy") == ("actor", "ref", "rollout")
     ppo = validate_config(make(**{"algorithm.adv_estimator": "gae", "critic.ulysses_sequence_parallel_size": 2}))
-    assert ppo.critic == RoleLayout(policy, ulysses=2) and ppo.critic_colocated and ppo.total_workers == 2
+    assert ppo.critic == RoleLayout(policy, ulysses=2, fsdp_size=1) and ppo.critic_colocated and ppo.total_workers == 2
     assert ppo.roles_of("policy") == ("actor", "ref", "rollout", "critic")
     assert ppo.role("critic").dp_size == 1 and ppo.role("actor").dp_size == 2
     own = validate_config(make(**{"algorithm.adv_estimator": "gae", "critic.colocate": False,
@@ -64,7 +66,7 @@ def test_every_degree_has_its_place_in_the_rank_order():
     ({"actor_rollout_ref.ref.ring_sequence_parallel_size": 4}, "actor_rollout_ref.ref.ring_sequence_parallel_size=4"),
     ({"actor_rollout_ref.actor.sequence_parallel_adaptive": True, "actor_rollout_ref.actor.use_dynamic_bsz": True},
      "it needs ulysses_sequence_parallel_size > 1 (got 1)"),
-    ({"actor_rollout_ref.actor.sequence_parallel_adaptive": True,
+    ({"actor_rollout_ref.actor.sequence_parallel_adaptive": True, "actor_rollout_ref.actor.use_dynamic_bsz": False,
       "actor_rollout_ref.actor.ulysses_sequence_parallel_size": 2},
      "actor has sequence_parallel_adaptive=true, which picks each micro-batch's Ulysses degree from its token "
      "budget: set actor_rollout_ref.actor.use_dynamic_bsz=true"),

@@ -36,6 +36,7 @@ def test_preflight_refuses_before_workers_start(tmp_path) -> None:
     OmegaConf.update(cfg, "trainer.cache_dir", str(tmp_path / "cache"))
     OmegaConf.update(cfg, "trainer.device", "cpu")
     OmegaConf.update(cfg, "actor_rollout_ref.model.path", model)
+    OmegaConf.update(cfg, "actor_rollout_ref.rollout.name", "vllm")
     with pytest.raises(ValueError, match=r"head_dim=16 .*use actor_rollout_ref.rollout.name=hf"):
         preflight(cfg)
     OmegaConf.update(cfg, "actor_rollout_ref.rollout.name", "hf")

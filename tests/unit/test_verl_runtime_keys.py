@@ -9,6 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from rlsp.config.auto import resolve_auto
 from rlsp.config.compose import CommandLine, compose_collecting, verl_argv
 from rlsp.config.schema import RLSPConfig
 from rlsp.config.validate_verl_runtime import check_verl_runtime_keys
@@ -91,6 +92,7 @@ def _cfg(**updates):
     for key, value in updates.items():
         OmegaConf.update(cfg, key.replace("__", "."), value, force_add=True)
     errors: list[str] = []
+    resolve_auto(cfg, errors)  # as the config stage does first (the rollout engine is one of its keys)
     check_verl_runtime_keys(cfg, errors)
     return errors
 

@@ -1,0 +1,218 @@
+"""`auto` settings: the values a user did not choose, decided from the model and the machine.
+
+A key whose value is `auto` (its default) is resolved here, first in the config stage (before the
+layout is built), into the value the run then uses; an explicit value is never changed. Each
+decision is returned as an `AutoChoice` with its reason: `python -m rlsp.main` prints them once at
+start-up and `python -m rlsp.check` in its report.
+
+    fsdp_config.fsdp_size (actor, ref, critic.model, reward_model.model)
+        actor / critic: 1 (every rank holds the whole model, only gradients are reduced: the least
+        communication) when its training state -- fp32 weights, gradients and AdamW's two moments,
+        16 bytes a parameter (4 with LoRA: the frozen base only), plus the reference's 4 bytes a
+        parameter -- takes at most 1/REPLICATE_SHARE of one rank's memory (on cuda the part vLLM's
+        `gpu_memory_utilization` leaves); else -1 (FSDP over all ranks), also when FSDP offload is
+        asked for or the model or the memory is unknown here (verl's default). The reference follows
+        the actor (with LoRA it must: it is the actor's own model); the legacy reward model keeps -1.
+    rollout.name
+        hf (transformers `generate`) on cpu for models of at most HF_ROLLOUT_MAX_PARAMS parameters,
+        where vLLM's fixed cost per decoding step is larger than the model's own, and for head sizes
+        vLLM's CPU attention has no kernel for; vllm otherwise and
+        whenever a vLLM-only setting is used (ignore_eos, rollout tp > 1, load_format, engine_kwargs.vllm,
+        the reward loop).
+    actor.use_dynamic_bsz (the critic, the reference and the old-logprob pass follow it)
+        true -- micro-batches filled to `ppo_max_token_len_per_gpu` tokens: fewer, fuller passes, the
+        same result -- unless `ppo_micro_batch_size_per_gpu` was set (then false: fixed rows, as verl).
+
+No torch here (rlsp.config.machine reads the machine without it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlsp.config.choices import VLLM_CPU_HEAD_DIMS
+from rlsp.config.layout import CRITIC_ESTIMATORS
+from rlsp.config.layout_build import has_reference
+from rlsp.config.machine import GIB, Machine, machine_facts
+from rlsp.config.model_shape import ModelShape, read_model_shape
+from rlsp.config.schema import ActorConfig
+
+AUTO = "auto"
+REPLICATE_SHARE = 4  # the rest of a rank's memory: activations, the reference's forward, buffers
+STATE_BYTES, LORA_STATE_BYTES, REFERENCE_BYTES = 16, 4, 4
+# On these 2-core CPUs: 0.4M parameters (2 layers, hidden 128) generate 64 x 32 tokens in 0.13 s with HF
+# against 0.29 s with vLLM; at 22.5M (8 layers, hidden 512, 256 tokens) both take ~19 s (docs/benchmarks.md).
+HF_ROLLOUT_MAX_PARAMS = 10_000_000
+# The models rlsp builds itself (rlsp.models.tiny's default spec with the 58-token char tokenizer;
+# tests/unit/test_auto_settings.py reads the built model's config.json against this).
+BUILTIN_SHAPES = {"builtin://tiny-qwen2": ModelShape(layers=2, hidden=128, q_heads=4, kv_heads=2, head_dim=32,
+                                                     intermediate=256, vocab=58, tied=True, qkv_bias=True,
+                                                     name="tiny-qwen2", max_positions=256)}
+DYNAMIC_BSZ_KEYS = ("actor_rollout_ref.actor.use_dynamic_bsz", "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
+                    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz", "critic.use_dynamic_bsz")
+FSDP_ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model", "reward_model.model")
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    key: str
+    value: Any
+    reason: str
+
+    def line(self) -> str:
+        return f"{self.key}={self.value}: {self.reason}"
+
+
+def model_shape(path: Any) -> tuple[ModelShape | None, str]:
+    """The shape of the model at `path` when it can be read without loading it, else (None, why not)."""
+    if path in BUILTIN_SHAPES:
+        return BUILTIN_SHAPES[path], ""
+    if isinstance(path, str) and (Path(path) / "config.json").is_file():
+        try:
+            return read_model_shape(path), ""
+        except ValueError as exc:
+            return None, str(exc)
+    return None, f"the size of {path!r} is unknown before it is loaded (no local config.json)"
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    node = cfg
+    for part in dotted.split("."):
+        node = node[part] if isinstance(node, dict) else getattr(node, part)
+    return node
+
+
+def _set(cfg: Any, dotted: str, value: Any) -> None:
+    parent, _, leaf = dotted.rpartition(".")
+    setattr(_get(cfg, parent), leaf, value)
+
+
+def _is_auto(value: Any) -> bool:
+    return isinstance(value, str) and value == AUTO
+
+
+def _vllm_only(cfg: Any) -> list[str]:
+    """The settings in use that only the vLLM rollout engine has."""
+    r, rm = cfg.actor_rollout_ref.rollout, cfg.reward_model
+    found = {"rollout.ignore_eos=true": r.ignore_eos, f"rollout.tensor_model_parallel_size={r.tensor_model_parallel_size}":
+             r.tensor_model_parallel_size != 1, f"rollout.load_format={r.load_format}": r.load_format != "auto",
+             "rollout.engine_kwargs.vllm": bool(r.engine_kwargs.vllm),
+             "reward_model.use_reward_loop=true": bool(rm.enable and rm.use_reward_loop)}
+    return [k for k, used in found.items() if used]
+
+
+def _rollout_choice(cfg: Any, shape: ModelShape | None, why: str, machine: Machine) -> AutoChoice:
+    key = "actor_rollout_ref.rollout.name"
+    if machine.device != "cpu":
+        return AutoChoice(key, "vllm", f"device {machine.device}: vLLM's batched paged-attention engine")
+    if shape is None:
+        return AutoChoice(key, "vllm", f"{why}: vLLM, as verl")
+    size = f"{shape.params / 1e6:.1f}M parameters"
+    if shape.head_dim not in VLLM_CPU_HEAD_DIMS and not _vllm_only(cfg):
+        return AutoChoice(key, "hf", f"head_dim={shape.head_dim}: vLLM's CPU attention has no kernel for it")
+    if shape.params > HF_ROLLOUT_MAX_PARAMS:
+        return AutoChoice(key, "vllm", f"{size} on cpu (over {HF_ROLLOUT_MAX_PARAMS / 1e6:.0f}M): vLLM's CPU kernels")
+    if needs := _vllm_only(cfg):
+        return AutoChoice(key, "vllm", f"{', '.join(needs)} needs vLLM")
+    return AutoChoice(key, "hf", f"{size} on cpu (at most {HF_ROLLOUT_MAX_PARAMS / 1e6:.0f}M): transformers "
+                                 "generate, whose cost per decoding step is below vLLM's fixed per-step overhead")
+
+
+def _offloaded(fsdp: Any) -> bool:
+    return bool(fsdp.param_offload or fsdp.optimizer_offload or fsdp.offload_policy)
+
+
+def _fsdp_value(role: str, cfg: Any, shape: ModelShape | None, why: str, machine: Machine) -> tuple[int, str]:
+    """fsdp_size for a trainable role ('actor' or 'critic'), with the reason."""
+    section = cfg.actor_rollout_ref.actor if role == "actor" else cfg.critic
+    fsdp = section.fsdp_config if role == "actor" else cfg.critic.model.fsdp_config
+    if _offloaded(fsdp):
+        return -1, "FSDP offload asked for: parameters sharded over all ranks (FSDP)"
+    if shape is None or machine.rank_memory is None:
+        return -1, f"{why or machine.source}: sharded over all ranks (verl's default)"
+    memory = machine.rank_memory
+    if machine.device == "cuda" and cfg.actor_rollout_ref.rollout.name == "vllm":
+        memory *= 1 - float(cfg.actor_rollout_ref.rollout.gpu_memory_utilization)
+    lora = role == "actor" and cfg.actor_rollout_ref.model.lora_rank > 0
+    tp = max(1, int(section.tensor_model_parallel_size))
+    ref = REFERENCE_BYTES if role == "actor" and has_reference(cfg) else 0
+    state = shape.params * ((LORA_STATE_BYTES if lora else STATE_BYTES) + ref) / tp
+    text = (f"{shape.params / 1e6:.1f}M parameters: {state / GIB:.2f} GiB of training state per rank "
+            f"{'<=' if state * REPLICATE_SHARE <= memory else '>'} 1/{REPLICATE_SHARE} of {memory / GIB:.1f} GiB "
+            f"({machine.source})")
+    if state * REPLICATE_SHARE <= memory:
+        return 1, f"{text}: every rank holds the whole model, only gradients are reduced"
+    return -1, f"{text}: sharded over all ranks (FSDP)"
+
+
+def _fsdp_choices(cfg: Any, shapes: dict[str, tuple[ModelShape | None, str]], machine: Machine) -> list[AutoChoice]:
+    out, key = [], "{}.fsdp_config.fsdp_size".format
+    actor = _get(cfg, key("actor_rollout_ref.actor"))
+    if _is_auto(actor):
+        actor, reason = _fsdp_value("actor", cfg, *shapes["actor"], machine)
+        out.append(AutoChoice(key("actor_rollout_ref.actor"), actor, reason))
+    if _is_auto(_get(cfg, key("actor_rollout_ref.ref"))):
+        out.append(AutoChoice(key("actor_rollout_ref.ref"), actor, "the reference follows the actor"))
+    if _is_auto(_get(cfg, key("critic.model"))):
+        value, reason = _fsdp_value("critic", cfg, *shapes["critic"], machine)
+        out.append(AutoChoice(key("critic.model"), value, reason))
+    if _is_auto(_get(cfg, key("reward_model.model"))):
+        out.append(AutoChoice(key("reward_model.model"), -1, "the reward model's weights sharded over all ranks"))
+    return out
+
+
+def _dynamic_bsz_choice(cfg: Any) -> AutoChoice:
+    actor = cfg.actor_rollout_ref.actor
+    key, rows = "actor_rollout_ref.actor.use_dynamic_bsz", actor.ppo_micro_batch_size_per_gpu
+    if rows != ActorConfig.ppo_micro_batch_size_per_gpu:
+        return AutoChoice(key, False, f"ppo_micro_batch_size_per_gpu={rows} was set: micro-batches of {rows} rows")
+    return AutoChoice(key, True, f"micro-batches filled to ppo_max_token_len_per_gpu={actor.ppo_max_token_len_per_gpu} "
+                                 "tokens: fewer, fuller passes than fixed rows, the same result")
+
+
+def _illegal(cfg: Any, errors: list[str]) -> bool:
+    """Report auto-able keys holding neither `auto` nor a value of their type; True when any does."""
+    before = len(errors)
+    for role in FSDP_ROLES:
+        v = _get(cfg, f"{role}.fsdp_config.fsdp_size")
+        if not _is_auto(v) and (isinstance(v, bool) or not isinstance(v, int)):
+            errors.append(f"{role}.fsdp_config.fsdp_size={v!r} must be auto, -1 (all ranks) or a rank count >= 1")
+    for key in DYNAMIC_BSZ_KEYS:  # the others follow the actor's unless set
+        v = _get(cfg, key)
+        if not _is_auto(v) and not isinstance(v, bool):
+            errors.append(f"{key}={v!r} must be {'auto, ' if key == DYNAMIC_BSZ_KEYS[0] else ''}true or false")
+    return len(errors) > before
+
+
+def resolve_auto(cfg: Any, errors: list[str], machine: Machine | None = None) -> list[AutoChoice]:
+    """Set every `auto` key of `cfg` (in place) to its value for this model and `machine` (None: the one
+    this runs on); returns the choices the run uses (none when nothing is `auto`)."""
+    if _illegal(cfg, errors):
+        return []
+    arr, choices = cfg.actor_rollout_ref, []
+    actor_shape = model_shape(arr.model.path)
+    critic_path = cfg.critic.model.path or arr.model.path
+    shapes = {"actor": actor_shape, "critic": model_shape(critic_path) if critic_path != arr.model.path else actor_shape}
+    machine = machine or machine_facts(str(cfg.trainer.device), int(cfg.trainer.n_gpus_per_node))
+    if _is_auto(arr.rollout.name):
+        choices.append(_rollout_choice(cfg, *actor_shape, machine))
+        arr.rollout.name = choices[-1].value  # the fsdp rule reads it (vLLM's share of GPU memory)
+    choices += _fsdp_choices(cfg, shapes, machine)
+    if _is_auto(arr.actor.use_dynamic_bsz):
+        choices.append(_dynamic_bsz_choice(cfg))
+    for c in choices:
+        _set(cfg, c.key, c.value)
+    return [c for c in choices if _in_use(cfg, c.key)]
+
+
+def _in_use(cfg: Any, key: str) -> bool:
+    """Whether the run reads `key` (the critic's and the legacy reward model's only when they exist)."""
+    if key.startswith("critic."):
+        return cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS
+    if key.startswith("reward_model."):
+        return bool(cfg.reward_model.enable and not cfg.reward_model.use_reward_loop)
+    if key == "actor_rollout_ref.ref.fsdp_config.fsdp_size":
+        return has_reference(cfg)
+    return True
