@@ -99,6 +99,8 @@ class RewardServers:
             stay, answer = server.compute_rm_score.options(num_returns=2).remote(spec, *refs)
             stays.append(stay)
             answers.append(answer)
+        TRAFFIC.call("reward_model.compute_rm_score", len(answers))
+        TRAFFIC.wait()
         reports = gather_or_name(answers, self._name)
         held = ray.get(stays)
         TRAFFIC.receive(*reports, *held)

@@ -190,12 +190,14 @@ class StepData:
         spec.by_value = None
         if self.reader is not None:
             rows = ray.get(self.reader(spec, *refs))
+            TRAFFIC.wait()
             TRAFFIC.send(spec)
             TRAFFIC.receive(rows)
         else:
             missing = [r for r in refs if id(r) not in self._fetched]
             if missing:
                 got = ray.get(missing)
+                TRAFFIC.wait()
                 TRAFFIC.receive(*got)
                 self._fetched.update({id(r): g for r, g in zip(missing, got)})
             rows = assemble(spec, [self._fetched[id(r)] for r in refs])

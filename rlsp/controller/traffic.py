@@ -4,7 +4,9 @@ Counted where the driver hands objects to Ray (arguments of worker calls, object
 reads results (`ray.get`). Sizes are the payload: tensors and arrays by their bytes, text by its
 length, object handles by the size of an id, anything else by its pickled size. The trainer logs the
 counts of each step as `perf/driver_bytes` (sent + received), `perf/driver_bytes_sent` and
-`perf/driver_bytes_received`, and the driver's peak resident memory as `perf/driver_peak_rss_gib`.
+`perf/driver_bytes_received`, and the driver's peak resident memory as `perf/driver_peak_rss_gib`; with them
+the remote method calls it submits (`perf/driver_calls`, one per process called) and the round trips in
+which it waits for results (`perf/driver_waits`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import pickle
 import resource
 import sys
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -51,8 +54,8 @@ class Traffic:
     """Running byte counts of the driver process; `take()` returns and resets them."""
 
     def __init__(self) -> None:
-        self.sent = 0
-        self.received = 0
+        self.sent = self.received = self.calls = self.waits = 0
+        self.by_method: Counter[str] = Counter()  # remote calls per method name (what a step is made of)
 
     def send(self, *objs: Any) -> None:
         self.sent += sum(payload_bytes(o) for o in objs)
@@ -60,13 +63,24 @@ class Traffic:
     def receive(self, *objs: Any) -> None:
         self.received += sum(payload_bytes(o) for o in objs)
 
+    def call(self, method: str, n: int = 1) -> None:
+        """`n` remote method calls (one per process called) the driver submits."""
+        self.calls += n
+        self.by_method[method] += n
+
+    def wait(self) -> None:
+        """One round trip: the driver blocks until results it needs are back."""
+        self.waits += 1
+
     def reset(self) -> None:
-        self.sent = self.received = 0
+        self.sent = self.received = self.calls = self.waits = 0
+        self.by_method.clear()
 
     def take(self) -> dict[str, float]:
         out = {"perf/driver_bytes": float(self.sent + self.received), "perf/driver_bytes_sent": float(self.sent),
-               "perf/driver_bytes_received": float(self.received), "perf/driver_peak_rss_gib": peak_rss_gib()}
-        self.sent = self.received = 0
+               "perf/driver_bytes_received": float(self.received), "perf/driver_peak_rss_gib": peak_rss_gib(),
+               "perf/driver_calls": float(self.calls), "perf/driver_waits": float(self.waits)}
+        self.reset()
         return out
 
 

@@ -68,6 +68,7 @@ class PendingCall:
         StepData when the method returns rows or columns (the rows stay on the workers; the driver holds
         the reported per-row values), else the answering ranks' results (metrics)."""
         results = self.group._gather(self.refs)
+        TRAFFIC.wait()
         if self.firsts is None:
             TRAFFIC.receive(*results)
             return results
@@ -119,6 +120,7 @@ class RayWorkerGroup:
 
     def read_rows(self, spec: Any, *refs: Any) -> Any:
         """A reference to the rows `spec` builds from the blocks `refs`, built by rank 0 (see RayWorker)."""
+        TRAFFIC.call("read_rows")
         return self.workers[0].read_rows.remote(spec, *refs)
 
     def rank_env(self, rank: int) -> dict[str, str]:
@@ -151,6 +153,7 @@ class RayWorkerGroup:
         if role not in self.roles:
             raise ValueError(f"role {role!r} is not hosted by the {self.group} workers (they host {list(self.roles)})")
         mode = dispatch_mode(ROLE_CLASSES[role], method)
+        TRAFFIC.call(f"{role}.{method}", self.world_size)
         if mode is Dispatch.ALL:
             return self._all(lambda w, *a: w.execute.remote(role, method, *a), args)
         return self._by_dp(role, method, args)
@@ -158,6 +161,7 @@ class RayWorkerGroup:
     def call_worker(self, method: str, *args: Any) -> Any:
         """Call a method of the worker itself (set-up, weight sync, shutdown); always ALL."""
         dispatch_mode(Worker, method)
+        TRAFFIC.call(method, self.world_size)
         return self._all(lambda w, *a: getattr(w, method).remote(*a), args).result()
 
     def _all(self, submit, args: tuple[Any, ...]) -> PendingCall:

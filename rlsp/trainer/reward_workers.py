@@ -71,6 +71,8 @@ class ScoringPool:
             spec, refs = data.spec(rows, SCORE_READS)
             TRAFFIC.send(spec)
             calls.append(worker.score.remote(spec, *refs))
+        TRAFFIC.call("reward.score", len(calls))
+        TRAFFIC.wait()
         try:
             results = ray.get(calls)
         except ray.exceptions.RayTaskError as exc:  # a reward function's fault, as if it had run here
