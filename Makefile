@@ -25,7 +25,7 @@ lint: setup
 	$(VENV)/bin/lint-imports
 
 bench: setup
-	$(PY) benchmarks/grpo_step.py
+	$(PY) benchmarks/defaults_vs_trl.py
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

@@ -8,15 +8,17 @@ Workloads tiny/small: random-init Qwen2ForCausalLM (vocab 128, tied embeddings, 
 init via the tiny-model factory, char tokenizer); 128 prompts "a+b=" (a, b from
 random.Random(0).randint(0, 9), tokenized as written); reward 1 if the completion starts with the sum;
 16 prompts x 8 samples per step, temperature 1, lr 1e-4 constant, grad clip 1.0, no KL, one optimizer
-step per batch, fp32; small ignores EOS (always 256 tokens). rlsp's settings for this CPU work (all
-exact): 2 workers of 1 thread each, every worker holding the whole model (fsdp_size=1: only gradients
-are reduced), micro-batches of <= 4096 tokens, rollouts with transformers `generate` for tiny (less
-per-call overhead than vLLM for a 2-layer model; `actor_rollout_ref.rollout.name=vllm` to compare) and
-vLLM for small (ignore_eos). The JSON holds the median over steps 3..N of the step time and of each
+step per batch, fp32; small ignores EOS (always 256 tokens). `--settings defaults` (the default) passes
+only these workload keys: rlsp chooses the rest itself (its `auto` settings, rlsp.config.auto, listed in
+the JSON's "auto"). `--settings hand-picked` adds the settings chosen by hand for this CPU work (all
+exact): every worker holding the whole model (fsdp_size=1: only gradients are reduced), micro-batches of
+<= 4096 tokens, rollouts with transformers `generate` for tiny and vLLM for small (ignore_eos). Both run
+2 workers of 1 thread each. The JSON holds the median over steps 3..N of the step time and of each
 phase (the update split into forward, backward and optimizer on the slowest worker), the start-up
 (process start to the end of step 1) with its split (driver imports, Ray init, worker processes up,
 worker set-up, step 1), and the run's share of the cores during the measured steps with the load
-average (other jobs on the cores slow every phase). Extra argv entries are config overrides (key=value).
+average (other jobs on the cores slow every phase), and the driver's remote calls and round trips per step
+(`driver_calls`, `driver_waits`). Extra argv entries are config overrides (key=value).
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ PHASES = {"step_s_median": "timing/step_s", "gen_s": "timing/gen_s", "old_logpro
           "ref_s": "timing/ref_s", "reward_s": "timing/reward_s", "update_s": "timing/update_actor_s",
           "weight_sync_s": "timing/weight_sync_s", "update_forward_s": "timing/actor_forward_s",
           "update_backward_s": "timing/actor_backward_s", "update_optimizer_s": "timing/actor_optimizer_s",
-          "tokens_per_s": "throughput/tokens_per_s"}
+          "tokens_per_s": "throughput/tokens_per_s", "driver_calls": "perf/driver_calls",
+          "driver_waits": "perf/driver_waits"}
 
 
 def sum_prompts(path: str) -> str:
@@ -79,7 +82,7 @@ def sum_prompts(path: str) -> str:
     return path
 
 
-def overrides_for(workload: str, cache: str) -> dict:
+def overrides_for(workload: str, cache: str, settings: str = "defaults") -> dict:
     if workload == "demo":  # the demo model and task, with the reference and KL loss
         return {**COMMON, "data.max_response_length": 32, "actor_rollout_ref.actor.optim.lr": 1e-3,
                 "trainer.total_training_steps": 8}
@@ -91,10 +94,15 @@ def overrides_for(workload: str, cache: str) -> dict:
             "data.max_response_length": w["max_response_length"], "actor_rollout_ref.rollout.ignore_eos": w["ignore_eos"],
             "actor_rollout_ref.actor.optim.lr": 1e-4, "actor_rollout_ref.actor.optim.grad_clip": 1.0,
             "actor_rollout_ref.actor.use_kl_loss": False, "actor_rollout_ref.actor.entropy_coeff": 0.0,
-            "actor_rollout_ref.actor.fsdp_config.fsdp_size": 1, "actor_rollout_ref.rollout.name": w["rollout"],
-            "actor_rollout_ref.actor.use_dynamic_bsz": True, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 4096,
             "reward.custom_function_path": os.path.join(HERE, "sum_prefix_reward.py"),
-            "trainer.total_training_steps": w["steps"]}
+            "trainer.total_training_steps": w["steps"],
+            **(hand_picked(workload) if settings == "hand-picked" else {})}
+
+
+def hand_picked(workload: str) -> dict:
+    """The settings chosen by hand for this CPU work (the defaults choose for themselves)."""
+    return {"actor_rollout_ref.actor.fsdp_config.fsdp_size": 1, "actor_rollout_ref.rollout.name": WORKLOADS[workload]["rollout"],
+            "actor_rollout_ref.actor.use_dynamic_bsz": True, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 4096}
 
 
 def cpu_seconds() -> float:
@@ -126,19 +134,20 @@ def watch_cpu(trainer, samples: list[tuple[float, float]]) -> None:
 
 def run_workload(workload: dict, argv: list[str]):
     """Train with `workload` + argv overrides; returns (per-step metrics, layout, wall seconds, time.time()
-    at the end of step 1, (CPU seconds, wall seconds) per step)."""
+    at the end of step 1, (CPU seconds, wall seconds) per step, the `auto` settings chosen)."""
     cfg = OmegaConf.structured(RLSPConfig)
     for key, val in {**workload, "trainer.default_local_dir": tempfile.mkdtemp(prefix="rlsp_bench_")}.items():
         OmegaConf.update(cfg, key, val)
     cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(argv))
-    layout = validate_config(cfg)
+    auto: list = []
+    layout = validate_config(cfg, auto)
     cfg = preflight(cfg)
     t0 = time.perf_counter()
     prepared = prepare(cfg, layout)
     cpu: list[tuple[float, float]] = []
     watch_cpu(prepared[0], cpu)
     history = train(cfg, layout, prepared)
-    return history, layout, time.perf_counter() - t0, prepared[0].first_step_done_at, cpu
+    return history, layout, time.perf_counter() - t0, prepared[0].first_step_done_at, cpu, auto
 
 
 def median_of(history: list[dict], key: str, skip: int = 2) -> float:
@@ -149,16 +158,19 @@ def median_of(history: list[dict], key: str, skip: int = 2) -> float:
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload", choices=["tiny", "small", "demo"], default="tiny")
+    p.add_argument("--settings", choices=["defaults", "hand-picked"], default="defaults",
+                   help="defaults: only the workload's keys, rlsp chooses the rest; hand-picked: the settings below")
     p.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/rlsp/bench"))
     args, overrides = p.parse_known_args(argv)
     os.makedirs(args.cache_dir, exist_ok=True)
     imported_s = time.time() - PROCESS_START
     load_before = os.getloadavg()[0]
-    history, layout, wall, first_step_end, cpu = run_workload(overrides_for(args.workload, args.cache_dir), overrides)
+    history, layout, wall, first_step_end, cpu, auto = run_workload(overrides_for(args.workload, args.cache_dir, args.settings), overrides)
     # process start to the end of step 1 (imports, Ray, workers, engines, step 1: what a user waits for)
     first_step_done = first_step_end - PROCESS_START
     print(json.dumps({
-        "benchmark": "grpo_step", "workload": args.workload, "overrides": overrides,
+        "benchmark": "grpo_step", "workload": args.workload, "settings": args.settings, "overrides": overrides,
+        "auto": {c.key.rsplit(".", 2)[-2] + "." + c.key.rsplit(".", 1)[-1]: c.value for c in auto},
         "sp": layout.actor.sp_size, "workers": layout.world_size, "steps": len(history),
         "machine": f"{platform.machine()} {os.cpu_count()} cpus",
         **{name: median_of(history, key) for name, key in PHASES.items()},
