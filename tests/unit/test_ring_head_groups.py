@@ -1,7 +1,7 @@
 """Ring attention's backward over head groups (rlsp/parallel/ring_heads.py): the grouping rule against
 values worked out by hand, and ring_attention (ring size 1) with the backward forced into several
 groups against dense fp64 attention, every element (fp32 abs <= 1e-5, fp64 <= 1e-10), on the fused
-kernels and on the explicit path. Rings of 2 and 4: tests/distributed/test_ring_head_groups.py."""
+kernels and on the explicit path. Rings of 2 and 4: tests/distributed/test_ring_grouped_backward.py."""
 
 from __future__ import annotations
 
