@@ -19,6 +19,10 @@ start-up and `python -m rlsp.check` in its report.
         vLLM's CPU attention has no kernel for; vllm otherwise and
         whenever a vLLM-only setting is used (ignore_eos, rollout tp > 1, load_format, engine_kwargs.vllm,
         the reward loop).
+    model.enable_gradient_checkpointing (actor_rollout_ref.model: actor and reference; critic.model)
+        on when the activations one training micro-batch saves without it exceed half of what the
+        training state leaves of the rank's memory (rlsp.config.auto_memory), or activation offload is
+        asked for; off otherwise, and when the model or the memory is unknown (verl's default).
     actor.use_dynamic_bsz (the critic, the reference and the old-logprob pass follow it)
         true -- micro-batches filled to `ppo_max_token_len_per_gpu` tokens: fewer, fuller passes, the
         same result -- unless `ppo_micro_batch_size_per_gpu` was set (then false: fixed rows, as verl).
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlsp.config.auto_memory import checkpointing_choice, micro_batch_tokens
 from rlsp.config.choices import VLLM_CPU_HEAD_DIMS
 from rlsp.config.layout import CRITIC_ESTIMATORS
 from rlsp.config.layout_build import has_reference
@@ -124,27 +129,63 @@ def _offloaded(fsdp: Any) -> bool:
     return bool(fsdp.param_offload or fsdp.optimizer_offload or fsdp.offload_policy)
 
 
+def _section(cfg: Any, role: str) -> Any:
+    """The role's training section: actor_rollout_ref.actor or critic."""
+    return cfg.actor_rollout_ref.actor if role == "actor" else cfg.critic
+
+
+def _fsdp_config(cfg: Any, role: str) -> Any:
+    return cfg.actor_rollout_ref.actor.fsdp_config if role == "actor" else cfg.critic.model.fsdp_config
+
+
+def _train_memory(cfg: Any, machine: Machine) -> float | None:
+    """A rank's memory for training: on cuda what the colocated vLLM engine's share leaves."""
+    if machine.rank_memory is None:
+        return None
+    if machine.device == "cuda" and cfg.actor_rollout_ref.rollout.name == "vllm":
+        return machine.rank_memory * (1 - float(cfg.actor_rollout_ref.rollout.gpu_memory_utilization))
+    return machine.rank_memory
+
+
+def _whole_state(cfg: Any, role: str, shape: ModelShape) -> float:
+    """Training state of the whole model on one rank of the role's tp split (plus the reference's weights)."""
+    lora = role == "actor" and cfg.actor_rollout_ref.model.lora_rank > 0
+    ref = REFERENCE_BYTES if role == "actor" and has_reference(cfg) else 0
+    tp = max(1, int(_section(cfg, role).tensor_model_parallel_size))
+    return shape.params * ((LORA_STATE_BYTES if lora else STATE_BYTES) + ref) / tp
+
+
 def _fsdp_value(role: str, cfg: Any, shape: ModelShape | None, why: str, machine: Machine) -> tuple[int, str]:
     """fsdp_size for a trainable role ('actor' or 'critic'), with the reason."""
-    section = cfg.actor_rollout_ref.actor if role == "actor" else cfg.critic
-    fsdp = section.fsdp_config if role == "actor" else cfg.critic.model.fsdp_config
-    if _offloaded(fsdp):
+    if _offloaded(_fsdp_config(cfg, role)):
         return -1, "FSDP offload asked for: parameters sharded over all ranks (FSDP)"
-    if shape is None or machine.rank_memory is None:
+    memory = _train_memory(cfg, machine)
+    if shape is None or memory is None:
         return -1, f"{why or machine.source}: sharded over all ranks (verl's default)"
-    memory = machine.rank_memory
-    if machine.device == "cuda" and cfg.actor_rollout_ref.rollout.name == "vllm":
-        memory *= 1 - float(cfg.actor_rollout_ref.rollout.gpu_memory_utilization)
-    lora = role == "actor" and cfg.actor_rollout_ref.model.lora_rank > 0
-    tp = max(1, int(section.tensor_model_parallel_size))
-    ref = REFERENCE_BYTES if role == "actor" and has_reference(cfg) else 0
-    state = shape.params * ((LORA_STATE_BYTES if lora else STATE_BYTES) + ref) / tp
+    state = _whole_state(cfg, role, shape)
+    fits = state * REPLICATE_SHARE <= memory
     text = (f"{shape.params / 1e6:.1f}M parameters: {state / GIB:.2f} GiB of training state per rank "
-            f"{'<=' if state * REPLICATE_SHARE <= memory else '>'} 1/{REPLICATE_SHARE} of {memory / GIB:.1f} GiB "
-            f"({machine.source})")
-    if state * REPLICATE_SHARE <= memory:
+            f"{'<=' if fits else '>'} 1/{REPLICATE_SHARE} of {memory / GIB:.1f} GiB ({machine.source})")
+    if fits:
         return 1, f"{text}: every rank holds the whole model, only gradients are reduced"
     return -1, f"{text}: sharded over all ranks (FSDP)"
+
+
+def _checkpointing(role: str, cfg: Any, shape: ModelShape | None, why: str, machine: Machine) -> tuple[bool, str]:
+    """enable_gradient_checkpointing for a trainable role, with the reason (rlsp.config.auto_memory)."""
+    model = cfg.actor_rollout_ref.model if role == "actor" else cfg.critic.model
+    if model.enable_activation_offload:
+        return True, "enable_activation_offload=true keeps the checkpointed layer inputs in host memory: on"
+    section, data = _section(cfg, role), cfg.data
+    world = section.nnodes * section.n_gpus_per_node if role == "critic" and not cfg.critic.colocate else \
+        cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    tp, sp = (max(1, int(section[k])) for k in ("tensor_model_parallel_size", "ulysses_sequence_parallel_size"))
+    sp *= max(1, int(section.ring_sequence_parallel_size))
+    size = _fsdp_config(cfg, role).fsdp_size
+    state = 0.0 if shape is None else _whole_state(cfg, role, shape) / (max(1, world // tp) if size == -1 else size)
+    tokens = micro_batch_tokens(section, int(data.max_prompt_length), int(data.max_response_length))
+    dtype = str(model.dtype or cfg.actor_rollout_ref.model.dtype)  # the critic: the actor's unless set
+    return checkpointing_choice(shape, why, machine, _train_memory(cfg, machine), state, tokens, dtype, tp * sp)
 
 
 def _fsdp_choices(cfg: Any, shapes: dict[str, tuple[ModelShape | None, str]], machine: Machine) -> list[AutoChoice]:
@@ -172,6 +213,16 @@ def _dynamic_bsz_choice(cfg: Any) -> AutoChoice:
                                  "tokens: fewer, fuller passes than fixed rows, the same result")
 
 
+def _checkpointing_choices(cfg: Any, shapes: dict[str, tuple[ModelShape | None, str]],
+                           machine: Machine) -> list[AutoChoice]:
+    out = []
+    for role, prefix in (("actor", "actor_rollout_ref.model"), ("critic", "critic.model")):
+        if _is_auto(_get(cfg, f"{prefix}.enable_gradient_checkpointing")):
+            value, reason = _checkpointing(role, cfg, *shapes[role], machine)
+            out.append(AutoChoice(f"{prefix}.enable_gradient_checkpointing", value, reason))
+    return out
+
+
 def _illegal(cfg: Any, errors: list[str]) -> bool:
     """Report auto-able keys holding neither `auto` nor a value of their type; True when any does."""
     before = len(errors)
@@ -179,6 +230,10 @@ def _illegal(cfg: Any, errors: list[str]) -> bool:
         v = _get(cfg, f"{role}.fsdp_config.fsdp_size")
         if not _is_auto(v) and (isinstance(v, bool) or not isinstance(v, int)):
             errors.append(f"{role}.fsdp_config.fsdp_size={v!r} must be auto, -1 (all ranks) or a rank count >= 1")
+    for key in ("actor_rollout_ref.model.enable_gradient_checkpointing", "critic.model.enable_gradient_checkpointing"):
+        v = _get(cfg, key)
+        if not _is_auto(v) and not isinstance(v, bool):
+            errors.append(f"{key}={v!r} must be auto, true or false")
     for key in DYNAMIC_BSZ_KEYS:  # the others follow the actor's unless set
         v = _get(cfg, key)
         if not _is_auto(v) and not isinstance(v, bool):
@@ -202,8 +257,12 @@ def resolve_auto(cfg: Any, errors: list[str], machine: Machine | None = None) ->
     choices += _fsdp_choices(cfg, shapes, machine)
     if _is_auto(arr.actor.use_dynamic_bsz):
         choices.append(_dynamic_bsz_choice(cfg))
-    for c in choices:
+    for c in choices:  # the checkpointing rule reads the sharding and micro-batches chosen above
         _set(cfg, c.key, c.value)
+    gc = _checkpointing_choices(cfg, shapes, machine)
+    for c in gc:
+        _set(cfg, c.key, c.value)
+    choices += gc
     return [c for c in choices if _in_use(cfg, c.key)]
 
 

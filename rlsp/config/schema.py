@@ -95,7 +95,7 @@ class DataConfig(verl_keys.DataVerlKeys):
 class ModelConfig:
     path: str = TINY_MODEL
     dtype: str = "float32"  # parameter/compute dtype of the trainer: float32 | bfloat16
-    enable_gradient_checkpointing: bool = False
+    enable_gradient_checkpointing: Any = "auto"  # true | false | auto: on when a micro-batch's activations do not fit beside the training state (rlsp.config.auto)
     use_remove_padding: bool = True  # verl's padded (false) or unpadded forward; rlsp always packs without padding, same logprobs either way: false has no effect (refused with Ulysses sp > 1, as in verl)
     use_shm: bool = False  # copy the model into /dev/shm once and load it from there (one node)
     use_fused_kernels: bool = False  # verl's fused logprob/entropy head; rlsp always computes them vocab-chunked (never the full logits), true or false
@@ -175,7 +175,7 @@ class ActorRolloutRefConfig:
 class CriticModelConfig:
     path: str | None = None  # None = initialise from the actor's checkpoint (actor_rollout_ref.model.path)
     dtype: str | None = None  # compute dtype; None = actor_rollout_ref.model.dtype (master weights stay fp32)
-    enable_gradient_checkpointing: bool = False
+    enable_gradient_checkpointing: Any = "auto"  # as actor_rollout_ref.model.enable_gradient_checkpointing, for the critic
     use_remove_padding: bool = True  # as actor_rollout_ref.model.use_remove_padding, for the values
     enable_activation_offload: bool = False  # as actor_rollout_ref.model.enable_activation_offload, for the critic
     tiled_mlp: TiledMLPConfig = field(default_factory=TiledMLPConfig)

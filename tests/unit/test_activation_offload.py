@@ -101,6 +101,7 @@ def test_offload_without_checkpointing_is_refused_with_the_reason(prefix):
     cfg = OmegaConf.structured(RLSPConfig)
     OmegaConf.update(cfg, "algorithm.adv_estimator", "gae")
     OmegaConf.update(cfg, f"{prefix}.enable_activation_offload", True)
+    OmegaConf.update(cfg, f"{prefix}.enable_gradient_checkpointing", False)  # auto would turn it on
     with pytest.raises(ValueError) as err:
         validate_config(cfg)
     msg = str(err.value)

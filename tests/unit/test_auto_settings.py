@@ -3,6 +3,9 @@ values refused, the reference following the actor, and what `python -m rlsp.chec
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -15,11 +18,14 @@ from rlsp.config.auto import (
     STATE_BYTES,
     resolve_auto,
 )
+from rlsp.config.auto_memory import activation_bytes
+from rlsp.config.layout import RoleLayout, World
 from rlsp.config.machine import GIB, Machine, machine_facts
-from rlsp.config.model_shape import read_model_shape
+from rlsp.config.model_shape import read_model_shape, shape_from_config
 from rlsp.config.schema import TINY_MODEL, RLSPConfig
 from rlsp.config.validate import validate_config
 from rlsp.models.tiny import TinyModelSpec, ensure_tiny_model
+from rlsp.plan.memory import HeadShare, MemoryOptions, Workload, layer_saved_bytes
 
 TINY = BUILTIN_SHAPES[TINY_MODEL]
 CPU = Machine("cpu", 12 * GIB, "test host")
@@ -49,7 +55,8 @@ def test_defaults_on_cpu_pick_hf_whole_model_and_token_budget():
     cfg = config()
     got = resolved(cfg)
     assert got == {"actor_rollout_ref.rollout.name": "hf", "actor_rollout_ref.actor.fsdp_config.fsdp_size": 1,
-                   "actor_rollout_ref.ref.fsdp_config.fsdp_size": 1, "actor_rollout_ref.actor.use_dynamic_bsz": True}
+                   "actor_rollout_ref.ref.fsdp_config.fsdp_size": 1, "actor_rollout_ref.actor.use_dynamic_bsz": True,
+                   "actor_rollout_ref.model.enable_gradient_checkpointing": False}
     # written into the config, followed by the keys that interpolate the actor's
     assert cfg.actor_rollout_ref.rollout.name == "hf" and cfg.critic.model.fsdp_config.fsdp_size in (1, -1)
     assert cfg.actor_rollout_ref.ref.log_prob_use_dynamic_bsz is True and cfg.critic.use_dynamic_bsz is True
@@ -133,3 +140,57 @@ def test_check_prints_the_choices():
     assert "auto settings" in text
     assert "actor_rollout_ref.rollout.name=hf: 0.3M parameters on cpu" in text
     assert "actor_rollout_ref.actor.fsdp_config.fsdp_size=1: " in text
+
+
+PUBLIC = json.loads((Path(__file__).resolve().parents[1] / "data" / "public_model_shapes.json").read_text())
+
+
+def _public_model(tmp_path, name: str) -> str:
+    path = tmp_path / name
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(PUBLIC[name]))
+    return str(path)
+
+
+@pytest.mark.parametrize("name", ["Qwen2.5-0.5B", "Llama-3.1-8B"])
+@pytest.mark.parametrize("tokens,e", [(4096, 2), (16384, 4)])
+def test_activation_bytes_is_the_planners_layer_term(name, tokens, e):
+    """auto_memory's estimate equals the planner's saved bytes of every layer on one unsplit rank."""
+    shape = shape_from_config(PUBLIC[name])
+    w = Workload(layout=RoleLayout(World(1, 1)), budget=tokens, seq_len=tokens,
+                 heads=HeadShare(shape.q_heads, shape.kv_heads))
+    planner = shape.layers * layer_saved_bytes(shape, w, MemoryOptions(dtype_bytes=e))
+    assert activation_bytes(shape, tokens, e) == pytest.approx(planner, rel=1e-12)
+    assert activation_bytes(shape, tokens, e, splits=4) == pytest.approx(planner / 4, rel=1e-12)
+
+
+def test_gpu_rules_for_public_shapes(tmp_path):
+    """On an 80 GiB GPU with vLLM taking half: the 0.5B model is replicated, the 8B one sharded; both
+    checkpoint at verl's usual 16k-token bf16 micro-batches (their activations exceed what is left)."""
+    gpu = Machine("cuda", 80 * GIB, "test GPU")
+    small = config(**{"actor_rollout_ref.model.path": _public_model(tmp_path, "Qwen2.5-0.5B"),
+                      "actor_rollout_ref.model.dtype": "bfloat16", "trainer.n_gpus_per_node": 8})
+    got = resolved(small, gpu)
+    shape = shape_from_config(PUBLIC["Qwen2.5-0.5B"])
+    state = shape.params * (STATE_BYTES + REFERENCE_BYTES)
+    assert got["actor_rollout_ref.rollout.name"] == "vllm"
+    assert got["actor_rollout_ref.actor.fsdp_config.fsdp_size"] == (1 if state * REPLICATE_SHARE <= 40 * GIB else -1) == 1
+    saved = activation_bytes(shape, 16384, 2)
+    assert got["actor_rollout_ref.model.enable_gradient_checkpointing"] is (saved > (40 * GIB - state) / 2) is True
+    big = config(**{"actor_rollout_ref.model.path": _public_model(tmp_path, "Llama-3.1-8B"),
+                    "actor_rollout_ref.model.dtype": "bfloat16", "trainer.n_gpus_per_node": 8,
+                    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 1024})
+    got = resolved(big, gpu)
+    assert got["actor_rollout_ref.actor.fsdp_config.fsdp_size"] == -1
+    shape8 = shape_from_config(PUBLIC["Llama-3.1-8B"])
+    state8 = shape8.params * (STATE_BYTES + REFERENCE_BYTES) / 8  # sharded over the 8 ranks
+    expected = activation_bytes(shape8, 1024, 2) > (40 * GIB - state8) / 2
+    assert got["actor_rollout_ref.model.enable_gradient_checkpointing"] is expected
+
+
+def test_checkpointing_follows_activation_offload_and_explicit_values():
+    got = resolved(config(**{"actor_rollout_ref.model.enable_activation_offload": True}))
+    assert got["actor_rollout_ref.model.enable_gradient_checkpointing"] is True
+    cfg = config(**{"actor_rollout_ref.model.enable_gradient_checkpointing": True})
+    assert "actor_rollout_ref.model.enable_gradient_checkpointing" not in resolved(cfg)
+    assert resolved(config())["actor_rollout_ref.model.enable_gradient_checkpointing"] is False  # tiny on cpu
