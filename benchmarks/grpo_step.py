@@ -42,6 +42,7 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from rlsp.config.schema import RLSPConfig  # noqa: E402
 from rlsp.config.validate import validate_config  # noqa: E402
+from rlsp.controller.traffic import TRAFFIC  # noqa: E402
 from rlsp.main import prepare, train  # noqa: E402
 from rlsp.models.tiny import TinyModelSpec, ensure_tiny_model  # noqa: E402
 from rlsp.trainer.preflight import preflight  # noqa: E402
@@ -182,6 +183,7 @@ def main(argv: list[str]) -> None:
         "wall_s_incl_startup": round(wall, 1),
         # share of all cores this run used during steps 3..N (~0.9 when the machine is its own), and
         # the 1-minute load average before and after: other jobs on the cores slow every phase
+        "driver_calls_last_step": TRAFFIC.last_by_method,
         "cpu_share": round(sum(c for c, _ in cpu[2:]) / max(1e-9, sum(w for _, w in cpu[2:]) * (os.cpu_count() or 1)), 2),
         "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }))

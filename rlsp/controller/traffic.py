@@ -56,6 +56,7 @@ class Traffic:
     def __init__(self) -> None:
         self.sent = self.received = self.calls = self.waits = 0
         self.by_method: Counter[str] = Counter()  # remote calls per method name (what a step is made of)
+        self.last_by_method: dict[str, int] = {}
 
     def send(self, *objs: Any) -> None:
         self.sent += sum(payload_bytes(o) for o in objs)
@@ -80,6 +81,7 @@ class Traffic:
         out = {"perf/driver_bytes": float(self.sent + self.received), "perf/driver_bytes_sent": float(self.sent),
                "perf/driver_bytes_received": float(self.received), "perf/driver_peak_rss_gib": peak_rss_gib(),
                "perf/driver_calls": float(self.calls), "perf/driver_waits": float(self.waits)}
+        self.last_by_method = dict(self.by_method)  # the step's calls per method (benchmarks/grpo_step.py)
         self.reset()
         return out
 
