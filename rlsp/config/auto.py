@@ -47,7 +47,7 @@ from rlsp.config.schema import ActorConfig
 AUTO = "auto"
 REPLICATE_SHARE = 4  # the rest of a rank's memory: activations, the reference's forward, buffers
 STATE_BYTES, LORA_STATE_BYTES, REFERENCE_BYTES = 16, 4, 4
-# On these 2-core CPUs: 0.4M parameters (2 layers, hidden 128) generate 64 x 32 tokens in 0.13 s with HF
+# On these 2-core CPUs: 0.3M parameters (2 layers, hidden 128) generate 64 x 32 tokens in 0.13 s with HF
 # against 0.29 s with vLLM; at 22.5M (8 layers, hidden 512, 256 tokens) both take ~19 s (docs/benchmarks.md).
 HF_ROLLOUT_MAX_PARAMS = 10_000_000
 # The models rlsp builds itself (rlsp.models.tiny's default spec with the 58-token char tokenizer;
