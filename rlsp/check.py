@@ -64,7 +64,8 @@ def _validate(cfg: DictConfig, report: Report) -> ParallelLayout | None:
         report.problems += [line[4:] for line in str(exc).splitlines() if line.startswith("  - ")]
         return None
     finally:
-        report.add("auto settings (what rlsp chose where the command left auto)", *(c.line() for c in auto))
+        if auto:
+            report.add("auto settings (what rlsp chose where the command left auto)", *(c.line() for c in auto))
 
 
 def _model(cfg: DictConfig, report: Report) -> Any:
