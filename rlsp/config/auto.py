@@ -58,6 +58,9 @@ BUILTIN_SHAPES = {"builtin://tiny-qwen2": ModelShape(layers=2, hidden=128, q_hea
 DYNAMIC_BSZ_KEYS = ("actor_rollout_ref.actor.use_dynamic_bsz", "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
                     "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz", "critic.use_dynamic_bsz")
 FSDP_ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model", "reward_model.model")
+CHECKPOINTING_KEYS = ("actor_rollout_ref.model.enable_gradient_checkpointing", "critic.model.enable_gradient_checkpointing")
+AUTO_KEYS = ("actor_rollout_ref.rollout.name", DYNAMIC_BSZ_KEYS[0], *CHECKPOINTING_KEYS,
+             *(f"{role}.fsdp_config.fsdp_size" for role in FSDP_ROLES))
 
 
 @dataclass(frozen=True)
@@ -216,10 +219,10 @@ def _dynamic_bsz_choice(cfg: Any) -> AutoChoice:
 def _checkpointing_choices(cfg: Any, shapes: dict[str, tuple[ModelShape | None, str]],
                            machine: Machine) -> list[AutoChoice]:
     out = []
-    for role, prefix in (("actor", "actor_rollout_ref.model"), ("critic", "critic.model")):
-        if _is_auto(_get(cfg, f"{prefix}.enable_gradient_checkpointing")):
+    for role, key in zip(("actor", "critic"), CHECKPOINTING_KEYS):
+        if _is_auto(_get(cfg, key)):
             value, reason = _checkpointing(role, cfg, *shapes[role], machine)
-            out.append(AutoChoice(f"{prefix}.enable_gradient_checkpointing", value, reason))
+            out.append(AutoChoice(key, value, reason))
     return out
 
 
@@ -230,7 +233,7 @@ def _illegal(cfg: Any, errors: list[str]) -> bool:
         v = _get(cfg, f"{role}.fsdp_config.fsdp_size")
         if not _is_auto(v) and (isinstance(v, bool) or not isinstance(v, int)):
             errors.append(f"{role}.fsdp_config.fsdp_size={v!r} must be auto, -1 (all ranks) or a rank count >= 1")
-    for key in ("actor_rollout_ref.model.enable_gradient_checkpointing", "critic.model.enable_gradient_checkpointing"):
+    for key in CHECKPOINTING_KEYS:
         v = _get(cfg, key)
         if not _is_auto(v) and not isinstance(v, bool):
             errors.append(f"{key}={v!r} must be auto, true or false")
@@ -244,8 +247,8 @@ def _illegal(cfg: Any, errors: list[str]) -> bool:
 def resolve_auto(cfg: Any, errors: list[str], machine: Machine | None = None) -> list[AutoChoice]:
     """Set every `auto` key of `cfg` (in place) to its value for this model and `machine` (None: the one
     this runs on); returns the choices the run uses (none when nothing is `auto`)."""
-    if _illegal(cfg, errors):
-        return []
+    if _illegal(cfg, errors) or not any(_is_auto(_get(cfg, key)) for key in AUTO_KEYS):
+        return []  # nothing to decide: no model or machine is read
     arr, choices = cfg.actor_rollout_ref, []
     actor_shape = model_shape(arr.model.path)
     critic_path = cfg.critic.model.path or arr.model.path

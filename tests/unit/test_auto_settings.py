@@ -194,3 +194,19 @@ def test_checkpointing_follows_activation_offload_and_explicit_values():
     cfg = config(**{"actor_rollout_ref.model.enable_gradient_checkpointing": True})
     assert "actor_rollout_ref.model.enable_gradient_checkpointing" not in resolved(cfg)
     assert resolved(config())["actor_rollout_ref.model.enable_gradient_checkpointing"] is False  # tiny on cpu
+
+
+def test_nothing_auto_reads_nothing(monkeypatch):
+    """Once every auto key is decided, neither the model nor the machine is read again (a run validates
+    its config more than once)."""
+    import rlsp.config.auto as auto
+
+    cfg = config()
+    assert resolved(cfg)  # decides every key
+
+    def unexpected(*args):
+        raise AssertionError("read although nothing is auto")
+
+    monkeypatch.setattr(auto, "machine_facts", unexpected)
+    monkeypatch.setattr(auto, "model_shape", unexpected)
+    assert resolve_auto(cfg, [], None) == []
