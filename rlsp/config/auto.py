@@ -237,8 +237,11 @@ def _illegal(cfg: Any, errors: list[str]) -> bool:
         v = _get(cfg, key)
         if not _is_auto(v) and not isinstance(v, bool):
             errors.append(f"{key}={v!r} must be auto, true or false")
-    for key in DYNAMIC_BSZ_KEYS:  # the others follow the actor's unless set
+    actor = _get(cfg, DYNAMIC_BSZ_KEYS[0])
+    for key in DYNAMIC_BSZ_KEYS:  # the others follow the actor's unless set (its problem is reported once)
         v = _get(cfg, key)
+        if key != DYNAMIC_BSZ_KEYS[0] and v == actor:
+            continue
         if not _is_auto(v) and not isinstance(v, bool):
             errors.append(f"{key}={v!r} must be {'auto, ' if key == DYNAMIC_BSZ_KEYS[0] else ''}true or false")
     return len(errors) > before

@@ -132,8 +132,10 @@ def _layout(cfg: Any, ctx: CheckContext, errors: list[str]) -> None:
 # The config stage, in order. Typos first: the other checks would trip over a misspelled section.
 register("known_keys", "config", gate=True, target=check_known_keys)(lambda cfg, ctx, errors: check_known_keys(cfg, errors))
 _values("verl_spellings", apply_verl_spellings)  # verl's spellings onto rlsp's keys, as composed configs get them
-# `auto` keys decided from the model and the machine (before the layout: fsdp_size is one of its degrees)
-register("auto", "config", target=resolve_auto)(lambda cfg, ctx, errors: ctx.results.update(auto=resolve_auto(cfg, errors)))
+# `auto` keys decided from the model and the machine (before the layout: fsdp_size is one of its degrees);
+# a gate: a value that is neither auto nor of its type would leave other keys undecided for the checks after it
+register("auto", "config", gate=True, target=resolve_auto)(
+    lambda cfg, ctx, errors: ctx.results.update(auto=resolve_auto(cfg, errors)))
 register("layout", "config", target=build_layout)(_layout)
 _placed("adaptive_sp", check_adaptive, needs_layout=True)
 _placed("batches", check_batches, needs_layout=True)

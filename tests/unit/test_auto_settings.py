@@ -120,6 +120,8 @@ def test_bad_values_are_refused_naming_the_key():
     text = str(exc.value)
     assert "actor_rollout_ref.actor.fsdp_config.fsdp_size='half' must be auto" in text
     assert "actor_rollout_ref.actor.use_dynamic_bsz='sometimes' must be auto" in text
+    # a gate: the checks after it never see an undecided key (exactly these two problems)
+    assert text.count("\n  - ") == 2, text
 
 
 def test_lora_reference_shares_the_actor_layout():
@@ -210,3 +212,9 @@ def test_nothing_auto_reads_nothing(monkeypatch):
     monkeypatch.setattr(auto, "machine_facts", unexpected)
     monkeypatch.setattr(auto, "model_shape", unexpected)
     assert resolve_auto(cfg, [], None) == []
+
+
+def test_a_follower_key_set_to_a_bad_value_is_named():
+    cfg = config(**{"critic.use_dynamic_bsz": "often"})
+    with pytest.raises(ValueError, match=r"critic.use_dynamic_bsz='often' must be true or false"):
+        validate_config(cfg)
