@@ -54,7 +54,7 @@ class Traffic:
     """Running byte counts of the driver process; `take()` returns and resets them."""
 
     def __init__(self) -> None:
-        self.sent = self.received = self.calls = self.waits = 0
+        self.sent = self.received = self.waits = 0
         self.by_method: Counter[str] = Counter()  # remote calls per method name (what a step is made of)
         self.last_by_method: dict[str, int] = {}
 
@@ -66,15 +66,19 @@ class Traffic:
 
     def call(self, method: str, n: int = 1) -> None:
         """`n` remote method calls (one per process called) the driver submits."""
-        self.calls += n
         self.by_method[method] += n
+
+    @property
+    def calls(self) -> int:
+        """Remote calls submitted since the last reset."""
+        return sum(self.by_method.values())
 
     def wait(self) -> None:
         """One round trip: the driver blocks until results it needs are back."""
         self.waits += 1
 
     def reset(self) -> None:
-        self.sent = self.received = self.calls = self.waits = 0
+        self.sent = self.received = self.waits = 0
         self.by_method.clear()
 
     def take(self) -> dict[str, float]:
