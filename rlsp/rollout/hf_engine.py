@@ -1,9 +1,12 @@
-"""Hugging Face `generate` rollout engine: the fallback behind the `RolloutEngine` protocol.
+"""Hugging Face transformers rollout engine (`rollout.name=hf`): the model's own forward and KV cache.
 
-Slower than vLLM but dependency-free; useful where vLLM is not installed and as a second
-implementation to cross-check the protocol. Prompts are left-padded into one batch; the logprob of
-each sampled token is taken from the processed scores `generate` sampled from (temperature and
-top-k/top-p applied), matching the vLLM engine's `processed_logprobs`.
+Needs nothing beyond transformers; the faster engine for small models on CPU (vLLM's per-step
+overhead dominates there) and a second implementation to cross-check the protocol. Prompts are
+left-padded into one batch and decoded token by token with the model's `DynamicCache`; each token is
+drawn by rlsp.rollout.sampling (temperature, top-k, top-p as vLLM applies them) and reported with its
+logprob under that processed distribution, matching the vLLM engine's `processed_logprobs`. The
+loop is `generate`'s decoding without its per-token machinery (logits processors, stopping criteria,
+score lists), which costs about a third of the time of a small model's rollout on CPU.
 
 Legend: B = prompts in the batch, N = B * n samples, P = padded prompt length, R = new tokens, V = vocab.
 """
@@ -14,9 +17,10 @@ import contextlib
 from collections.abc import Iterable, Iterator
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from rlsp.rollout.base import RolloutOutput, SamplingConfig
+from rlsp.rollout.sampling import sample_next
 from rlsp.utils.dtypes import resolve_dtype
 
 
@@ -56,24 +60,6 @@ class HFEngine:
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [tokenizer.eos_token_id])
         self.stop_ids: set[int] = set(eos_ids)
         self.pad_id: int = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-        self._eos_ids = eos_ids
-
-    def _generation_config(self, sampling: SamplingConfig) -> GenerationConfig:
-        sample = not sampling.is_greedy
-        return GenerationConfig(
-            max_new_tokens=sampling.max_tokens,
-            do_sample=sample,
-            temperature=sampling.temperature if sample else None,
-            top_p=sampling.top_p if sample else None,
-            # 0 disables top-k explicitly; None would fall back to transformers' default of 50.
-            top_k=max(sampling.top_k, 0) if sample else None,
-            num_return_sequences=sampling.n,
-            eos_token_id=self._eos_ids,
-            pad_token_id=self.pad_id,
-            bos_token_id=None,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
 
     def _left_pad(self, prompt_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(p) for p in prompt_ids)
@@ -102,16 +88,36 @@ class HFEngine:
         self._calls += 1
         input_ids_BP, attention_mask_BP = self._left_pad(prompt_ids)
         with _seeded(seed, self.device):
-            result = self.model.generate(
-                input_ids=input_ids_BP,
-                attention_mask=attention_mask_BP,
-                generation_config=self._generation_config(sampling),
-            )
-        width = input_ids_BP.shape[1]
-        new_ids_NR = result.sequences[:, width:]
-        scores_NRV = torch.stack(result.scores, dim=1).float()
-        logprobs_NR = torch.log_softmax(scores_NRV, dim=-1).gather(-1, new_ids_NR.unsqueeze(-1)).squeeze(-1)
+            new_ids_NR, logprobs_NR = self._decode(input_ids_BP.repeat_interleave(sampling.n, dim=0),
+                                                   attention_mask_BP.repeat_interleave(sampling.n, dim=0), sampling)
         return self._collect(new_ids_NR.tolist(), logprobs_NR.tolist(), sampling.n)
+
+    def _decode(self, input_ids_NP: torch.Tensor, mask_NP: torch.Tensor,
+                sampling: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample up to `max_tokens` tokens per row with the model's KV cache: (tokens [N, R], their
+        processed logprobs [N, R]); R < max_tokens when every row stopped early."""
+        n_rows, width = input_ids_NP.shape
+        mask_NL = torch.ones(n_rows, width + sampling.max_tokens, dtype=torch.long, device=self.device)
+        mask_NL[:, :width] = mask_NP
+        # Left padding: real tokens take positions 0.. (pads get 0, they are masked out anyway).
+        positions_NP = (mask_NP.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        logits_NV = self.model(input_ids=input_ids_NP, attention_mask=mask_NL[:, :width], position_ids=positions_NP,
+                               past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        next_pos_N1 = positions_NP[:, -1:] + 1
+        stop_ids = torch.tensor(sorted(self.stop_ids), device=self.device)
+        running_N = torch.ones(n_rows, dtype=torch.bool, device=self.device)
+        tokens, logprobs = [], []
+        for t in range(sampling.max_tokens):
+            token_N, logprob_N = sample_next(logits_NV, sampling)
+            tokens.append(token_N)
+            logprobs.append(logprob_N)
+            running_N &= ~torch.isin(token_N, stop_ids)
+            if t + 1 == sampling.max_tokens or not bool(running_N.any()):
+                break
+            logits_NV = self.model(input_ids=token_N[:, None], attention_mask=mask_NL[:, : width + t + 1],
+                                   position_ids=next_pos_N1 + t, past_key_values=cache, use_cache=True).logits[:, -1]
+        return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
 
     def _collect(self, new_ids: list[list[int]], logprobs: list[list[float]], n: int) -> RolloutOutput:
         out = RolloutOutput()
