@@ -24,7 +24,7 @@ from transformers import (
 from rlsp.models.tiny import TinyModelSpec, build_tiny_model
 from rlsp.rollout.base import SamplingConfig
 from rlsp.rollout.hf_engine import HFEngine
-from rlsp.rollout.sampling import processed_logprobs
+from rlsp.rollout.sampling import processed_logprobs, sample_next
 
 PROMPTS = [[5, 9, 12, 7], [20], [33, 4, 8], [11, 11, 40, 41, 42, 43]]
 
@@ -126,3 +126,21 @@ def test_processed_logprobs_equal_transformers_warpers(temperature, top_k, top_p
     assert torch.equal(torch.isinf(got), torch.isinf(expected))
     finite = torch.isfinite(expected)
     torch.testing.assert_close(got[finite], expected[finite], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("top_k,top_p", [(-1, 1.0), (3, 1.0), (-1, 0.7)])
+def test_sampled_frequencies_match_the_processed_distribution(top_k, top_p):
+    """200k draws from one row's distribution: each token's frequency within 5 standard errors of its
+    probability, and never a token that top-k/top-p excludes."""
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+    sampling = SamplingConfig(temperature=0.8, top_k=top_k, top_p=top_p)
+    draws = 200_000
+    torch.manual_seed(0)
+    tokens, logprobs = sample_next(logits.expand(draws, -1), sampling)
+    expected_logprobs = processed_logprobs(logits[None], sampling)[0]
+    probs = expected_logprobs.exp().double()
+    freq = torch.bincount(tokens, minlength=len(logits)).double() / draws
+    assert torch.all(freq[probs == 0] == 0)
+    bound = 5 * (probs * (1 - probs) / draws).sqrt()
+    assert torch.all((freq - probs).abs() <= bound), (freq, probs)
+    assert torch.equal(logprobs, expected_logprobs[tokens])
