@@ -4,7 +4,8 @@ It owns a sharded head model (`rlsp.models.lm.TokenLogprobModel` for the policy,
 `rlsp.models.value.ValueModel` for the critic — anything with their calling convention), its
 optimizer and LR schedule, and the packed/sequence-parallel micro-batch path (degree 1 is the same
 path with trivial groups). The role's layout (`ParallelDims`) decides everything: tensor parallelism
-(applied first, on the tp mesh), FSDP2 over the other ranks, and how a micro-batch's stream is split
+(applied first, on the tp mesh), FSDP2 over the other ranks (a whole model per rank that computes in its
+own dtype stays a plain module whose gradients are summed once per step), and how a micro-batch's stream is split
 (ring zigzag x Ulysses, plus tp slices with sequence-parallel activations). Callers give padded
 rollout rows; the engine packs each micro-batch into one token stream, shards it, runs the head (and
 backward), and gathers per-token results only when they must be returned to the driver. A loss
@@ -41,7 +42,7 @@ from rlsp.engine.fsdp_offload import build_offload_policy, to_device
 from rlsp.engine.micro import MicroBatch, MicroPlan, merge_reported, plan_micro_batches, plan_rows, prepare_micro_batch
 from rlsp.engine.offload import ActivationOffload
 from rlsp.engine.optim import OptimSettings, build_optimizer
-from rlsp.engine.parallelize import parallelize
+from rlsp.engine.parallelize import all_reduce_gradients, parallelize, replicated
 from rlsp.engine.reference import meta_skeleton, run_skeleton
 from rlsp.engine.stream import stream_to_last_token, stream_to_response
 from rlsp.models.loading import num_heads
@@ -63,7 +64,8 @@ def assert_sp_matches(max_abs_diff: float, tol: float, layout: str, what: str = 
 
 
 class FSDPEngine:
-    """`module` is an unsharded head model (on `device`, master dtype); the engine shards it in place."""
+    """`module` is an unsharded head model (on `device`, master dtype); the engine shards it in place
+    (or keeps it whole where `rlsp.engine.parallelize.replicated` says FSDP has nothing to do)."""
 
     def __init__(self, module: nn.Module, dims: ParallelDims, device: torch.device, *,
                  compute_dtype: torch.dtype = torch.float32, optim: OptimSettings | None = None,
@@ -82,7 +84,11 @@ class FSDPEngine:
         self.skeleton = meta_skeleton(module) if dims.tp_mesh is not None else None
         if dims.tp_mesh is not None:
             apply_tensor_parallel(module, dims.tp_mesh, layout.sequence_parallel)
-        self.module = parallelize(module, dims, compute_dtype, build_offload_policy(param_offload, device))
+        offload = build_offload_policy(param_offload, device)
+        # A whole model per rank in its own dtype stays a plain module; its gradients are summed by the
+        # engine once per step (rlsp.engine.parallelize).
+        self.replicated = replicated(module, dims, compute_dtype, offload)
+        self.module = module if self.replicated else parallelize(module, dims, compute_dtype, offload)
         self.optim = optim
         self.offload = ActivationOffload(activation_offload, self.module, device)  # rlsp.engine.offload
         if optim is None:
@@ -233,6 +239,10 @@ class FSDPEngine:
             pad = micro.packed.num_pad * micro.out_len / micro.packed.total_len
             sp_local += torch.tensor([micro.out_len, pad,
                                       micro.ctx.stats.a2a_seconds, time.perf_counter() - t0], dtype=torch.float64)
+        if self.replicated:  # FSDP reduces during backward; a replicated model's sums happen here, once
+            t0 = time.perf_counter()
+            all_reduce_gradients(self.module)
+            timing["time_backward_s_max"] += time.perf_counter() - t0
         out = {**self._reduce_metrics({**sums, **timing}), **self._sp_metrics(sp_local)}
         if self.offload.enabled:  # device memory the offload freed at its peak, on the rank that freed most
             out["perf/activation_offload_bytes"] = self._max_over_ranks(float(offloaded))

@@ -7,15 +7,30 @@ fp32. An offload policy (rlsp.engine.fsdp_offload) keeps the shards, gradients a
 optimizer state in host memory. Gradient reduction SUMS over ranks (FSDP's division turned off):
 each rank's loss is already its share of the global token-mean, so the reduced gradient is exact for
 any dp x sp x micro-batching.
+
+A whole model on every rank (`fsdp_size=1`, no tensor parallelism, no offload) that computes in its
+own dtype has nothing for FSDP to do but add per-layer hooks, copies and one all-reduce per layer and
+micro-batch: it stays a plain module (`replicated`), and the engine sums its gradients itself, once per
+optimizer step, in one flat all-reduce (`all_reduce_gradients`; the same sums, hence the same step).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from rlsp.parallel.mesh import ParallelDims
+
+
+def replicated(module: nn.Module, dims: ParallelDims, compute_dtype: torch.dtype,
+               offload: OffloadPolicy | None = None) -> bool:
+    """True when `module` needs no FSDP: one whole copy per rank (tp 1, shard size 1), no parameter
+    offload, every parameter already in the compute dtype (no mixed-precision casts to make)."""
+    layout = dims.layout
+    return (layout.tp == 1 and layout.fsdp_shard == 1 and not isinstance(offload, CPUOffloadPolicy)
+            and all(p.dtype == compute_dtype for p in module.parameters()))
 
 
 def parallelize(module: nn.Module, dims: ParallelDims, compute_dtype: torch.dtype,
@@ -34,3 +49,31 @@ def parallelize(module: nn.Module, dims: ParallelDims, compute_dtype: torch.dtyp
             m.set_force_sum_reduction_for_comms(True)
             m.set_gradient_divide_factor(1.0)
     return module
+
+
+def all_reduce_gradients(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Sum the gradients of `module`'s trainable parameters over `group` (default: every rank), one
+    flat all-reduce per dtype and device. A rank without a gradient for a parameter adds zeros; a
+    parameter that no rank has a gradient for keeps none (a flag per parameter travels in the same
+    buffer), as the optimizer then skips it on every rank alike."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    kinds: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
+    for p in params:
+        kinds.setdefault((p.dtype, p.device), []).append(p)
+    for (dtype, device), group_params in kinds.items():
+        parts = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=dtype, device=device)
+                 for p in group_params]
+        flags = torch.tensor([p.grad is not None for p in group_params], dtype=dtype, device=device)
+        flat = torch.cat([*parts, flags])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        had = flat[-len(group_params):].tolist()
+        offset = 0
+        for p, seen in zip(group_params, had):
+            n = p.numel()
+            if seen:
+                summed = flat[offset:offset + n].view_as(p)
+                if p.grad is None:
+                    p.grad = summed.clone()
+                else:
+                    p.grad.copy_(summed)
+            offset += n

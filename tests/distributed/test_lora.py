@@ -185,6 +185,11 @@ def test_merged_rollout_weights_give_the_trainers_logprobs(tiny):
         torch.testing.assert_close(_hf_response_logprobs(model, batch, b), lp[b, :n_resp], rtol=0, atol=1e-5)
 
 
+def _whole(t):
+    """A copy of the full tensor: gathered from a DTensor (FSDP), or the replicated model's own tensor."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).clone()
+
+
 def _save_after_step(rank, world, path, batch, ckpt):
     engine, adapters = lora_engine(path, layout_dims(ulysses=world))
     _step(engine, batch)
@@ -195,7 +200,7 @@ def _save_after_step(rank, world, path, batch, ckpt):
         AutoTokenizer.from_pretrained(path).save_pretrained(assets)
         adapters.save_config(os.path.join(assets, LORA_ADAPTER_DIR), base_model=path)
     state = engine.state_dict()
-    saved = {k: v.full_tensor().clone() for k, v in state["model"].items()}
+    saved = {k: _whole(v) for k, v in state["model"].items()}
     lp = engine.infer(batch, P, 3, "logprobs", temperature=1.0)
     _step(engine, batch)  # the uninterrupted run's next step
     continued = _full(engine)
@@ -205,7 +210,7 @@ def _save_after_step(rank, world, path, batch, ckpt):
 def _load_and_step(rank, world, path, batch, ckpt, ulysses):
     engine, _ = lora_engine(path, layout_dims(ulysses=ulysses), b_seed=7)  # other init: the load must overwrite it
     load_engine(engine, os.path.join(ckpt, "actor"))
-    loaded = {k: v.full_tensor().clone() for k, v in engine.state_dict()["model"].items()}
+    loaded = {k: _whole(v) for k, v in engine.state_dict()["model"].items()}
     _step(engine, batch)
     params = _full(engine)
     return (loaded, params, engine.scheduler.state_dict()["last_epoch"]) if rank == 0 else None
