@@ -46,6 +46,7 @@ from rlsp.controller.traffic import TRAFFIC  # noqa: E402
 from rlsp.main import prepare, train  # noqa: E402
 from rlsp.models.tiny import TinyModelSpec, ensure_tiny_model  # noqa: E402
 from rlsp.trainer.preflight import preflight  # noqa: E402
+from rlsp.utils.fast_exit import run_and_exit  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 COMMON = {
@@ -190,4 +191,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_and_exit(lambda: main(sys.argv[1:]))  # exits as `python -m rlsp.main` does (no interpreter teardown)
