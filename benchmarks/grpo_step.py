@@ -12,7 +12,7 @@ step per batch, fp32; small ignores EOS (always 256 tokens). `--settings default
 only these workload keys: rlsp chooses the rest itself (its `auto` settings, rlsp.config.auto, listed in
 the JSON's "auto"). `--settings hand-picked` adds the settings chosen by hand for this CPU work (all
 exact): every worker holding the whole model (fsdp_size=1: only gradients are reduced), micro-batches of
-<= 4096 tokens, rollouts with transformers `generate` for tiny and vLLM for small (ignore_eos). Both run
+<= 4096 tokens, rollouts with the hf engine (transformers' model, rlsp's decoding loop) for tiny and vLLM for small (ignore_eos). Both run
 2 workers of 1 thread each. The JSON holds the median over steps 3..N of the step time and of each
 phase (the update split into forward, backward and optimizer on the slowest worker), the start-up
 (process start to the end of step 1) with its split (driver imports, Ray init, worker processes up,

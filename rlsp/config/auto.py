@@ -14,7 +14,7 @@ start-up and `python -m rlsp.check` in its report.
         asked for or the model or the memory is unknown here (verl's default). The reference follows
         the actor (with LoRA it must: it is the actor's own model); the legacy reward model keeps -1.
     rollout.name
-        hf (transformers `generate`) on cpu for models of at most HF_ROLLOUT_MAX_PARAMS parameters,
+        hf (transformers' model and KV cache, rlsp's decoding loop) on cpu for models of at most HF_ROLLOUT_MAX_PARAMS parameters,
         where vLLM's fixed cost per decoding step is larger than the model's own, and for head sizes
         vLLM's CPU attention has no kernel for; vllm otherwise and
         whenever a vLLM-only setting is used (ignore_eos, rollout tp > 1, load_format, engine_kwargs.vllm,

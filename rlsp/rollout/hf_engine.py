@@ -73,7 +73,7 @@ class HFEngine:
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> RolloutOutput:
         if sampling.ignore_eos:
-            raise ValueError("ignore_eos is not supported by the hf rollout engine (generate stops at EOS); "
+            raise ValueError("ignore_eos is not supported by the hf rollout engine (its decoding loop stops at EOS); "
                              "use actor_rollout_ref.rollout.name=vllm")
         if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
             raise ValueError("generate needs at least one prompt and every prompt needs >= 1 token")

@@ -1,4 +1,4 @@
-"""RolloutRole: this rank's in-process generation engine (vLLM, or HF generate as a fallback).
+"""RolloutRole: this rank's in-process generation engine (vLLM, or the hf engine: transformers' model with rlsp's decoding loop).
 
 With agent loops (`multi_turn.enable`, or a verl agent-loop command) every sample runs through its row's
 loop (rlsp.agent; rows built in rlsp/workers/agent_rollout.py); otherwise one generate call per batch.
