@@ -30,6 +30,7 @@ from rlsp.config.layout import ParallelLayout
 from rlsp.config.run_length import run_length_errors
 from rlsp.config.validate import validate_config
 from rlsp.config.verl_compat import verl_note
+from rlsp.utils.fast_exit import run_and_exit
 
 SHOWN_ROW_PROBLEMS = 5  # per data split: the first few unreadable rows, then a count
 
@@ -277,4 +278,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_and_exit(lambda: sys.exit(main()))  # no interpreter teardown (~1.5 s with torch loaded)
