@@ -105,7 +105,7 @@ class HFEngine:
         logits_NV = self.model(input_ids=input_ids_NP, attention_mask=mask_NL[:, :width], position_ids=positions_NP,
                                past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         next_pos_N1 = positions_NP[:, -1:] + 1
-        stop_ids = torch.tensor(sorted(self.stop_ids), device=self.device)
+        stop_ids = torch.tensor(sorted(self.stop_ids), dtype=torch.long, device=self.device)
         running_N = torch.ones(n_rows, dtype=torch.bool, device=self.device)
         tokens, logprobs = [], []
         for t in range(sampling.max_tokens):
