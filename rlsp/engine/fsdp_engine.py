@@ -239,7 +239,7 @@ class FSDPEngine:
             pad = micro.packed.num_pad * micro.out_len / micro.packed.total_len
             sp_local += torch.tensor([micro.out_len, pad,
                                       micro.ctx.stats.a2a_seconds, time.perf_counter() - t0], dtype=torch.float64)
-        if self.replicated:  # FSDP reduces during backward; a replicated model's sums happen here, once
+        if self.replicated and self.dims.world_size > 1:  # FSDP reduces in backward; a replicated model here, once
             t0 = time.perf_counter()
             all_reduce_gradients(self.module)
             timing["time_backward_s_max"] += time.perf_counter() - t0
