@@ -14,14 +14,18 @@ Legend: B = prompts in the batch, N = B * n samples, P = padded prompt length, R
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from rlsp.rollout.base import RolloutOutput, SamplingConfig
+from rlsp.rollout.lean_decoder import LeanDecoder, unsupported_reason
 from rlsp.rollout.sampling import sample_next
 from rlsp.utils.dtypes import resolve_dtype
+from rlsp.utils.logging import get_logger
+
+log = get_logger("rlsp.rollout.hf")
 
 
 @contextlib.contextmanager
@@ -60,6 +64,15 @@ class HFEngine:
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [tokenizer.eos_token_id])
         self.stop_ids: set[int] = set(eos_ids)
         self.pad_id: int = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+        self.lean: LeanDecoder | None = None
+        self._build_lean()
+
+    def _build_lean(self) -> None:
+        """The lean forward where it reproduces the model (rlsp.rollout.lean_decoder), else the model's own."""
+        reason = unsupported_reason(self.model)
+        self.lean = LeanDecoder(self.model) if reason is None else None
+        if reason is not None:
+            log.info("hf rollout engine decodes with the model's own forward: the lean decoder does not cover %s", reason)
 
     def _left_pad(self, prompt_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(p) for p in prompt_ids)
@@ -97,13 +110,10 @@ class HFEngine:
         """Sample up to `max_tokens` tokens per row with the model's KV cache: (tokens [N, R], their
         processed logprobs [N, R]); R < max_tokens when every row stopped early."""
         n_rows, width = input_ids_NP.shape
-        mask_NL = torch.ones(n_rows, width + sampling.max_tokens, dtype=torch.long, device=self.device)
-        mask_NL[:, :width] = mask_NP
         # Left padding: real tokens take positions 0.. (pads get 0, they are masked out anyway).
         positions_NP = (mask_NP.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.model.config)
-        logits_NV = self.model(input_ids=input_ids_NP, attention_mask=mask_NL[:, :width], position_ids=positions_NP,
-                               past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        forward = self._forward_fn(mask_NP, width + sampling.max_tokens)
+        logits_NV = forward(input_ids_NP, positions_NP, 0)
         next_pos_N1 = positions_NP[:, -1:] + 1
         stop_ids = torch.tensor(sorted(self.stop_ids), dtype=torch.long, device=self.device)
         running_N = torch.ones(n_rows, dtype=torch.bool, device=self.device)
@@ -115,9 +125,23 @@ class HFEngine:
             running_N &= ~torch.isin(token_N, stop_ids)
             if t + 1 == sampling.max_tokens or not bool(running_N.any()):
                 break
-            logits_NV = self.model(input_ids=token_N[:, None], attention_mask=mask_NL[:, : width + t + 1],
-                                   position_ids=next_pos_N1 + t, past_key_values=cache, use_cache=True).logits[:, -1]
+            logits_NV = forward(token_N[:, None], next_pos_N1 + t, width + t)
         return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
+
+    def _forward_fn(self, mask_NP: torch.Tensor, slots: int) -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]:
+        """forward(ids [N, T], positions [N, T], first cache slot) -> logits [N, V] of the last token, over a
+        cache of `slots` tokens per row that starts empty."""
+        key_valid_NS = torch.ones(mask_NP.shape[0], slots, dtype=torch.bool, device=self.device)
+        key_valid_NS[:, : mask_NP.shape[1]] = mask_NP.bool()
+        if self.lean is not None:
+            self.lean.start(mask_NP.shape[0], slots, key_valid_NS)
+            return self.lean.forward
+        cache, mask_NS = DynamicCache(config=self.model.config), key_valid_NS.long()
+
+        def forward(ids_NT: torch.Tensor, positions_NT: torch.Tensor, slot: int) -> torch.Tensor:
+            return self.model(input_ids=ids_NT, attention_mask=mask_NS[:, : slot + ids_NT.shape[1]], position_ids=positions_NT,
+                              past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        return forward
 
     def _collect(self, new_ids: list[list[int]], logprobs: list[list[float]], n: int) -> RolloutOutput:
         out = RolloutOutput()
@@ -154,9 +178,11 @@ class HFEngine:
     def sleep(self) -> None:
         """Move the weights off the GPU; no-op on CPU."""
         if self.device.type == "cuda":
+            self.lean = None  # its fused weights live on the GPU; wake_up fuses again
             self.model.to("cpu")
             torch.cuda.empty_cache()
 
     def wake_up(self) -> None:
         if self.device.type == "cuda":
             self.model.to(self.device)
+            self._build_lean()
