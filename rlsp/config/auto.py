@@ -26,6 +26,11 @@ start-up and `python -m rlsp.check` in its report.
     actor.use_dynamic_bsz (the critic, the reference and the old-logprob pass follow it)
         true -- micro-batches filled to `ppo_max_token_len_per_gpu` tokens: fewer, fuller passes, the
         same result -- unless `ppo_micro_batch_size_per_gpu` was set (then false: fixed rows, as verl).
+    reward_model.num_workers (rule scoring processes)
+        0 -- the policy workers score the rows they generated, between generation and update, when
+        they would wait for the scores anyway: no process of its own, which would import torch and
+        transformers beside them at start-up -- unless a rollout pool generates while the trainer
+        trains (then 1: scoring must not queue behind an update).
 
 No torch here (rlsp.config.machine reads the machine without it).
 """
@@ -43,6 +48,7 @@ from rlsp.config.layout_build import has_reference
 from rlsp.config.machine import GIB, Machine, machine_facts
 from rlsp.config.model_shape import ModelShape, read_model_shape
 from rlsp.config.schema import ActorConfig
+from rlsp.config.validate_async import rollout_pool_enabled
 
 AUTO = "auto"
 REPLICATE_SHARE = 4  # the rest of a rank's memory: activations, the reference's forward, buffers
@@ -59,7 +65,8 @@ DYNAMIC_BSZ_KEYS = ("actor_rollout_ref.actor.use_dynamic_bsz", "actor_rollout_re
                     "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz", "critic.use_dynamic_bsz")
 FSDP_ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model", "reward_model.model")
 CHECKPOINTING_KEYS = ("actor_rollout_ref.model.enable_gradient_checkpointing", "critic.model.enable_gradient_checkpointing")
-AUTO_KEYS = ("actor_rollout_ref.rollout.name", DYNAMIC_BSZ_KEYS[0], *CHECKPOINTING_KEYS,
+SCORING_KEY = "reward_model.num_workers"
+AUTO_KEYS = ("actor_rollout_ref.rollout.name", DYNAMIC_BSZ_KEYS[0], *CHECKPOINTING_KEYS, SCORING_KEY,
              *(f"{role}.fsdp_config.fsdp_size" for role in FSDP_ROLES))
 
 
@@ -216,6 +223,14 @@ def _dynamic_bsz_choice(cfg: Any) -> AutoChoice:
                                  "tokens: fewer, fuller passes than fixed rows, the same result")
 
 
+def _scoring_choice(cfg: Any) -> AutoChoice:
+    if rollout_pool_enabled(cfg):
+        return AutoChoice(SCORING_KEY, 1, "a rollout pool generates while the trainer trains: rule scoring in "
+                                          "a process of its own, never queued behind an update")
+    return AutoChoice(SCORING_KEY, 0, "rule scoring in the policy workers, on the rows each generated (they wait "
+                                      "for the scores anyway): no scoring process to start")
+
+
 def _checkpointing_choices(cfg: Any, shapes: dict[str, tuple[ModelShape | None, str]],
                            machine: Machine) -> list[AutoChoice]:
     out = []
@@ -244,6 +259,10 @@ def _illegal(cfg: Any, errors: list[str]) -> bool:
             continue
         if not _is_auto(v) and not isinstance(v, bool):
             errors.append(f"{key}={v!r} must be {'auto, ' if key == DYNAMIC_BSZ_KEYS[0] else ''}true or false")
+    v = _get(cfg, SCORING_KEY)
+    if not _is_auto(v) and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+        errors.append(f"{SCORING_KEY}={v!r} must be auto, 0 (the policy workers score) or a count of scoring "
+                      "processes >= 1")
     return len(errors) > before
 
 
@@ -263,6 +282,8 @@ def resolve_auto(cfg: Any, errors: list[str], machine: Machine | None = None) ->
     choices += _fsdp_choices(cfg, shapes, machine)
     if _is_auto(arr.actor.use_dynamic_bsz):
         choices.append(_dynamic_bsz_choice(cfg))
+    if _is_auto(_get(cfg, SCORING_KEY)):
+        choices.append(_scoring_choice(cfg))
     for c in choices:  # the checkpointing rule reads the sharding and micro-batches chosen above
         _set(cfg, c.key, c.value)
     gc = _checkpointing_choices(cfg, shapes, machine)
@@ -276,7 +297,7 @@ def _in_use(cfg: Any, key: str) -> bool:
     """Whether the run reads `key` (the critic's and the legacy reward model's only when they exist)."""
     if key.startswith("critic."):
         return cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS
-    if key.startswith("reward_model."):
+    if key.startswith("reward_model.") and key != SCORING_KEY:
         return bool(cfg.reward_model.enable and not cfg.reward_model.use_reward_loop)
     if key == "actor_rollout_ref.ref.fsdp_config.fsdp_size":
         return has_reference(cfg)

@@ -34,6 +34,11 @@ def _micro(fixed: int, dynamic: bool, budget: int, role: RoleLayout, what: str) 
     return f"{what}: micro-batches of {fixed} samples per rank"
 
 
+def _scoring(cfg: Any) -> str:
+    n = cfg.reward_model.num_workers
+    return "in the policy workers" if n == 0 else f"in {n} process(es)"
+
+
 def describe_placement(cfg: Any, layout: ParallelLayout) -> list[str]:
     """Pools, the roles on them and every role's degrees."""
     p = layout.policy
@@ -59,8 +64,7 @@ def describe_placement(cfg: Any, layout: ParallelLayout) -> list[str]:
                  if layout.reward_servers else "on the policy pool")
         lines.append(f"  reward model: reward loop {where}, {reward_model.world_size // reward_model.tp} "
                      f"{r.name} pooling engine(s) of {reward_model.tp} worker(s) each (dtype {r.dtype}, max_model_len "
-                     f"{r.max_model_len or 'max_position_embeddings'}); rule scoring in "
-                     f"{cfg.reward_model.num_workers} process(es)")
+                     f"{r.max_model_len or 'max_position_embeddings'}); rule scoring {_scoring(cfg)}")
     elif layout.reward_mode == "model_fsdp":
         lines.append(f"  reward model: on the policy pool | {_degrees(reward_model)}")
     if p.nnodes > 1:

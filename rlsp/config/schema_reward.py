@@ -129,6 +129,6 @@ class RewardModelConfig:
     ulysses_sequence_parallel_size: int = 1  # Ulysses degree of the reward model's forward
     reward_manager: str | None = None  # verl's older spelling of reward.reward_manager.name (mapped onto it)
     overlong_buffer: OverlongBufferAliasConfig = field(default_factory=OverlongBufferAliasConfig)  # verl's older spelling of reward.reward_kwargs.overlong_buffer_cfg
-    num_workers: int = 1  # reward-loop processes scoring rule rewards concurrently (Ray actors over chunks of the batch)
+    num_workers: Any = "auto"  # rule scoring processes (Ray actors over chunks of the batch); 0: the policy workers score their own rows; auto: 0, or 1 with a rollout pool (rlsp.config.auto)
     use_reward_loop: bool = False  # true: the reward model served by an in-process vLLM engine (reward_model.rollout)
     rollout: RewardModelRolloutConfig = field(default_factory=RewardModelRolloutConfig)

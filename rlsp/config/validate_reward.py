@@ -46,9 +46,6 @@ def check_reward_model(cfg: Any, policy: World | None, rollout: RolloutPlacement
     """Where rewards are computed (the layout's `reward_mode` and the reward model's `RoleLayout`, None
     without one), after checking the keys; `policy` None: the policy pool is not valid itself."""
     rm = cfg.reward_model
-    workers = rm.num_workers
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        errors.append(f"{P}num_workers={workers!r} must be an integer >= 1 (reward-loop processes scoring rule rewards)")
     rules: RewardPlacement = (None, "rules")
     if not rm.enable:
         return rules

@@ -42,7 +42,7 @@ from rlsp.trainer.metrics import MetricsLogger
 from rlsp.trainer.off_policy import apply_rollout_correction, rollout_correction_settings, uses_rollout_logprobs
 from rlsp.trainer.preflight_agent import agent_rows, check_agent_names
 from rlsp.trainer.progress import RunProgress
-from rlsp.trainer.reward import Reward, build_reward, build_rules
+from rlsp.trainer.reward import Reward, build_reward, start_rule_scorers
 from rlsp.trainer.row_advantages import compute_row_advantages, row_level
 from rlsp.trainer.stopping import Terminated
 from rlsp.trainer.training_workers import check_sharded_forwards, start_training_workers
@@ -104,10 +104,10 @@ class RayTrainer:
 
     # ------------------------------------------------------------------ workers
     def start_workers(self) -> list[dict[str, Any]]:
-        rules = build_rules(self.cfg)  # its processes start while the training workers do
+        scorers = start_rule_scorers(self.cfg)  # its processes (if any) start while the training workers do
         workers = start_training_workers(self.cfg, self.layout)
         self.wg, self.critic_wg = workers.wg, workers.critic_wg
-        self.reward = build_reward(self.cfg, self.layout, rules, workers.wg, workers.reward_servers)
+        self.reward = build_reward(self.cfg, self.layout, scorers, workers.wg, workers.reward_servers)
         self.startup.update(workers.timings)
         return workers.infos
 

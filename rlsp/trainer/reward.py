@@ -1,7 +1,8 @@
 """The reward subsystem: one interface over every way rlsp computes rewards, chosen once from the layout.
 
     rules           rule/custom reward functions (rlsp.rewards) in `reward_model.num_workers` scoring
-                    actors that read the rows by reference (rlsp/trainer/reward_workers.py), plus the
+                    actors, or with 0 in the policy workers, that read the rows by reference
+                    (rlsp/trainer/reward_workers.py), plus the
                     dapo manager's overlong shaping (rlsp/rewards/overlong.py)
     model_fsdp      a frozen reward model on the policy workers, FSDP2 (rlsp/workers/roles/reward_model.py)
     model_vllm      the reward loop: a vLLM pooling engine on the policy workers, rendering each row
@@ -27,8 +28,8 @@ from rlsp.config.layout import ParallelLayout
 from rlsp.controller.reward_servers import RewardServers
 from rlsp.controller.worker_group import RayWorkerGroup
 from rlsp.rewards.overlong import build_overlong_shaping
-from rlsp.trainer.reward_workers import ScoringPool, build_scorer
-from rlsp.trainer.scoring import apply_rm_scores
+from rlsp.rewards.scoring import apply_rm_scores
+from rlsp.trainer.reward_workers import ScoringPool, start_scoring_processes
 
 ModelScores = Callable[[Any], Any]  # rows -> their `rm_scores` columns (a StepData of the same rows)
 
@@ -72,16 +73,18 @@ class Reward:
             self.servers.shutdown()
 
 
-def build_rules(cfg: DictConfig) -> ScoringPool:
-    """The rule-scoring actors (every run has them: they score validation too); they start loading now."""
-    return build_scorer(cfg.reward_model.num_workers, cfg.actor_rollout_ref.model.path, cfg.reward.custom_function_path,
-                        cfg.reward.custom_function_name, cfg.reward.on_error)
+def start_rule_scorers(cfg: DictConfig) -> list[Any]:
+    """The rule-scoring processes (they score validation too), started now: they load while the training
+    workers do; none with reward_model.num_workers=0 (the policy workers score)."""
+    return start_scoring_processes(cfg.reward_model.num_workers, cfg.actor_rollout_ref.model.path,
+                                   cfg.reward.custom_function_path, cfg.reward.custom_function_name, cfg.reward.on_error)
 
 
-def build_reward(cfg: DictConfig, layout: ParallelLayout, rules: ScoringPool, wg: RayWorkerGroup,
+def build_reward(cfg: DictConfig, layout: ParallelLayout, scorers: list[Any], wg: RayWorkerGroup,
                  servers: RewardServers | None) -> Reward:
-    """The reward subsystem of this layout (`layout.reward_mode`): the rule scorers always, and where a
-    reward model runs."""
+    """The reward subsystem of this layout (`layout.reward_mode`): the rule scorers always (`scorers`, or
+    the policy workers when there are none), and where a reward model runs."""
+    rules = ScoringPool(scorers or list(wg.workers))
     if layout.reward_mode == "rules":
         return Reward(cfg, rules)
     if layout.reward_mode == "model_servers":

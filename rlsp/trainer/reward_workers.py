@@ -1,5 +1,6 @@
-"""Rule scoring in `reward_model.num_workers` scoring processes (verl's reward-loop workers), where the
-rows are read from the workers that hold them, never through the driver.
+"""Rule scoring in `reward_model.num_workers` scoring processes (verl's reward-loop workers), or with 0 in
+the policy workers themselves, where the rows are read from the workers that hold them, never through
+the driver.
 
 Each of the k Ray actors holds its own `Scorer` (the policy tokenizer and the reward function, loaded
 once per actor; started with the run so the first step does not wait for them). A step's rows are
@@ -22,7 +23,7 @@ import torch
 from rlsp.controller.step_data import StepData, from_batch
 from rlsp.controller.traffic import TRAFFIC
 from rlsp.data.batch import Batch
-from rlsp.trainer.scoring import RewardError, Scorer, place_scores
+from rlsp.rewards.scoring import RewardError, Scorer, place_scores
 from rlsp.workers.columns import RowsSpec, assemble
 
 # What rule scoring reads of a row: the response tokens and the dataset row's fields.
@@ -39,20 +40,18 @@ class ScoringActor:
         self.scorer = Scorer(AutoTokenizer.from_pretrained(tokenizer_path), custom_path, custom_name, on_error)
 
     def score(self, spec: RowsSpec, *blocks: Batch) -> tuple[np.ndarray, int, list[dict[str, Any]]]:
-        rows = assemble(spec, blocks)
-        scores = self.scorer.score_rows(rows)
-        return scores, self.scorer.last_errors, rows.meta["reward_extra_info"]
+        return self.scorer.score_report(assemble(spec, blocks))
 
 
 class ScoringPool:
-    """Scores the rows of a step (`score_rows`) over `num_workers` scoring processes."""
+    """Scores the rows of a step (`score_rows`) in contiguous chunks over its scorers: scoring processes
+    (`ScoringActor`) or, with reward_model.num_workers=0, the policy workers (rlsp.workers.worker's
+    `score`, the same call and answer)."""
 
-    def __init__(self, num_workers: int, tokenizer_path: str, custom_path: str | None, custom_name: str,
-                 on_error: str) -> None:
-        if num_workers < 1:
-            raise ValueError(f"reward_model.num_workers={num_workers}: need at least 1 scoring process")
-        self.workers = [ScoringActor.remote(tokenizer_path, custom_path, custom_name, on_error)
-                        for _ in range(num_workers)]
+    def __init__(self, scorers: list[Any]) -> None:
+        if not scorers:
+            raise ValueError("a scoring pool needs at least one scorer (a scoring process or a policy worker)")
+        self.workers = scorers
         self.last_errors = 0
 
     def score_rows(self, data: StepData | Batch) -> np.ndarray:
@@ -94,7 +93,7 @@ def set_row_scores(data: StepData, scores: np.ndarray) -> None:
     data.derive("token_level_scores", lambda d: place_scores(scores, d["response_mask"]))
 
 
-def build_scorer(num_workers: int, tokenizer_path: str, custom_path: str | None, custom_name: str,
-                 on_error: str) -> ScoringPool:
-    """The run's rule scorer: `num_workers` scoring processes (at least one)."""
-    return ScoringPool(max(1, num_workers), tokenizer_path, custom_path, custom_name, on_error)
+def start_scoring_processes(num_workers: int, tokenizer_path: str, custom_path: str | None, custom_name: str,
+                            on_error: str) -> list[Any]:
+    """`num_workers` scoring processes, started now so they load while the training workers do (none for 0)."""
+    return [ScoringActor.remote(tokenizer_path, custom_path, custom_name, on_error) for _ in range(num_workers)]

@@ -24,6 +24,7 @@ from transformers import AutoTokenizer
 
 from rlsp.config.layout import ParallelLayout
 from rlsp.data.batch import Batch
+from rlsp.rewards.scoring import Scorer
 from rlsp.utils.device import backend_for, device_for, resolve_device_type
 from rlsp.utils.dtypes import resolve_dtype
 from rlsp.utils.logging import get_logger
@@ -65,6 +66,7 @@ class Worker:
         self.world = layout.world_of(group)
         self.placed = [r for r in layout.roles_of(group) if r != "ref" or layout.has_reference]
         self.roles: dict[str, Any] = {}
+        self.scorer: Scorer | None = None  # rule scoring in this process, built by the first `score`
         self._store_socket: socket.socket | None = None  # rank 0 of a one-node run, until the store adopts it
         os.environ["RANK"] = str(rank)
 
@@ -166,6 +168,15 @@ class Worker:
         report = row_report(merged, fields.reports)
         report.info[COLUMNS_INFO] = (sorted(result.tensors.keys()), sorted(result.meta))  # what this block holds
         return result, report
+
+    def score(self, spec: RowsSpec, *blocks: Batch) -> tuple[Any, int, list[dict[str, Any]]]:
+        """Rule scores of the rows `spec` builds from `blocks`, as a scoring process returns them
+        (rlsp.trainer.reward_workers: with reward_model.num_workers=0 the policy workers score)."""
+        if self.scorer is None:
+            r = self.cfg.reward
+            tokenizer = AutoTokenizer.from_pretrained(self.cfg.actor_rollout_ref.model.path)
+            self.scorer = Scorer(tokenizer, r.custom_function_path, r.custom_function_name, r.on_error)
+        return self.scorer.score_report(assemble(spec, blocks))
 
     def _rollout_starts_stale(self) -> bool:
         """The rollout engine starts from model.path's weights (random ones with load_format=dummy); the

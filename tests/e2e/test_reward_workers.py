@@ -1,4 +1,5 @@
-"""reward_model.num_workers: rule scoring in Ray scoring actors gives what one in-process Scorer gives.
+"""reward_model.num_workers: rule scoring in Ray scoring actors, or (0) in the policy workers, gives what
+one in-process Scorer gives.
 
 7 rows (one chunk, uneven chunks over 2 and 3 workers), a custom reward that depends on each row's response and
 index, and one faulting row scored 0 under reward.on_error=zero: token-level scores, per-row scores
@@ -10,11 +11,15 @@ from __future__ import annotations
 import pytest
 import ray
 import torch
+from omegaconf import OmegaConf
 
+from rlsp.config.schema import RLSPConfig
+from rlsp.config.validate import validate_config
+from rlsp.controller.worker_group import RayWorker
 from rlsp.data.batch import Batch
 from rlsp.models.tokenizer import build_char_tokenizer
-from rlsp.trainer.reward_workers import ScoringPool, build_scorer
-from rlsp.trainer.scoring import Scorer
+from rlsp.rewards.scoring import Scorer
+from rlsp.trainer.reward_workers import ScoringPool, start_scoring_processes
 
 pytestmark = pytest.mark.e2e
 
@@ -43,12 +48,23 @@ def test_reward_workers_equal_one_scorer(tmp_path):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         for workers in (1, 2, 3):
-            pool = build_scorer(workers, str(tmp_path / "tok"), str(fn), "compute_score", "zero")
-            assert isinstance(pool, ScoringPool)
+            pool = ScoringPool(start_scoring_processes(workers, str(tmp_path / "tok"), str(fn), "compute_score", "zero"))
             batch = _batch(tok)
             got = pool.score_rows(batch)
             assert got.tolist() == want.tolist()
             assert torch.equal(batch["token_level_scores"], expected["token_level_scores"])
             assert pool.last_errors == single.last_errors == 1
+        # reward_model.num_workers=0: the policy workers' own `score` (no process group needed to score)
+        cfg = OmegaConf.structured(RLSPConfig)
+        for key, val in {"actor_rollout_ref.model.path": str(tmp_path / "tok"), "reward.custom_function_path": str(fn),
+                         "reward.on_error": "zero", "trainer.device": "cpu"}.items():
+            OmegaConf.update(cfg, key, val)
+        layout = validate_config(cfg)
+        assert cfg.reward_model.num_workers == 0  # auto: no rollout pool, so the policy workers score
+        config = OmegaConf.to_container(cfg)
+        workers = [ray.remote(RayWorker).remote(config, layout, "policy", rank) for rank in range(2)]
+        batch = _batch(tok)
+        assert ScoringPool(workers).score_rows(batch).tolist() == want.tolist()
+        assert torch.equal(batch["token_level_scores"], expected["token_level_scores"])
     finally:
         ray.shutdown()

@@ -56,7 +56,7 @@ def test_defaults_on_cpu_pick_hf_whole_model_and_token_budget():
     got = resolved(cfg)
     assert got == {"actor_rollout_ref.rollout.name": "hf", "actor_rollout_ref.actor.fsdp_config.fsdp_size": 1,
                    "actor_rollout_ref.ref.fsdp_config.fsdp_size": 1, "actor_rollout_ref.actor.use_dynamic_bsz": True,
-                   "actor_rollout_ref.model.enable_gradient_checkpointing": False}
+                   "actor_rollout_ref.model.enable_gradient_checkpointing": False, "reward_model.num_workers": 0}
     # written into the config, followed by the keys that interpolate the actor's
     assert cfg.actor_rollout_ref.rollout.name == "hf" and cfg.critic.model.fsdp_config.fsdp_size in (1, -1)
     assert cfg.actor_rollout_ref.ref.log_prob_use_dynamic_bsz is True and cfg.critic.use_dynamic_bsz is True
@@ -212,6 +212,14 @@ def test_nothing_auto_reads_nothing(monkeypatch):
     monkeypatch.setattr(auto, "machine_facts", unexpected)
     monkeypatch.setattr(auto, "model_shape", unexpected)
     assert resolve_auto(cfg, [], None) == []
+
+
+def test_rule_scoring_in_the_policy_workers_unless_a_rollout_pool_generates_meanwhile():
+    assert resolved(config())["reward_model.num_workers"] == 0
+    pool = config(**{"rollout.n_gpus_per_node": 2, "async_training.staleness_threshold": 0.5})
+    assert resolved(pool)["reward_model.num_workers"] == 1
+    explicit = config(**{"reward_model.num_workers": 3})
+    assert "reward_model.num_workers" not in resolved(explicit) and explicit.reward_model.num_workers == 3
 
 
 def test_a_follower_key_set_to_a_bad_value_is_named():

@@ -67,8 +67,10 @@ def test_reward_loop_refusals():
                    "reward_model.rollout.dtype='fp8'", "reward_model.rollout.data_parallel_size=2 is not supported",
                    "gpu_memory_utilization=1.5 must be a fraction in (0, 1]", "max_model_len=0 must be null"):
         assert needle in text
-    with pytest.raises(ValueError, match=r"reward_model.num_workers=0 must be an integer >= 1"):
-        validate_config(make(**{"reward_model.num_workers": 0}))
+    for bad in (-1, True, "two"):
+        with pytest.raises(ValueError, match=rf"reward_model.num_workers={bad!r} must be auto, 0 \(the policy workers "
+                                             r"score\) or a count of scoring processes >= 1"):
+            validate_config(make(**{"reward_model.num_workers": bad}))
 
 
 def test_reward_loop_preflight(tmp_path):

@@ -12,8 +12,8 @@ import torch
 from rlsp.data.batch import Batch
 from rlsp.data.dataset import PromptDataset
 from rlsp.models.tokenizer import build_char_tokenizer
+from rlsp.rewards.scoring import RewardError, Scorer
 from rlsp.trainer.batch_metrics import check_finite
-from rlsp.trainer.scoring import RewardError, Scorer
 
 
 def _reward_file(tmp_path, body: str) -> str:

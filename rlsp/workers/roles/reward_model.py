@@ -7,7 +7,7 @@ Sharded like the reference (FSDP2 over the policy workers, Ulysses with
 its last real token. Each sample is scored in the reward model's own chat format when its tokenizer
 differs from `reward_model.model.input_tokenizer` (the policy's): see rlsp.data.rm_inputs. The score
 lands on the last response token (`rm_scores`, [B, R]), which the driver uses as the token-level
-score (verl's rule, rlsp.trainer.scoring.apply_rm_scores). With reward_model.use_reward_loop the role
+score (verl's rule, rlsp.rewards.scoring.apply_rm_scores). With reward_model.use_reward_loop the role
 hosts verl's reward loop instead (a vLLM pooling engine, rlsp.workers.roles.reward_loop); the scores
 land the same way.
 """

@@ -85,6 +85,11 @@ class Scorer:
         batch.set("token_level_scores", place_scores(scores, batch["response_mask"]))
         return np.asarray(scores, dtype=np.float64)
 
+    def score_report(self, batch: Batch) -> tuple[np.ndarray, int, list[dict[str, Any]]]:
+        """What a scoring process returns for its rows: (scores, failed reward calls, each row's dict entries)."""
+        scores = self.score_rows(batch)
+        return scores, self.last_errors, batch.meta["reward_extra_info"]
+
 
 def place_scores(scores: Any, mask_BR: torch.Tensor) -> torch.Tensor:
     """[B, R] token-level scores: each row's score on its last policy token, zeros elsewhere."""
