@@ -3,7 +3,7 @@
 A rollout engine turns token-id prompts into sampled responses with the logprob of every sampled
 token, accepts new policy weights in place, and scores fixed sequences (prompt logprobs) so that
 weight synchronisation can be verified. Two implementations live next to this file: vLLM
-(`vllm_engine.py`, the only module importing vllm) and Hugging Face `generate` (`hf_engine.py`).
+(`vllm_engine.py`, the only module importing vllm) and the transformers model with rlsp's decoding loop (`hf_engine.py`).
 
 Logprob convention: `response_logprobs` are logprobs under the distribution the token was sampled
 from, i.e. `log_softmax(logits / temperature)` restricted and renormalised by top-k/top-p. With
