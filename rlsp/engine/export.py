@@ -16,7 +16,6 @@ import os
 import shutil
 
 import torch
-from peft import PeftConfig
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -62,6 +61,8 @@ def _full_model(actor: str, assets: str) -> nn.Module:
 def _merged_lora(actor: str, adapter_dir: str, staging: str) -> nn.Module:
     """A LoRA checkpoint: the base its adapter_config.json names, with the checkpoint's adapters. Writes
     the PEFT adapter to <staging>/lora_adapter and returns the merged model (W + scale * B @ A)."""
+    from peft import PeftConfig  # noqa: PLC0415 -- only LoRA exports need peft
+
     base_path = PeftConfig.from_pretrained(adapter_dir).base_model_name_or_path
     if not base_path or not os.path.isdir(base_path):
         raise ValueError(f"the LoRA checkpoint's base model {base_path!r} (adapter_config.json in {adapter_dir}) is "

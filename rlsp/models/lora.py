@@ -24,13 +24,15 @@ import contextlib
 import copy
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
-from peft.tuners.lora import LoraLayer
 from torch import nn
 
 from rlsp.config.lora_keys import LORA_ALL_LINEAR, LORA_REFUSED_TARGETS
+
+if TYPE_CHECKING:  # peft is imported where LoRA is used: runs without it never pay for the import
+    from peft import LoraConfig, PeftModel
 
 ADAPTER = "default"  # peft's adapter name; rlsp trains one adapter
 LORA_ADAPTER_DIR = "lora_adapter"  # where a checkpoint's HF assets and an export keep the PEFT adapter
@@ -58,6 +60,8 @@ def base_name(name: str) -> str:
 
 
 def _peft_config(s: LoraSettings) -> LoraConfig:
+    from peft import LoraConfig  # noqa: PLC0415 -- see the TYPE_CHECKING import
+
     targets = s.target_modules if isinstance(s.target_modules, str) else list(s.target_modules)
     exclude = s.exclude_modules if s.exclude_modules is None or isinstance(s.exclude_modules, str) \
         else list(s.exclude_modules)
@@ -68,6 +72,8 @@ def _peft_config(s: LoraSettings) -> LoraConfig:
 def apply_lora(lm: nn.Module, s: LoraSettings) -> LoraAdapters:
     """Wrap `lm`'s targeted linear layers with trainable LoRA adapters in place (new ones, or the
     adapter saved at `s.adapter_path`); every other parameter is frozen."""
+    from peft import PeftModel, get_peft_model  # noqa: PLC0415 -- see the TYPE_CHECKING import
+
     if s.adapter_path:
         peft_model = PeftModel.from_pretrained(lm, s.adapter_path, is_trainable=True)
         if s.rank and peft_model.peft_config[ADAPTER].r != s.rank:
@@ -81,6 +87,8 @@ def apply_lora(lm: nn.Module, s: LoraSettings) -> LoraAdapters:
 def apply_saved_lora_config(lm: nn.Module, config_dir: str) -> LoraAdapters:
     """`apply_lora` with the adapter_config.json under `config_dir` (fresh adapter weights: an export
     fills them from a checkpoint)."""
+    from peft import LoraConfig, get_peft_model  # noqa: PLC0415 -- see the TYPE_CHECKING import
+
     return LoraAdapters(get_peft_model(lm, LoraConfig.from_pretrained(config_dir)), lm)
 
 
@@ -88,6 +96,8 @@ class LoraAdapters:
     """peft's view of a LoRA-wrapped LM (`lm` itself holds the layers; names are relative to it)."""
 
     def __init__(self, peft_model: PeftModel, lm: nn.Module) -> None:
+        from peft.tuners.lora import LoraLayer  # noqa: PLC0415 -- see the TYPE_CHECKING import
+
         self.peft_model, self.lm = peft_model, lm
         cfg = peft_model.peft_config[ADAPTER]
         if cfg.peft_type.value != "LORA" or getattr(cfg, "use_dora", False):
