@@ -131,8 +131,9 @@ def _rollout_choice(cfg: Any, shape: ModelShape | None, why: str, machine: Machi
         return AutoChoice(key, "vllm", f"{size} on cpu (over {HF_ROLLOUT_MAX_PARAMS / 1e6:.0f}M): vLLM's CPU kernels")
     if needs := _vllm_only(cfg):
         return AutoChoice(key, "vllm", f"{', '.join(needs)} needs vLLM")
-    return AutoChoice(key, "hf", f"{size} on cpu (at most {HF_ROLLOUT_MAX_PARAMS / 1e6:.0f}M): transformers "
-                                 "generate, whose cost per decoding step is below vLLM's fixed per-step overhead")
+    return AutoChoice(key, "hf", f"{size} on cpu (at most {HF_ROLLOUT_MAX_PARAMS / 1e6:.0f}M): the model's "
+                                 "weights in rlsp's decoding loop, whose cost per decoding step is below vLLM's fixed "
+                                 "per-step overhead")
 
 
 def _offloaded(fsdp: Any) -> bool:
