@@ -298,7 +298,7 @@ def _in_use(cfg: Any, key: str) -> bool:
     """Whether the run reads `key` (the critic's and the legacy reward model's only when they exist)."""
     if key.startswith("critic."):
         return cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS
-    if key.startswith("reward_model.") and key != SCORING_KEY:
+    if key.startswith("reward_model.model."):
         return bool(cfg.reward_model.enable and not cfg.reward_model.use_reward_loop)
     if key == "actor_rollout_ref.ref.fsdp_config.fsdp_size":
         return has_reference(cfg)
