@@ -87,6 +87,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--tiled-mlp", type=int, default=0, help="token tiles per MLP call (0: the model's own MLP)")
     p.add_argument("--act-offload", action="store_true",
                    help="activation offload: what the forward saves waits in host memory (needs --grad-ckpt to matter)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each decoder layer (before sharding; use --warmup 2 so compilation is not timed)")
     p.add_argument("--mem-cap-gib", type=float, default=0.0,
                    help="cap this process's CUDA allocator at this many GiB (e.g. 79 to stand for an 80 GB card)")
     return p.parse_args()
@@ -138,6 +140,9 @@ def _build(a: argparse.Namespace, device: torch.device) -> tuple:
         apply_tiled_mlp(lm.model, a.tiled_mlp)
     if a.grad_ckpt:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if a.compile:
+        for layer in lm.model.layers:
+            layer.compile()
     n_params = sum(p.numel() for p in lm.parameters())
     model = parallelize(TokenLogprobModel(lm, chunk_size=a.chunk), dims, getattr(torch, a.dtype))
     optimizer, _ = build_optimizer(model, OptimSettings(lr=a.lr, grad_clip=1.0))
@@ -202,7 +207,7 @@ def main() -> None:
     before = {n: p.detach().to_local().clone() for n, p in model.named_parameters()} if a.world == 1 else {}
     result = {"benchmark": "gpu_train_step", "model": a.model, "params": n_params, "tokens": a.tokens,
               "seq_len": a.seq_len or a.tokens, "world": a.world, "sp": a.sp, "local_tokens": local_len,
-              "grad_ckpt": a.grad_ckpt, "tiled_mlp": a.tiled_mlp, "act_offload": a.act_offload,
+              "grad_ckpt": a.grad_ckpt, "compile": a.compile, "tiled_mlp": a.tiled_mlp, "act_offload": a.act_offload,
               "mem_cap_gib": a.mem_cap_gib or None, "dtype": a.dtype,
               "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__}
     try:

@@ -16,6 +16,8 @@
 #   train      the 0.5B-shape step: time, memory, MFU at 4k-32k tokens, checkpointing on and off
 #   agent      benchmarks/agent_rollout.py: multi-turn rollouts (agent loops on a helper thread, the HF engine
 #              on CUDA) under long-tailed tool latency, and the engine's logprobs against a full forward
+#   decode     benchmarks/hf_decode.py: the hf rollout engine's lean decoding forward against the model's own
+#              (time per call, logprobs against a full forward) at the tiny and the 0.5B shape
 # The results go to $RLSP_BENCH_DOC (default docs/benchmarks.md) under a dated heading naming the device;
 # --no-record prints them only. Exit status: 0 when every check passed, 1 otherwise, 2 on a set-up error.
 set -uo pipefail
@@ -73,6 +75,8 @@ run() {  # one benchmark: its JSON lines, or one line saying it failed
     for t in 4096 16384 32768; do run benchmarks/gpu_train_step.py --tokens $t --seq-len 4096; done
     run benchmarks/gpu_train_step.py --tokens 32768 --seq-len 32768 --grad-ckpt
     run benchmarks/agent_rollout.py --engine hf --device cuda --trajectories 64 --median-s 0.1
+    run benchmarks/hf_decode.py --device cuda --shape tiny --dtype float32 --samples 64 --max-tokens 32
+    run benchmarks/hf_decode.py --device cuda --shape qwen2.5-0.5b --dtype bfloat16 --samples 64 --max-tokens 128 --rounds 4
   fi
 } | tee "$LINES"
 

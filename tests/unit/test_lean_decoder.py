@@ -8,6 +8,8 @@
 * the engine decodes the same tokens with the same logprobs with and without it, and weight sync
   (`update_weights`' in-place copies) reaches its fused q/k/v and gate/up weights;
 * models it does not reproduce are named with the reason and decode with the model's own forward.
+
+The forward comparisons run on CPU and, where a GPU is present, on CUDA (scripts/gpu_check.sh runs them).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from rlsp.rollout.lean_decoder import LeanDecoder, unsupported_reason
 
 PROMPTS = [[5, 9, 12, 7], [20], [33, 4, 8], [11, 11, 40, 41, 42, 43]]
 STEPS = 5
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                             reason="needs a CUDA device")])]
 COMMON = dict(vocab_size=64, hidden_size=48, intermediate_size=80, num_hidden_layers=2, max_position_embeddings=64,
               rms_norm_eps=1e-6, initializer_range=0.3)
 
@@ -51,10 +55,11 @@ def left_padded(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, t
 
 def lean_logits(model, prompts: list[list[int]], continuation: torch.Tensor) -> list[torch.Tensor]:
     """Logits of the prefill, then of each one-token step feeding `continuation` [N, STEPS]."""
-    ids, mask = left_padded(prompts)
+    device = model.lm_head.weight.device
+    ids, mask = (t.to(device) for t in left_padded(prompts))
     width = ids.shape[1]
     lean = LeanDecoder(model)
-    valid = torch.ones(len(prompts), width + STEPS, dtype=torch.bool)
+    valid = torch.ones(len(prompts), width + STEPS, dtype=torch.bool, device=device)
     valid[:, :width] = mask.bool()
     lean.start(len(prompts), width + STEPS, valid)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -69,26 +74,28 @@ def reference_logits(model, prompts: list[list[int]], continuation: torch.Tensor
     rows = []
     with torch.no_grad():
         for p, cont in zip(prompts, continuation.tolist()):
-            logits = model(input_ids=torch.tensor([p + cont])).logits[0]
+            logits = model(input_ids=torch.tensor([p + cont], device=model.lm_head.weight.device)).logits[0]
             rows.append(logits[len(p) - 1 :])
     return [torch.stack([r[t] for r in rows]) for t in range(STEPS + 1)]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", sorted(families()))
-def test_prefill_and_steps_equal_the_models_forward_float64(name):
+def test_prefill_and_steps_equal_the_models_forward_float64(name, device):
     torch.manual_seed(0)
-    model = families()[name].double().eval()
+    model = families()[name].double().to(device).eval()
     assert unsupported_reason(model) is None
-    continuation = torch.randint(0, 64, (len(PROMPTS), STEPS))
+    continuation = torch.randint(0, 64, (len(PROMPTS), STEPS), device=device)
     for t, (got, ref) in enumerate(zip(lean_logits(model, PROMPTS, continuation), reference_logits(model, PROMPTS, continuation))):
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-10, msg=lambda m, t=t: f"{name} step {t}: {m}")
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ["qwen2_gqa_bias_tied", "llama_mha_head_dim_untied"])
-def test_bfloat16_error_no_larger_than_transformers_own(name):
+def test_bfloat16_error_no_larger_than_transformers_own(name, device):
     torch.manual_seed(1)
-    model = families()[name].eval()
-    continuation = torch.randint(0, 64, (len(PROMPTS), STEPS))
+    model = families()[name].to(device).eval()
+    continuation = torch.randint(0, 64, (len(PROMPTS), STEPS), device=device)
     exact = reference_logits(model.double(), PROMPTS, continuation)
     model.bfloat16()
     theirs = reference_logits(model, PROMPTS, continuation)
@@ -107,9 +114,11 @@ def model_dir(tmp_path_factory) -> str:
                             str(tmp_path_factory.mktemp("lean")))
 
 
-def test_engine_decodes_the_same_with_and_without_the_lean_forward(model_dir):
+@pytest.mark.parametrize("device", DEVICES)
+def test_engine_decodes_the_same_with_and_without_the_lean_forward(model_dir, device):
     sampling = SamplingConfig(n=3, temperature=1.0, top_p=0.9, max_tokens=10, seed=11)
-    lean_engine, own_engine = HFEngine(model_dir, dtype=torch.float64), HFEngine(model_dir, dtype=torch.float64)
+    lean_engine = HFEngine(model_dir, dtype=torch.float64, device=device)
+    own_engine = HFEngine(model_dir, dtype=torch.float64, device=device)
     assert lean_engine.lean is not None
     own_engine.lean = None  # transformers' forward with its DynamicCache
     lean_engine.stop_ids = own_engine.stop_ids = set()
