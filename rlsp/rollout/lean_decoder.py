@@ -139,7 +139,7 @@ class LeanDecoder:
         n, t = q_NTHD.shape[:2]
         if t == 1:
             q_NKGD = q_NTHD.view(n, self.kv_heads, -1, self.head_dim)
-            return F.scaled_dot_product_attention(q_NKGD, k_NKSD, v_NKSD, attn_mask=mask).view(n, 1, -1)
+            return F.scaled_dot_product_attention(q_NKGD, k_NKSD, v_NKSD, attn_mask=mask).reshape(n, 1, -1)
         out = F.scaled_dot_product_attention(q_NTHD.transpose(1, 2), k_NKSD, v_NKSD, attn_mask=mask, enable_gqa=True)
         return out.transpose(1, 2).reshape(n, t, -1)
 
