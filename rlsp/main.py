@@ -58,6 +58,7 @@ from rlsp.trainer.stopping import (
     kill_ray_sessions,
     ray_in_own_session,
     ray_start_signals,
+    stop_autoscaler_monitor,
 )
 from rlsp.utils.fast_exit import run_and_exit
 from rlsp.utils.logging import RUN_LOG_NAME, get_logger, log_to_run_file
@@ -189,8 +190,10 @@ def train(cfg: DictConfig, layout: ParallelLayout, prepared: tuple[RayTrainer, s
         # After a fault or Ctrl-C the workers may be stuck in a collective: kill them, don't wait.
         trainer.shutdown(graceful=clean)
         if connected_here:  # stops a private Ray; from a cluster, only disconnects (flushing worker output)
+            stop_autoscaler_monitor()
             ray.shutdown()
             kill_ray_sessions()  # a private Ray's stragglers (a run stopped while Ray started)
+        trainer.wait_outputs()  # the reward plot, drawn meanwhile
 
 
 def _run_logged(cfg: DictConfig, layout: ParallelLayout) -> None:

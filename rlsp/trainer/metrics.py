@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from typing import Any
 
 from rlsp.trainer.trackers import RunInfo, Tracker, build_trackers, check_trackers, to_record
+from rlsp.utils.logging import get_logger
+
+log = get_logger("rlsp.trainer")
 
 
 class MetricsLogger:
@@ -19,6 +23,7 @@ class MetricsLogger:
         self.history: list[dict[str, Any]] = []
         self.trackers: dict[str, Tracker] = {}
         self._open = False
+        self._plotting: threading.Thread | None = None
 
     def open(self, project: str = "rlsp", experiment: str | None = None, config: dict[str, Any] | None = None,
              start_step: int = 1) -> None:
@@ -59,18 +64,40 @@ class MetricsLogger:
         if jsonl is not None:
             jsonl.write_all(self.history)
 
-    def plot_rewards(self, filename: str = "reward.png") -> str | None:
-        points = [(r["step"], r["reward/mean"]) for r in self.history if "reward/mean" in r]
+    def plot_rewards_in_background(self, filename: str = "reward.png") -> str | None:
+        """`plot_rewards` on a thread of its own, so that matplotlib's import and the drawing (~0.5 s of
+        CPU) overlap the end of the run (the workers' and Ray's shutdown, which mostly wait); the path it
+        writes, or None when there is nothing to plot. `wait_plot()` waits for it."""
+        if not any("reward/mean" in r for r in self.history):
+            return None
+        history = list(self.history)
+
+        def draw() -> None:
+            try:
+                self.plot_rewards(filename, history)
+            except Exception as exc:  # the run itself is done and saved: say so, do not fail it
+                log.error("the reward plot was not written: %s: %s", type(exc).__name__, exc)
+        self._plotting = threading.Thread(target=draw, name="rlsp-reward-plot")
+        self._plotting.start()
+        return os.path.join(self.run_dir, filename)
+
+    def wait_plot(self) -> None:
+        """Wait for the plot `plot_rewards_in_background` started, if any."""
+        if self._plotting is not None:
+            self._plotting.join()
+            self._plotting = None
+
+    def plot_rewards(self, filename: str = "reward.png", history: list[dict[str, Any]] | None = None) -> str | None:
+        history = self.history if history is None else history
+        points = [(r["step"], r["reward/mean"]) for r in history if "reward/mean" in r]
         if not points:
             return None
-        import matplotlib
+        from matplotlib.figure import Figure  # no pyplot: no global figure state, safe off the main thread
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 3.5))
+        fig = Figure(figsize=(6, 3.5))
+        ax = fig.subplots()
         ax.plot([p[0] for p in points], [p[1] for p in points], label="train reward/mean")
-        val = [(r["step"], r["val/accuracy"]) for r in self.history if "val/accuracy" in r]
+        val = [(r["step"], r["val/accuracy"]) for r in history if "val/accuracy" in r]
         if val:
             ax.plot([p[0] for p in val], [p[1] for p in val], "o--", label="val/accuracy")
         ax.set_xlabel("step")
@@ -81,5 +108,4 @@ class MetricsLogger:
         fig.tight_layout()
         path = os.path.join(self.run_dir, filename)
         fig.savefig(path, dpi=100)
-        plt.close(fig)
         return path

@@ -123,6 +123,10 @@ class RayTrainer:
     def _groups(self) -> list[RayWorkerGroup]:
         return list({id(g): g for g in (self.wg, self.critic_wg) if g is not None}.values())
 
+    def wait_outputs(self) -> None:
+        """Wait for what `fit` still writes once it returned (the reward plot, drawn while the run shuts down)."""
+        self.metrics.wait_plot()
+
     def shutdown(self, graceful: bool = True) -> None:
         if self.reward is not None:
             self.reward.shutdown()
@@ -320,7 +324,7 @@ class RayTrainer:
             if t.save_final_model:
                 progress.outputs["model (HF)"] = export_hf(latest_checkpoint(self.run_dir),
                                                            os.path.abspath(os.path.join(self.run_dir, "actor_hf")))
-            if t.plot and (plot := self.metrics.plot_rewards()):
+            if t.plot and (plot := self.metrics.plot_rewards_in_background()):  # `wait_outputs` waits for it
                 progress.outputs["reward plot"] = plot
             ok = True
         finally:

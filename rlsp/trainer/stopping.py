@@ -130,6 +130,22 @@ def ray_in_own_session() -> Iterator[None]:
         services.ConsolePopen = popen
 
 
+def stop_autoscaler_monitor() -> None:
+    """SIGKILL the autoscaler monitor of the private Ray this process started, just before `ray.shutdown()`.
+    Ray stops its processes one by one, the GCS before the monitor; on SIGTERM the monitor reports its own
+    end to that GCS, which is gone by then, so it is killed only after Ray's 1 s grace: every run's exit
+    waited for it. A single-node private Ray has nothing to scale, and on SIGKILL nothing is reported
+    (SIGTERM while the GCS is up would publish "the autoscaler failed" to the driver). Does nothing for a
+    joined cluster: this process started no monitor there."""
+    from ray._private import ray_constants, worker
+
+    node = worker._global_node
+    for info in (node.all_processes.get(ray_constants.PROCESS_TYPE_MONITOR, []) if node is not None else []):
+        if info.process.poll() is None:
+            info.process.kill()
+            info.process.wait()
+
+
 def kill_ray_sessions() -> None:
     """SIGKILL what is left in the sessions `ray_in_own_session` started, once `ray.shutdown()` is done:
     a run stopped while Ray starts leaves the raylet's agents behind, which watch their raylet only once

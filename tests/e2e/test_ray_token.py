@@ -1,5 +1,6 @@
-"""The private local Ray a run starts keeps its authentication token off the disk: Ray would otherwise
-write ~/.ray/auth_token with mode 0644 (readable by every local user) and leave it there.
+"""The private local Ray a run starts keeps its authentication token off the disk (Ray would otherwise
+write ~/.ray/auth_token with mode 0644, readable by every local user, and leave it there), and its exit
+does not wait for the autoscaler monitor.
 
 A driver with its own empty HOME starts the private Ray the way `rlsp.main` does, runs a task on a worker
 (which must authenticate with the same token), and stops; HOME must still be free of `.ray`.
@@ -39,3 +40,37 @@ def test_private_ray_writes_no_token_into_home(tmp_path):
     assert "task: 42" in proc.stdout
     written = [os.path.join(d, f) for d, _, files in os.walk(home) for f in files]
     assert not (home / ".ray").exists(), f"Ray wrote into HOME: {written}"
+
+
+MONITOR_DRIVER = """
+import ray
+from omegaconf import OmegaConf
+from ray._private import ray_constants, worker
+from rlsp.config.schema import RLSPConfig
+from rlsp.main import _init_ray
+from rlsp.trainer.stopping import stop_autoscaler_monitor
+assert _init_ray(OmegaConf.structured(RLSPConfig), 1)
+print("task:", ray.get(ray.remote(lambda: 41 + 1).remote()))
+procs = worker._global_node.all_processes
+monitor = procs[ray_constants.PROCESS_TYPE_MONITOR][0].process
+stop_autoscaler_monitor()
+print("monitor:", monitor.poll(), "others alive:", all(i.process.poll() is None for t, infos in procs.items()
+                                                       if t != ray_constants.PROCESS_TYPE_MONITOR for i in infos))
+everything = [i.process for infos in procs.values() for i in infos]
+ray.shutdown()
+print("after shutdown alive:", sum(p.poll() is None for p in everything))
+"""
+
+
+def test_the_private_rays_autoscaler_monitor_is_stopped_first_without_a_report():
+    """`stop_autoscaler_monitor` (before `ray.shutdown()` in rlsp.main): the monitor gets SIGKILL while the rest
+    of Ray runs on, publishes no "autoscaler failed" error to the driver, and the shutdown still ends every
+    process Ray started."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    proc = subprocess.run([sys.executable, "-c", MONITOR_DRIVER], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "task: 42" in proc.stdout
+    assert "monitor: -9 others alive: True" in proc.stdout, proc.stdout
+    assert "after shutdown alive: 0" in proc.stdout, proc.stdout
+    assert "autoscaler" not in (proc.stdout + proc.stderr).lower(), proc.stderr[-3000:]

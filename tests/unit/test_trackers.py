@@ -153,3 +153,23 @@ def test_all_backends_together(tmp_path, monkeypatch):
     assert where["metrics"] == str(tmp_path / "metrics.jsonl")
     assert where["tensorboard"] == str(tmp_path / "tensorboard")
     assert where["wandb"].startswith(str(tmp_path / "wandb" / "offline-run-"))
+
+
+def test_reward_plot_drawn_on_a_thread(tmp_path, caplog):
+    """The end-of-run plot (`plot_rewards_in_background`, waited for by `wait_plot`): the PNG of the logged
+    rewards at 600 x 350 pixels, none without rewards, and a failed drawing is logged, not raised."""
+    from matplotlib.image import imread
+
+    logger = _write(tmp_path, ["jsonl"])
+    path = logger.plot_rewards_in_background()
+    assert path == str(tmp_path / "reward.png")
+    logger.wait_plot()
+    assert imread(path).shape[:2] == (350, 600)
+    assert _write(tmp_path / "none", ["jsonl"], steps=[{"actor/pg_loss": 0.5}]).plot_rewards_in_background() is None
+    (tmp_path / "gone").mkdir()
+    broken = _write(tmp_path / "gone", ["jsonl"])
+    broken.run_dir = str(tmp_path / "gone" / "metrics.jsonl")  # a file, not a directory: savefig fails
+    with caplog.at_level("ERROR"):
+        broken.plot_rewards_in_background()
+        broken.wait_plot()
+    assert "the reward plot was not written" in caplog.text
