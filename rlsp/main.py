@@ -62,6 +62,7 @@ from rlsp.trainer.stopping import (
 )
 from rlsp.utils.fast_exit import run_and_exit
 from rlsp.utils.logging import RUN_LOG_NAME, get_logger, log_to_run_file
+from rlsp.utils.ray_start import without_api_server
 
 if TYPE_CHECKING:  # imported where a run starts (see the module docstring)
     from rlsp.trainer.ray_trainer import RayTrainer
@@ -121,7 +122,7 @@ def _init_ray(cfg: DictConfig, world_size: int) -> bool:
         # Ray could never hand one of them out; they only took CPU while the real workers imported torch.
         # In a session of its own, Ray outlives a signal to this job's whole process group (Slurm's
         # scancel) long enough for the driver to stop the run cleanly (see rlsp.trainer.stopping).
-        with ray_in_own_session():
+        with ray_in_own_session(), without_api_server():
             ray.init(address="local", **_private_ray_resources(cfg, world_size), include_dashboard=False,
                      log_to_driver=True,
                      _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False})
