@@ -5,8 +5,10 @@ workers. Where Ray comes from is `trainer.ray_address`:
 
     unset (or local)  a private local Ray for this run alone, listening on 127.0.0.1 only, whatever else
                       runs on the machine (another Ray, a stale /tmp/ray address file, RAY_ADDRESS in the
-                      shell); it stops when the run ends. A driver submitted with `ray job submit` is the
-                      exception: it joins the cluster it was submitted to (Ray sets RAY_ADDRESS for it).
+                      shell); it stops when the run ends. It starts no dashboard and no API server
+                      (rlsp.utils.ray_start); its autoscaler monitor is stopped first at the end. A
+                      driver submitted with `ray job submit` is the exception: it joins the cluster it
+                      was submitted to (Ray sets RAY_ADDRESS for it).
     auto              join the running cluster Ray finds: RAY_ADDRESS, else the last `ray start` here.
     <host>:<port>     join that cluster (`ray://<host>:<port>` goes through Ray Client).
 
