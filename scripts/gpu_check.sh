@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check of rlsp in one command (about 4 minutes on one H200), on a bare GPU machine: torch,
+# Every GPU check of rlsp in one command (about 5 minutes on one H200), on a bare GPU machine: torch,
 # transformers and peft are enough (no Ray, vLLM or Hydra); omegaconf and tensordict are needed too
 # and, when missing, are installed from the wheels in $RLSP_WHEELS (a directory) if given.
 #
