@@ -137,13 +137,18 @@ def stop_autoscaler_monitor() -> None:
     waited for it. A single-node private Ray has nothing to scale, and on SIGKILL nothing is reported
     (SIGTERM while the GCS is up would publish "the autoscaler failed" to the driver). Does nothing for a
     joined cluster: this process started no monitor there."""
-    from ray._private import ray_constants, worker
+    try:
+        from ray._private import ray_constants, worker
 
-    node = worker._global_node
-    for info in (node.all_processes.get(ray_constants.PROCESS_TYPE_MONITOR, []) if node is not None else []):
-        if info.process.poll() is None:
-            info.process.kill()
-            info.process.wait()
+        node = worker._global_node
+        monitors = node.all_processes.get(ray_constants.PROCESS_TYPE_MONITOR, []) if node is not None else []
+        for info in monitors:
+            if info.process.poll() is None:
+                info.process.kill()
+                info.process.wait()
+    except (ImportError, AttributeError, OSError) as exc:  # another Ray's internals: its own shutdown still runs
+        log.warning("could not stop Ray's autoscaler monitor before the shutdown (%s: %s); the exit may wait ~1 s "
+                    "for it", type(exc).__name__, exc)
 
 
 def kill_ray_sessions() -> None:
