@@ -6,7 +6,7 @@ workers. Where Ray comes from is `trainer.ray_address`:
     unset (or local)  a private local Ray for this run alone, listening on 127.0.0.1 only, whatever else
                       runs on the machine (another Ray, a stale /tmp/ray address file, RAY_ADDRESS in the
                       shell); it stops when the run ends. It starts no dashboard and no API server
-                      (rlsp.utils.ray_start); its autoscaler monitor is stopped first at the end. A
+                      (rlsp.controller.ray_start); its autoscaler monitor is stopped first at the end. A
                       driver submitted with `ray job submit` is the exception: it joins the cluster it
                       was submitted to (Ray sets RAY_ADDRESS for it).
     auto              join the running cluster Ray finds: RAY_ADDRESS, else the last `ray start` here.
@@ -52,6 +52,7 @@ from rlsp.config.schema_policy_loss import rewrite_policy_loss_overrides
 from rlsp.config.store import register_schema
 from rlsp.config.validate import validate_config
 from rlsp.config.verl_compat import verl_key_notes
+from rlsp.controller.ray_start import without_api_server
 from rlsp.trainer.checkpoint import finished_step, latest_checkpoint
 from rlsp.trainer.stopping import (
     SIGTERM_EXIT_CODE,
@@ -64,7 +65,6 @@ from rlsp.trainer.stopping import (
 )
 from rlsp.utils.fast_exit import run_and_exit
 from rlsp.utils.logging import RUN_LOG_NAME, get_logger, log_to_run_file
-from rlsp.utils.ray_start import without_api_server
 
 if TYPE_CHECKING:  # imported where a run starts (see the module docstring)
     from rlsp.trainer.ray_trainer import RayTrainer

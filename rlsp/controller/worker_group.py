@@ -192,9 +192,13 @@ class RayWorkerGroup:
             refs.append(answer)
         return PendingCall(self, refs, [g * per_dp for g in range(dp)], stays, data, fields, groups)
 
+    def rank_name(self, rank: int) -> str:
+        """How errors name a rank of this group."""
+        return f"{self.group} worker rank {rank} of {self.world_size}"
+
     def _gather(self, refs: list[Any]) -> list[Any]:
         """Results of one call per rank (refs in rank order); raises WorkerDiedError naming a dead rank."""
-        return gather_or_name(refs, lambda rank: f"{self.group} worker rank {rank} of {self.world_size}")
+        return gather_or_name(refs, self.rank_name)
 
     def shutdown(self, graceful: bool = True) -> None:
         """Release the workers; `graceful` first lets them close their process groups (bounded wait)."""

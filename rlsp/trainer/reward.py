@@ -84,7 +84,7 @@ def build_reward(cfg: DictConfig, layout: ParallelLayout, scorers: list[Any], wg
                  servers: RewardServers | None) -> Reward:
     """The reward subsystem of this layout (`layout.reward_mode`): the rule scorers always (`scorers`, or
     the policy workers when there are none), and where a reward model runs."""
-    rules = ScoringPool(scorers or list(wg.workers))
+    rules = ScoringPool(scorers) if scorers else ScoringPool(list(wg.workers), wg.rank_name)
     if layout.reward_mode == "rules":
         return Reward(cfg, rules)
     if layout.reward_mode == "model_servers":

@@ -14,6 +14,7 @@ rule rewards then score validation only (verl's rule).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,7 @@ import torch
 
 from rlsp.controller.step_data import StepData, from_batch
 from rlsp.controller.traffic import TRAFFIC
+from rlsp.controller.worker_group import gather_or_name
 from rlsp.data.batch import Batch
 from rlsp.rewards.scoring import RewardError, Scorer, place_scores
 from rlsp.workers.columns import RowsSpec, assemble
@@ -48,10 +50,12 @@ class ScoringPool:
     (`ScoringActor`) or, with reward_model.num_workers=0, the policy workers (rlsp.workers.worker's
     `score`, the same call and answer)."""
 
-    def __init__(self, scorers: list[Any]) -> None:
+    def __init__(self, scorers: list[Any], name_of: Callable[[int], str] | None = None) -> None:
+        """`name_of(i)` names scorer i when it dies (default: "scoring process i of k")."""
         if not scorers:
             raise ValueError("a scoring pool needs at least one scorer (a scoring process or a policy worker)")
         self.workers = scorers
+        self.name_of = name_of or (lambda i: f"scoring process {i} of {len(scorers)}")
         self.last_errors = 0
 
     def score_rows(self, data: StepData | Batch) -> np.ndarray:
@@ -73,7 +77,7 @@ class ScoringPool:
         TRAFFIC.call("reward.score", len(calls))
         TRAFFIC.wait()
         try:
-            results = ray.get(calls)
+            results = gather_or_name(calls, self.name_of)  # a scorer that dies is named (WorkerDiedError)
         except ray.exceptions.RayTaskError as exc:  # a reward function's fault, as if it had run here
             cause = getattr(exc, "cause", None)
             if isinstance(cause, RewardError):

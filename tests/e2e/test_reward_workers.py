@@ -3,7 +3,7 @@ one in-process Scorer gives.
 
 7 rows (one chunk, uneven chunks over 2 and 3 workers), a custom reward that depends on each row's response and
 index, and one faulting row scored 0 under reward.on_error=zero: token-level scores, per-row scores
-and the error count are equal exactly.
+and the error count are equal exactly. A scorer that dies is named.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from rlsp.config.schema import RLSPConfig
 from rlsp.config.validate import validate_config
-from rlsp.controller.worker_group import RayWorker
+from rlsp.controller.worker_group import RayWorker, WorkerDiedError
 from rlsp.data.batch import Batch
 from rlsp.models.tokenizer import build_char_tokenizer
 from rlsp.rewards.scoring import Scorer
@@ -66,5 +66,9 @@ def test_reward_workers_equal_one_scorer(tmp_path):
         batch = _batch(tok)
         assert ScoringPool(workers).score_rows(batch).tolist() == want.tolist()
         assert torch.equal(batch["token_level_scores"], expected["token_level_scores"])
+        # a policy worker that dies while it scores is named, as in every other call of the step
+        ray.kill(workers[1])
+        with pytest.raises(WorkerDiedError, match="policy worker rank 1 of 2 died"):
+            ScoringPool(workers, lambda r: f"policy worker rank {r} of 2").score_rows(_batch(tok))
     finally:
         ray.shutdown()
