@@ -67,16 +67,11 @@ def _timed(engine: HFEngine, prompts: list[list[int]], sampling: SamplingConfig,
     return time.perf_counter() - start, out
 
 
-@torch.no_grad()
 def _gap_to_full_forward(engine: HFEngine, prompts: list[list[int]], out) -> float:
-    """Max |decoder logprob - full-forward logprob| over every sampled token of every row."""
-    gap = 0.0
-    for prompt, ids, lps in zip(prompts, out.response_ids, out.response_logprobs):
-        seq = torch.tensor([prompt + ids], device=engine.device)
-        logits = engine.model(input_ids=seq).logits[0, len(prompt) - 1 : -1].float()
-        full = torch.log_softmax(logits, -1).gather(-1, seq[0, len(prompt):, None]).squeeze(-1)
-        gap = max(gap, (full - torch.tensor(lps, device=engine.device)).abs().max().item())
-    return gap
+    """Max |decoder logprob - full-forward logprob (the engine's `prompt_logprobs`)| over every sampled token."""
+    return max(abs(full - got)
+               for prompt, ids, lps in zip(prompts, out.response_ids, out.response_logprobs)
+               for full, got in zip(engine.prompt_logprobs(prompt + ids)[len(prompt):], lps))
 
 
 def main() -> None:
