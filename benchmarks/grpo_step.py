@@ -15,8 +15,9 @@ exact): every worker holding the whole model (fsdp_size=1: only gradients are re
 <= 4096 tokens, rollouts with the hf engine (transformers' model, rlsp's decoding loop) for tiny and vLLM for small (ignore_eos). Both run
 2 workers of 1 thread each. The JSON holds the median over steps 3..N of the step time and of each
 phase (the update split into forward, backward and optimizer on the slowest worker), the start-up
-(process start to the end of step 1) with its split (driver imports, Ray init, worker processes up,
-worker set-up, step 1), and the run's share of the cores during the measured steps with the load
+(process start to the end of step 1) with its split (driver imports; the checks, with Ray starting
+beside them as in `python -m rlsp.main`: `checks_s`, `ray_init_s`, and `ray_wait_s` for Ray after the
+checks; worker processes up; worker set-up; step 1), and the run's share of the cores during the measured steps with the load
 average (other jobs on the cores slow every phase), and the driver's remote calls and round trips per step
 (`driver_calls`, `driver_waits`). Extra argv entries are config overrides (key=value).
 """
@@ -40,12 +41,13 @@ import pandas as pd  # noqa: E402
 import psutil  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
+# Only what `python -m rlsp.main` imports before its checks: torch, transformers and the worker stack come
+# with the checks, while Ray starts beside them (rlsp.trainer.ray_session), as in a user's run.
 from rlsp.config.schema import RLSPConfig  # noqa: E402
 from rlsp.config.validate import validate_config  # noqa: E402
-from rlsp.controller.traffic import TRAFFIC  # noqa: E402
-from rlsp.main import prepare, train  # noqa: E402
+from rlsp.main import _prepare_checked, train  # noqa: E402
 from rlsp.models.tiny import TinyModelSpec, ensure_tiny_model  # noqa: E402
-from rlsp.trainer.preflight import preflight  # noqa: E402
+from rlsp.trainer.ray_session import RayStart  # noqa: E402
 from rlsp.utils.fast_exit import run_and_exit  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -143,13 +145,20 @@ def run_workload(workload: dict, argv: list[str]):
     cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(argv))
     auto: list = []
     layout = validate_config(cfg, auto)
-    cfg = preflight(cfg)
     t0 = time.perf_counter()
-    prepared = prepare(cfg, layout)
+    ray_start = RayStart(cfg, layout)  # as rlsp.main: Ray comes up while the checks run
+    prepared = _prepare_checked(cfg, layout, ray_start)
+    prepared[0].startup["startup/checks_s"] = time.perf_counter() - t0  # preflight, datasets, resume (imports incl.)
     cpu: list[tuple[float, float]] = []
     watch_cpu(prepared[0], cpu)
-    history = train(cfg, layout, prepared)
+    history = train(cfg, layout, prepared, ray_start)
     return history, layout, time.perf_counter() - t0, prepared[0].first_step_done_at, cpu, auto
+
+
+def traffic():
+    from rlsp.controller.traffic import TRAFFIC  # torch: imported with the checks
+
+    return TRAFFIC
 
 
 def median_of(history: list[dict], key: str, skip: int = 2) -> float:
@@ -184,7 +193,7 @@ def main(argv: list[str]) -> None:
         "wall_s_incl_startup": round(wall, 1),
         # share of all cores this run used during steps 3..N (~0.9 when the machine is its own), and
         # the 1-minute load average before and after: other jobs on the cores slow every phase
-        "driver_calls_last_step": TRAFFIC.last_by_method,
+        "driver_calls_last_step": traffic().last_by_method,
         "cpu_share": round(sum(c for c, _ in cpu[2:]) / max(1e-9, sum(w for _, w in cpu[2:]) * (os.cpu_count() or 1)), 2),
         "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }))

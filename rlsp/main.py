@@ -12,15 +12,18 @@ workers. Where Ray comes from is `trainer.ray_address`:
     auto              join the running cluster Ray finds: RAY_ADDRESS, else the last `ray start` here.
     <host>:<port>     join that cluster (`ray://<host>:<port>` goes through Ray Client).
 
-Before Ray starts, the registered start-up checks run stage by stage (rlsp.config.checks: config,
-preflight, resume), exactly those `python -m rlsp.check` runs; the config stage builds the run's one
-layout, handed to preflight and the trainer. The resume stage (`rlsp.trainer.resume_check`) decides what the run continues from and refuses a
-checkpoint this command cannot load (another model, a critic added or dropped, a damaged file with no
-whole checkpoint before it); a run that is already complete says so and exits 0. Exit codes: 0 done,
-1 a fault during the run, 2 a refused config or resume, 130 Ctrl-C, 143 SIGTERM (both after one line
-naming the last complete checkpoint). torch, Ray and transformers are imported only once a run gets
-that far, so a finished run (its newest trainer_state.json is at trainer.total_training_steps) and a
-refused config answer in about a second.
+The registered start-up checks run stage by stage (rlsp.config.checks: config, preflight, resume), exactly
+those `python -m rlsp.check` runs; the config stage builds the run's one layout, handed to preflight and
+the trainer. The resume stage (`rlsp.trainer.resume_check`) decides what the run continues from and
+refuses a checkpoint this command cannot load (another model, a critic added or dropped, a damaged file
+with no whole checkpoint before it); a run that is already complete says so and exits 0. Once the config
+stage passed and the run is not already complete, Ray starts on a thread of its own while the preflight,
+data and resume checks run (rlsp.trainer.ray_session: they import torch and transformers, Ray's processes
+come up on the other cores); no worker starts before every check passed, and a refused check stops that
+Ray again before the exit. Exit codes: 0 done, 1 a fault during the run, 2 a refused config or resume,
+130 Ctrl-C, 143 SIGTERM (both after one line naming the last complete checkpoint). torch, Ray and
+transformers are imported only once a run gets that far, so a finished run (its newest
+trainer_state.json is at trainer.total_training_steps) and a refused config answer in about a second.
 
 The terminal shows rlsp's own lines, a progress bar and a closing summary; everything else
 (third-party warnings, Ray and vLLM start-up output, worker output) goes to
@@ -30,8 +33,6 @@ The terminal shows rlsp's own lines, a progress bar and a closing summary; every
 from __future__ import annotations
 
 import os
-import secrets
-import time
 
 # Ray reads this when it is imported. Off, a Ray that rlsp starts itself takes 127.0.0.1 as its node
 # address, so every service it opens listens on loopback only. Joining a cluster is unaffected: the
@@ -52,17 +53,9 @@ from rlsp.config.schema_policy_loss import rewrite_policy_loss_overrides
 from rlsp.config.store import register_schema
 from rlsp.config.validate import validate_config
 from rlsp.config.verl_compat import verl_key_notes
-from rlsp.controller.ray_start import without_api_server
 from rlsp.trainer.checkpoint import finished_step, latest_checkpoint
-from rlsp.trainer.stopping import (
-    SIGTERM_EXIT_CODE,
-    Terminated,
-    catch_sigterm,
-    kill_ray_sessions,
-    ray_in_own_session,
-    ray_start_signals,
-    stop_autoscaler_monitor,
-)
+from rlsp.trainer.ray_session import RayStart
+from rlsp.trainer.stopping import SIGTERM_EXIT_CODE, Terminated, catch_sigterm, ray_start_signals
 from rlsp.utils.fast_exit import run_and_exit
 from rlsp.utils.logging import RUN_LOG_NAME, get_logger, log_to_run_file
 
@@ -72,73 +65,6 @@ if TYPE_CHECKING:  # imported where a run starts (see the module docstring)
 
 log = get_logger("rlsp.main")
 register_schema()
-# Ray's job supervisor sets this (with RAY_ADDRESS) on every driver it starts for `ray job submit`.
-RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
-
-
-def ray_address(setting: str | None) -> str | None:
-    """The cluster to join for `trainer.ray_address=setting`, or None for a private local Ray."""
-    if setting in (None, "", "local"):
-        submitted = RAY_JOB_ENV in os.environ and os.environ.get("RAY_ADDRESS")
-        return os.environ["RAY_ADDRESS"] if submitted else None
-    return setting
-
-
-def private_auth_token() -> None:
-    """A Ray started here authenticates every client with a token. Left to itself it writes a new one to
-    ~/.ray/auth_token with the umask's mode (0644: readable by every local user), where it stays after the
-    run. Unless a token or mode is configured (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, RAY_AUTH_MODE), this
-    run makes its own and passes it in the environment, which the Ray processes it starts inherit and only
-    this user can read (/proc/<pid>/environ is 0400): nothing is written to disk."""
-    if not any(key in os.environ for key in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE")):
-        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
-
-
-def _private_ray_resources(cfg: DictConfig, world_size: int) -> dict[str, int]:
-    """num_cpus and object_store_memory of the private local Ray: verl's ray_kwargs.ray_init where set."""
-    from rlsp.utils.device import target_device_type
-
-    ray_init = cfg.ray_kwargs.ray_init  # start-up validation checks the values
-    if ray_init.num_cpus is not None and target_device_type(cfg.trainer.device) == "cpu":
-        # CPU workers each reserve cores // workers: fewer Ray CPUs would leave them unplaced forever.
-        raise RuntimeError(f"ray_kwargs.ray_init.num_cpus={ray_init.num_cpus} on a CPU run: CPU workers share this "
-                           "machine's cores equally (Ray needs all of them); leave it null")
-    return {"num_cpus": ray_init.num_cpus or max(os.cpu_count() or 1, world_size),
-            "object_store_memory": ray_init.object_store_memory or 512 * 1024**2}
-
-
-def _init_ray(cfg: DictConfig, world_size: int) -> bool:
-    """Start or join Ray (see the module docstring); False if this process was already connected."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    address = ray_address(cfg.trainer.ray_address)
-    if address is None:
-        if os.environ.get("RAY_ADDRESS"):
-            log.info("RAY_ADDRESS=%s is ignored: trainer.ray_address is unset, so this run starts a private "
-                     "local Ray (trainer.ray_address=auto joins that cluster)", os.environ["RAY_ADDRESS"])
-        private_auth_token()
-        # address="local" makes Ray start a new instance even if it could find another one.
-        # No pre-started idle workers: each rlsp worker carries its own runtime env (rank, threads), so
-        # Ray could never hand one of them out; they only took CPU while the real workers imported torch.
-        # In a session of its own, Ray outlives a signal to this job's whole process group (Slurm's
-        # scancel) long enough for the driver to stop the run cleanly (see rlsp.trainer.stopping).
-        with ray_in_own_session(), without_api_server():
-            ray.init(address="local", **_private_ray_resources(cfg, world_size), include_dashboard=False,
-                     log_to_driver=True,
-                     _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False})
-        log.info("started a private local Ray (%s)", ray.get_runtime_context().gcs_address)
-        return True
-    try:
-        ray.init(address=address, log_to_driver=True)
-    except ConnectionError as exc:
-        raise RuntimeError(f"trainer.ray_address={cfg.trainer.ray_address!r}: no Ray cluster to join ({exc}). "
-                           "Start one with `ray start --head`, or leave trainer.ray_address unset for a "
-                           "private local Ray.") from None
-    log.info("joined the Ray cluster at %s: %d nodes, %s", ray.get_runtime_context().gcs_address,
-             len([n for n in ray.nodes() if n["Alive"]]), ray.cluster_resources())
-    return True
 
 
 def run(cfg: DictConfig) -> list[dict[str, Any]]:
@@ -152,7 +78,7 @@ def run(cfg: DictConfig) -> list[dict[str, Any]]:
 
 def prepare(cfg: DictConfig, layout: ParallelLayout, plan: ResumePlan | None = None
             ) -> tuple[RayTrainer, str | None]:
-    """Everything that can fail on the user's input, before Ray starts: the datasets (they fix the run
+    """Everything that can fail on the user's input, before any worker starts: the datasets (they fix the run
     length when trainer.total_training_steps is unset), then the resume stage of the checks."""
     from rlsp.trainer.ray_trainer import RayTrainer
     from rlsp.trainer.resume_check import resume_plan
@@ -169,21 +95,23 @@ def prepare(cfg: DictConfig, layout: ParallelLayout, plan: ResumePlan | None = N
     return trainer, plan.path
 
 
-def train(cfg: DictConfig, layout: ParallelLayout, prepared: tuple[RayTrainer, str | None] | None = None
-          ) -> list[dict[str, Any]]:
-    import ray
-
+def train(cfg: DictConfig, layout: ParallelLayout, prepared: tuple[RayTrainer, str | None] | None = None,
+          ray_start: RayStart | None = None) -> list[dict[str, Any]]:
+    """Start the workers (once Ray is up: `ray_start`, begun while the checks ran, else started here), train,
+    and stop everything this run started."""
     trainer, resume = prepared or prepare(cfg, layout)
     log.info("run dir: %s | %s", cfg.trainer.default_local_dir, layout.describe())
-    t0 = time.perf_counter()
-    connected_here = not ray.is_initialized()  # else the caller's Ray (tests): left as it is
+    from rlsp.trainer.training_workers import PoolSettings
+
+    ray_start = ray_start or RayStart(cfg, layout)
     clean = False
     try:
+        ray_start.start_pools(PoolSettings.of(cfg))  # where the checks did not already ask for them
         with ray_start_signals():  # SIGTERM while Ray starts: exit 143 with its line, as later on
-            _init_ray(cfg, layout.total_workers)
-            catch_sigterm(trainer)  # again: ray.init replaced the handler with a silent sys.exit(15)
-        trainer.startup["startup/ray_init_s"] = time.perf_counter() - t0
-        trainer.start_workers()
+            waited = ray_start.wait()
+            catch_sigterm(trainer)  # with the trainer now: trainer.save_on_preempt
+        trainer.startup.update({"startup/ray_init_s": ray_start.seconds, "startup/ray_wait_s": waited})
+        trainer.start_workers(ray_start.take_pools())
         if resume:
             trainer.load_checkpoint(resume)
         history = trainer.fit()
@@ -192,10 +120,7 @@ def train(cfg: DictConfig, layout: ParallelLayout, prepared: tuple[RayTrainer, s
     finally:
         # After a fault or Ctrl-C the workers may be stuck in a collective: kill them, don't wait.
         trainer.shutdown(graceful=clean)
-        if connected_here:  # stops a private Ray; from a cluster, only disconnects (flushing worker output)
-            stop_autoscaler_monitor()
-            ray.shutdown()
-            kill_ray_sessions()  # a private Ray's stragglers (a run stopped while Ray started)
+        ray_start.stop()  # a private Ray stops; a joined cluster is only left; a caller's Ray (tests) stays
         trainer.wait_outputs()  # the reward plot, drawn meanwhile
 
 
@@ -208,12 +133,17 @@ def _run_logged(cfg: DictConfig, layout: ParallelLayout) -> None:
             log.info("the run is already complete at step %d (trainer.total_training_steps=%d)", done,
                      cfg.trainer.total_training_steps)
             return
-        prepared = _prepare_checked(cfg, layout)
-        if (done := finished_step(cfg)) is not None:  # a run length from the dataset is known only now
-            log.info("the run is already complete at step %d (trainer.total_training_steps=%d)", done,
-                     cfg.trainer.total_training_steps)
-            return
-        train(cfg, layout, prepared)
+        ray_start = RayStart(cfg, layout)  # Ray's processes come up while the checks run
+        try:
+            with ray_start_signals():
+                prepared = _prepare_checked(cfg, layout, ray_start)
+            if (done := finished_step(cfg)) is not None:  # a run length from the dataset is known only now
+                log.info("the run is already complete at step %d (trainer.total_training_steps=%d)", done,
+                         cfg.trainer.total_training_steps)
+                return
+            train(cfg, layout, prepared, ray_start)
+        finally:
+            ray_start.stop()  # after a refused check or a signal (train stops it itself)
     except KeyboardInterrupt as exc:
         latest = latest_checkpoint(cfg.trainer.default_local_dir)
         where = f"last complete checkpoint: {latest} (continue with the same command)" if latest else "no checkpoint was written"
@@ -229,15 +159,21 @@ def _run_logged(cfg: DictConfig, layout: ParallelLayout) -> None:
         raise SystemExit(1) from None
 
 
-def _prepare_checked(cfg: DictConfig, layout: ParallelLayout) -> tuple[RayTrainer, str | None]:
-    """Preflight, the resume checks and the datasets; a user error exits 2 before Ray starts."""
+def _prepare_checked(cfg: DictConfig, layout: ParallelLayout, ray_start: RayStart | None = None
+                     ) -> tuple[RayTrainer, str | None]:
+    """Preflight, the resume checks and the datasets; a user error exits 2 before any worker has the config
+    (the processes of `ray_start`'s pools start meanwhile, and are stopped)."""
     from rlsp.trainer.preflight import preflight
+    from rlsp.trainer.training_workers import PoolSettings
+
+    if ray_start is not None:  # the worker classes are imported: their processes may start
+        ray_start.start_pools(PoolSettings.of(cfg))
 
     try:
         preflight(cfg, layout)  # resolves built-in assets in place
         return prepare(cfg, layout)
     except ValueError as exc:
-        # Config, data and resume errors are for the user, not a traceback; nothing has started yet.
+        # Config, data and resume errors are for the user, not a traceback; no worker has started yet.
         log.error("%s", exc)
         raise SystemExit(2) from None
 

@@ -100,8 +100,9 @@ class RayWorker(Worker):
 
 
 class RayWorkerGroup:
-    def __init__(self, pool: ResourcePool, config: dict[str, Any], layout: ParallelLayout, group: str,
-                 env_vars: dict[str, str] | None = None) -> None:
+    def __init__(self, pool: ResourcePool, layout: ParallelLayout, group: str, env_vars: dict[str, str] | None = None
+                 ) -> None:
+        """Reserve `pool` and start its processes (each builds a `Worker` without the run's config)."""
         self.pool, self.layout, self.group = pool, layout, group
         self.roles = layout.roles_of(group)
         self.world_size = pool.world_size
@@ -116,7 +117,7 @@ class RayWorkerGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     pg, placement_group_bundle_index=pool.rank_to_bundle[rank]),
                 runtime_env={"env_vars": env}, name=f"rlsp-{group}-{rank}-{id(self):x}",
-            ).remote(config, layout, group, rank))
+            ).remote(layout, group, rank))
 
     def read_rows(self, spec: Any, *refs: Any) -> Any:
         """A reference to the rows `spec` builds from the blocks `refs`, built by rank 0 (see RayWorker)."""
@@ -137,9 +138,10 @@ class RayWorkerGroup:
         """Block until every worker process is up and has built its `Worker` (imports included)."""
         self._gather([w.__ray_ready__.remote() for w in self.workers])
 
-    def init_workers(self) -> list[dict[str, Any]]:
+    def init_workers(self, config: dict[str, Any]) -> list[dict[str, Any]]:
+        """Hand every worker the run's (checked, resolved) config and initialise the world collectively."""
         addr, port = ray.get(self.workers[0].rendezvous_address.remote())
-        infos = self.call_worker("init_worker", addr, port)
+        infos = self.call_worker("init_worker", config, addr, port)
         log.info("%d %s workers initialised (%s)", self.world_size, self.group, self.layout.describe())
         return infos
 

@@ -20,12 +20,12 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-
-import torch
-from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
+from typing import TYPE_CHECKING
 
 from rlsp.config.choices import VLLM_CPU_HEAD_DIMS
-from rlsp.models.tokenizer import build_char_tokenizer, stop_token_ids
+
+if TYPE_CHECKING:  # torch and transformers are imported where a model is built: a built one needs neither
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
 SPEC_FILE = "rlsp_tiny_spec.json"
 # Bump when the factory's output changes for an unchanged spec (tokenizer, init, files written),
@@ -80,6 +80,9 @@ class TinyModelSpec:
 
 
 def build_tiny_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_ids: list[int]) -> Qwen2Config:
+    import torch
+    from transformers import Qwen2Config
+
     spec.validate()
     return Qwen2Config(
         vocab_size=vocab_size,
@@ -100,6 +103,9 @@ def build_tiny_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_ids
 
 
 def _init_model(config: Qwen2Config, seed: int) -> Qwen2ForCausalLM:
+    import torch
+    from transformers import Qwen2ForCausalLM
+
     # fork_rng keeps the caller's global RNG stream untouched by the seeded init.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -108,6 +114,10 @@ def _init_model(config: Qwen2Config, seed: int) -> Qwen2ForCausalLM:
 
 
 def _write_model(spec: TinyModelSpec, out_dir: str) -> None:
+    from transformers import GenerationConfig
+
+    from rlsp.models.tokenizer import build_char_tokenizer, stop_token_ids
+
     tokenizer = build_char_tokenizer()
     eos_ids = stop_token_ids(tokenizer)
     vocab = spec.vocab_size or len(tokenizer)
@@ -129,6 +139,11 @@ def build_tiny_reward_model(spec: TinyModelSpec, out_dir: str, chat_template: st
     """Write a random-init one-label `Qwen2ForSequenceClassification` (a reward model: a score per
     sequence) with the char tokenizer to `out_dir` and return its absolute path. `chat_template`
     replaces the tokenizer's template (a reward model whose chat format differs from the policy's)."""
+    import torch
+    from transformers import Qwen2ForSequenceClassification
+
+    from rlsp.models.tokenizer import build_char_tokenizer, stop_token_ids
+
     tokenizer = build_char_tokenizer()
     if chat_template is not None:
         tokenizer.chat_template = chat_template

@@ -42,7 +42,7 @@ from typing import Any
 
 import ray
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from rlsp.config.layout import ParallelLayout
 from rlsp.controller.step_data import StepData
@@ -52,7 +52,7 @@ from rlsp.controller.worker_group import PendingCall, RayWorkerGroup
 from rlsp.data.batch import Batch
 from rlsp.trainer.ray_trainer import RayTrainer, _prompt_batch
 from rlsp.trainer.staleness import max_units_ahead
-from rlsp.trainer.training_workers import start_pool
+from rlsp.trainer.training_workers import PoolSettings, start_pool
 from rlsp.utils.logging import get_logger
 
 log = get_logger("rlsp.trainer")
@@ -90,12 +90,12 @@ class AsyncTrainer(RayTrainer):
     def rollout_wg(self) -> RayWorkerGroup:
         return self.pool_wg
 
-    def start_workers(self) -> list[dict[str, Any]]:
-        infos = super().start_workers()
+    def start_workers(self, pools: list[RayWorkerGroup] | None = None) -> list[dict[str, Any]]:
+        infos = super().start_workers(pools)
         t0 = time.perf_counter()
-        self.pool_wg = start_pool(self.cfg, self.layout, "rollout")
+        self.pool_wg = start_pool(PoolSettings.of(self.cfg), self.layout, "rollout")
         self.pool_wg.wait_started()
-        infos += self.pool_wg.init_workers()
+        infos += self.pool_wg.init_workers(OmegaConf.to_container(self.cfg, resolve=True))
         if self.partial:
             self.board = start_weight_board(f"rlsp-weights-{id(self):x}")
             self.pool_wg.call("rollout", "follow_weights", BoardFeed(self.board))

@@ -103,9 +103,11 @@ class RayTrainer:
         self.ckpt = CheckpointWriter(self.run_dir, cfg.trainer.max_actor_ckpt_to_keep, cfg.trainer.max_critic_ckpt_to_keep)
 
     # ------------------------------------------------------------------ workers
-    def start_workers(self) -> list[dict[str, Any]]:
+    def start_workers(self, pools: list[RayWorkerGroup] | None = None) -> list[dict[str, Any]]:
+        """Start (or take `pools`, started while the checks ran: rlsp.trainer.ray_session) and initialise
+        the workers; each worker's init result."""
         scorers = start_rule_scorers(self.cfg)  # its processes (if any) start while the training workers do
-        workers = start_training_workers(self.cfg, self.layout)
+        workers = start_training_workers(self.cfg, self.layout, pools)
         self.wg, self.critic_wg = workers.wg, workers.critic_wg
         self.reward = build_reward(self.cfg, self.layout, scorers, workers.wg, workers.reward_servers)
         self.startup.update(workers.timings)

@@ -54,32 +54,53 @@ def _workers_before(layout: ParallelLayout, group: str) -> int:
     return {"policy": 0, "critic": layout.world_size, "rollout": layout.world_size + separate_critic}[group]
 
 
-def start_pool(cfg: DictConfig, layout: ParallelLayout, group: str) -> RayWorkerGroup:
+@dataclass(frozen=True)
+class PoolSettings:
+    """What starting the worker pools needs from the config, read once on the driver's main thread (the
+    pools may start on another thread while the main one still checks and resolves the config)."""
+
+    device_type: str
+    env: dict[str, str]
+
+    @classmethod
+    def of(cls, cfg: DictConfig) -> PoolSettings:
+        return cls(resolve_device_type(cfg.trainer.device), worker_env(cfg))
+
+
+def start_pool(settings: PoolSettings, layout: ParallelLayout, group: str) -> RayWorkerGroup:
     """Reserve the resources of one worker pool ('policy'; 'critic' or 'rollout' where the layout gives them
     a pool of their own) and start its processes. Not yet initialised: the caller waits for them
     (`wait_started`) and initialises each world (`init_workers`), so several pools can start at once."""
-    device_type = resolve_device_type(cfg.trainer.device)
     world = layout.world_of(group)
-    cpus = 1 if device_type == "cuda" else default_cpus_per_worker(layout.total_workers)
-    first_core = 0 if device_type == "cuda" else _workers_before(layout, group) * cpus
-    resources = ResourcePool(world.nnodes, world.procs_per_node, device_type, cpus, name=group, first_core=first_core)
-    return RayWorkerGroup(resources, OmegaConf.to_container(cfg, resolve=True), layout, group, env_vars=worker_env(cfg))
+    cpus = 1 if settings.device_type == "cuda" else default_cpus_per_worker(layout.total_workers)
+    first_core = 0 if settings.device_type == "cuda" else _workers_before(layout, group) * cpus
+    resources = ResourcePool(world.nnodes, world.procs_per_node, settings.device_type, cpus, name=group,
+                             first_core=first_core)
+    return RayWorkerGroup(resources, layout, group, env_vars=settings.env)
 
 
-def start_training_workers(cfg: DictConfig, layout: ParallelLayout) -> TrainingWorkers:
-    """Reserve the pools, start every process, and initialise the workers (each world collectively)."""
-    t0 = time.perf_counter()
+def start_training_pools(settings: PoolSettings, layout: ParallelLayout) -> list[RayWorkerGroup]:
+    """The training side's pools, processes starting: the policy pool, then a critic pool of its own."""
     separate = layout.has_critic and not layout.critic_colocated
-    wg = start_pool(cfg, layout, "policy")
-    critic_wg = start_pool(cfg, layout, "critic") if separate else wg if layout.has_critic else None
-    groups = [wg] + ([critic_wg] if separate else [])
+    return [start_pool(settings, layout, "policy")] + ([start_pool(settings, layout, "critic")] if separate else [])
+
+
+def start_training_workers(cfg: DictConfig, layout: ParallelLayout, pools: list[RayWorkerGroup] | None = None
+                           ) -> TrainingWorkers:
+    """Start every process (unless `pools` were started already, from `start_training_pools`), and
+    initialise the workers with the run's config (each world collectively)."""
+    t0 = time.perf_counter()
+    groups = pools or start_training_pools(PoolSettings.of(cfg), layout)
+    wg = groups[0]
+    critic_wg = groups[1] if len(groups) > 1 else wg if layout.has_critic else None
     for g in groups:  # processes up, worker module imported (all groups start at once)
         g.wait_started()
     t1 = time.perf_counter()
-    infos = [info for g in groups for info in g.init_workers()]  # each world initialises collectively
+    config = OmegaConf.to_container(cfg, resolve=True)
+    infos = [info for g in groups for info in g.init_workers(config)]  # each world initialises collectively
     servers = None
     if layout.reward_servers:  # the reward loop beside a rollout engine of another tp degree
-        servers = RewardServers(wg.pool, OmegaConf.to_container(cfg, resolve=True), server_envs(wg, worker_env(cfg), infos))
+        servers = RewardServers(wg.pool, config, server_envs(wg, worker_env(cfg), infos))
     return TrainingWorkers(wg, critic_wg, servers, infos, {"startup/worker_processes_s": t1 - t0,
                                                            "startup/worker_init_s": time.perf_counter() - t1})
 

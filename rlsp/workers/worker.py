@@ -60,8 +60,10 @@ def loopback_interface() -> str | None:
 
 
 class Worker:
-    def __init__(self, config: dict[str, Any], layout: ParallelLayout, group: str, rank: int) -> None:
-        self.cfg: DictConfig = OmegaConf.create(config)
+    def __init__(self, layout: ParallelLayout, group: str, rank: int) -> None:
+        # The run's config comes with `init_worker`: the process (its imports) may start while the driver
+        # still checks the config (rlsp.trainer.ray_session).
+        self.cfg: DictConfig | None = None
         self.layout, self.group, self.rank = layout, group, rank
         self.world = layout.world_of(group)
         self.placed = [r for r in layout.roles_of(group) if r != "ref" or layout.has_reference]
@@ -101,9 +103,14 @@ class Worker:
         dist.init_process_group(backend, store=store, rank=self.rank, world_size=world)
 
     # ------------------------------------------------------------------ set-up
+    def configure(self, config: dict[str, Any]) -> None:
+        """Take the run's config (checked and resolved by the driver); `init_worker` does it first."""
+        self.cfg = OmegaConf.create(config)
+
     @register(Dispatch.ALL)
-    def init_worker(self, master_addr: str, master_port: int) -> dict[str, Any]:
+    def init_worker(self, config: dict[str, Any], master_addr: str, master_port: int) -> dict[str, Any]:
         t0 = time.perf_counter()
+        self.configure(config)
         device_type = resolve_device_type(self.cfg.trainer.device)
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -7,8 +7,8 @@
   metrics of an uninterrupted run (rewards, losses, grad norms bit for bit);
 * the same checkpoint resumed on another layout (2 workers with sp=2 -> 1 worker with sp=1): step k+1
   equals the uninterrupted run within fp32 reduction-order tolerance;
-* a reward function returning NaN stops the run naming the function and the row; data problems and
-  unknown `+keys` are refused before Ray starts.
+* a reward function returning NaN stops the run naming the function and the row; unknown `+keys` are
+  refused before Ray starts, data problems before any worker starts (with nothing left).
 """
 
 from __future__ import annotations
@@ -182,7 +182,8 @@ def test_nan_reward_and_bad_input_fail_clearly(tmp_path):
     assert proc.returncode not in (0, None)
     assert "returned nan (a reward must be a finite number)" in err and "row index=" in err, err[-3000:]
     assert not (tmp_path / "nan" / "metrics.jsonl").read_text().strip()  # no step was recorded
-    # Refused before Ray starts: an unknown '+key', and an empty training file.
+    # Refused before any worker starts: an unknown '+key' (before Ray starts), and an empty training file
+    # (the data stage, while Ray starts beside it: stopped again, nothing left).
     import pandas as pd
 
     empty = tmp_path / "empty.parquet"
@@ -193,5 +194,5 @@ def test_nan_reward_and_bad_input_fail_clearly(tmp_path):
         proc = _start(str(tmp_path / "bad"), extra, marker=marker)
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 2 and needle in err, err[-3000:]
-        assert "Started a local Ray instance" not in err and time.monotonic() - t0 < 60
+        assert "started a private local Ray" not in err and "run dir: " not in err and time.monotonic() - t0 < 60
     _assert_nothing_left(marker)

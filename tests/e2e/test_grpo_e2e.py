@@ -22,9 +22,9 @@ from omegaconf import OmegaConf
 
 from rlsp.config.schema import RLSPConfig
 from rlsp.config.validate import validate_config
-from rlsp.main import _init_ray
 from rlsp.trainer.checkpoint import step_dir
 from rlsp.trainer.preflight import preflight
+from rlsp.trainer.ray_session import init_ray
 from rlsp.trainer.ray_trainer import RayTrainer, _prompt_batch
 
 pytestmark = pytest.mark.e2e
@@ -54,7 +54,7 @@ def _cfg(tmp_path, **overrides):
 
 @pytest.fixture(scope="module")
 def ray_session():
-    _init_ray(OmegaConf.structured(RLSPConfig), 2)
+    init_ray(OmegaConf.structured(RLSPConfig), 2)
     yield
     ray.shutdown()
 

@@ -23,8 +23,8 @@ from test_grpo_e2e import SMALL, _main
 
 from rlsp.config.schema import RLSPConfig
 from rlsp.config.validate import validate_config
-from rlsp.main import _init_ray
 from rlsp.trainer.preflight import preflight
+from rlsp.trainer.ray_session import init_ray
 from rlsp.trainer.ray_trainer import RayTrainer
 
 pytestmark = pytest.mark.e2e
@@ -75,7 +75,7 @@ def test_ppo_with_critic_sp2_through_the_cli(tmp_path):
 
 @pytest.fixture(scope="module")
 def ray_three_workers():
-    _init_ray(OmegaConf.structured(RLSPConfig), 3)
+    init_ray(OmegaConf.structured(RLSPConfig), 3)
     yield
     ray.shutdown()
 

@@ -21,8 +21,8 @@ DRIVER = """
 import os, ray
 from omegaconf import OmegaConf
 from rlsp.config.schema import RLSPConfig
-from rlsp.main import _init_ray
-assert _init_ray(OmegaConf.structured(RLSPConfig), 1)
+from rlsp.trainer.ray_session import init_ray
+assert init_ray(OmegaConf.structured(RLSPConfig), 1)
 assert len(os.environ["RAY_AUTH_TOKEN"]) == 64
 print("task:", ray.get(ray.remote(lambda: 41 + 1).remote()))
 ray.shutdown()
@@ -47,9 +47,9 @@ import ray
 from omegaconf import OmegaConf
 from ray._private import ray_constants, worker
 from rlsp.config.schema import RLSPConfig
-from rlsp.main import _init_ray
+from rlsp.trainer.ray_session import init_ray
 from rlsp.trainer.stopping import stop_autoscaler_monitor
-assert _init_ray(OmegaConf.structured(RLSPConfig), 1)
+assert init_ray(OmegaConf.structured(RLSPConfig), 1)
 print("task:", ray.get(ray.remote(lambda: 41 + 1).remote()))
 procs = worker._global_node.all_processes
 print("api server:", ray_constants.PROCESS_TYPE_DASHBOARD in procs)
@@ -76,3 +76,84 @@ def test_the_private_ray_starts_no_api_server_and_stops_its_monitor_first_withou
     assert "monitor: -9 others alive: True" in proc.stdout, proc.stdout
     assert "after shutdown alive: 0" in proc.stdout, proc.stdout
     assert "autoscaler" not in (proc.stdout + proc.stderr).lower(), proc.stderr[-3000:]
+
+
+START_DRIVER = """
+import psutil, ray
+from omegaconf import OmegaConf
+from ray._private import ray_constants, worker
+from rlsp.config.schema import RLSPConfig
+from rlsp.config.validate import validate_config
+from rlsp.trainer.ray_session import RayStart
+from rlsp.trainer.training_workers import PoolSettings
+
+def config(**settings):
+    cfg = OmegaConf.structured(RLSPConfig)
+    for key, val in {"trainer.device": "cpu", "trainer.n_gpus_per_node": 2, **settings}.items():
+        OmegaConf.update(cfg, key, val)
+    return cfg, validate_config(cfg)
+
+def worker_processes():
+    raylet = worker._global_node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+    return [p for p in psutil.Process(raylet).children(recursive=True) if p.cmdline()[:1] == ["ray::RayWorker"]]
+
+# A refused check: Ray and the pools' processes started beside it are stopped, nothing is left.
+cfg, layout = config()
+start = RayStart(cfg, layout)
+print("ray on a thread:", start._thread.name, start._thread.is_alive())
+start.start_pools(PoolSettings.of(cfg))
+start.wait()
+start._pools[0].wait_started()  # the processes are up, each with a Worker that has no config
+procs = worker_processes()
+services = [i.process for infos in worker._global_node.all_processes.values() for i in infos]
+print("workers:", len(procs))
+start.stop()
+start.stop()  # idempotent
+print("stopped:", ray.is_initialized(), sum(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs),
+      sum(p.poll() is None for p in services), "thread alive:", start._thread.is_alive())
+
+# Ray could not start (a value the config stage refuses, set after it): `wait` raises the reason.
+cfg, layout = config()
+OmegaConf.update(cfg, "ray_kwargs.ray_init.num_cpus", 4)
+failed = RayStart(cfg, layout)
+for ask in (False, True):
+    if ask:
+        failed.start_pools(PoolSettings.of(cfg))
+    try:
+        failed.wait()
+    except RuntimeError as exc:
+        print("refused:", exc)
+failed.stop()
+
+# A process already connected (a caller's Ray) keeps it; the pools not taken are stopped.
+cfg, layout = config()
+ray.init(num_cpus=2, include_dashboard=False)
+kept = RayStart(cfg, layout)
+kept.start_pools(PoolSettings.of(cfg))
+kept.wait()
+pools = kept.take_pools()
+print("taken:", len(pools), "left:", len(kept.take_pools()))
+kept.stop()
+print("kept:", ray.is_initialized())
+pools[0].shutdown(graceful=False)
+ray.shutdown()
+"""
+
+
+def test_ray_starts_on_a_thread_beside_the_checks_and_a_refusal_stops_it_with_its_pools():
+    """`RayStart` (rlsp.main's start while the checks run): Ray comes up on a thread that outlives Ray's
+    processes; the pools' processes start (their Workers get the config later); `stop` after a refused check
+    ends those processes and every Ray service, twice safely; a failed start raises its reason on the main
+    thread; a caller's Ray is kept."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    proc = subprocess.run([sys.executable, "-c", START_DRIVER], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "ray on a thread: rlsp-ray-start True" in out, out
+    assert "workers: 2" in out, out
+    assert "stopped: False 0 0 thread alive: False" in out, out
+    assert "refused: RayStart.wait() before start_pools()" in out, out
+    assert ("refused: ray_kwargs.ray_init.num_cpus=4 on a CPU run: CPU workers share this machine's cores equally "
+            "(Ray needs all of them); leave it null") in out, out
+    assert "taken: 1 left: 0" in out and "kept: True" in out, out

@@ -62,7 +62,8 @@ def test_reward_workers_equal_one_scorer(tmp_path):
         layout = validate_config(cfg)
         assert cfg.reward_model.num_workers == 0  # auto: no rollout pool, so the policy workers score
         config = OmegaConf.to_container(cfg)
-        workers = [ray.remote(RayWorker).remote(config, layout, "policy", rank) for rank in range(2)]
+        workers = [ray.remote(RayWorker).remote(layout, "policy", rank) for rank in range(2)]
+        ray.get([w.configure.remote(config) for w in workers])  # the config alone: no process group to score
         batch = _batch(tok)
         assert ScoringPool(workers).score_rows(batch).tolist() == want.tolist()
         assert torch.equal(batch["token_level_scores"], expected["token_level_scores"])

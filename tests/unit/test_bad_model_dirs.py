@@ -8,7 +8,7 @@ rlsp.main's preflight alike: one line per problem with the key, the path and wha
 * a LoRA adapter directory without adapter weights.
 
 rlsp.check exits 2 listing the problem; rlsp.main exits 2 on the ValueError of `validate_config`
-(the LoRA keys) or `preflight` (the model files) before Ray starts.
+(the LoRA keys) or `preflight` (the model files) before any worker starts.
 """
 
 from __future__ import annotations

@@ -221,16 +221,16 @@ def test_in_progress_keys_until_their_section_is_declared():
     assert refusal("reward.reward_kwargs.overlong_buffer_cfg.lenght") is None
 
 
-def test_private_ray_resources():
+def testprivate_ray_resources():
     import os  # noqa: PLC0415
 
-    from rlsp.main import _private_ray_resources  # noqa: PLC0415
+    from rlsp.trainer.ray_session import private_ray_resources  # noqa: PLC0415
 
     cfg = OmegaConf.structured(RLSPConfig)
     cfg.trainer.device = "cuda"
-    assert _private_ray_resources(cfg, 4) == {"num_cpus": max(os.cpu_count() or 1, 4), "object_store_memory": 512 * 1024**2}
+    assert private_ray_resources(cfg, 4) == {"num_cpus": max(os.cpu_count() or 1, 4), "object_store_memory": 512 * 1024**2}
     cfg.ray_kwargs.ray_init.num_cpus, cfg.ray_kwargs.ray_init.object_store_memory = 96, 2**30
-    assert _private_ray_resources(cfg, 8) == {"num_cpus": 96, "object_store_memory": 2**30}
+    assert private_ray_resources(cfg, 8) == {"num_cpus": 96, "object_store_memory": 2**30}
     cfg.trainer.device = "cpu"
     with pytest.raises(RuntimeError, match="ray_kwargs.ray_init.num_cpus=96 on a CPU run"):
-        _private_ray_resources(cfg, 2)
+        private_ray_resources(cfg, 2)
