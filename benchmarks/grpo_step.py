@@ -147,7 +147,7 @@ def run_workload(workload: dict, argv: list[str]):
     layout = validate_config(cfg, auto)
     t0 = time.perf_counter()
     ray_start = RayStart(cfg, layout)  # as rlsp.main: Ray comes up while the checks run
-    prepared = _prepare_checked(cfg, layout, ray_start)
+    prepared = _prepare_checked(cfg, layout)
     prepared[0].startup["startup/checks_s"] = time.perf_counter() - t0  # preflight, datasets, resume (imports incl.)
     cpu: list[tuple[float, float]] = []
     watch_cpu(prepared[0], cpu)

@@ -17,10 +17,10 @@ those `python -m rlsp.check` runs; the config stage builds the run's one layout,
 the trainer. The resume stage (`rlsp.trainer.resume_check`) decides what the run continues from and
 refuses a checkpoint this command cannot load (another model, a critic added or dropped, a damaged file
 with no whole checkpoint before it); a run that is already complete says so and exits 0. Once the config
-stage passed and the run is not already complete, Ray starts on a thread of its own while the preflight,
-data and resume checks run (rlsp.trainer.ray_session: they import torch and transformers, Ray's processes
-come up on the other cores); no worker starts before every check passed, and a refused check stops that
-Ray again before the exit. Exit codes: 0 done, 1 a fault during the run, 2 a refused config or resume,
+stage passed and the run is not already complete, Ray and then the worker processes start on a thread of
+their own while the preflight, data and resume checks run (rlsp.trainer.ray_session: the checks import
+torch and transformers here while the workers import them there); no worker gets the config before every
+check passed, and a refused check stops those processes and that Ray before the exit. Exit codes: 0 done, 1 a fault during the run, 2 a refused config or resume,
 130 Ctrl-C, 143 SIGTERM (both after one line naming the last complete checkpoint). torch, Ray and
 transformers are imported only once a run gets that far, so a finished run (its newest
 trainer_state.json is at trainer.total_training_steps) and a refused config answer in about a second.
@@ -101,17 +101,16 @@ def train(cfg: DictConfig, layout: ParallelLayout, prepared: tuple[RayTrainer, s
     and stop everything this run started."""
     trainer, resume = prepared or prepare(cfg, layout)
     log.info("run dir: %s | %s", cfg.trainer.default_local_dir, layout.describe())
-    from rlsp.trainer.training_workers import PoolSettings
+    from rlsp.trainer.worker_pools import PoolSettings
 
     ray_start = ray_start or RayStart(cfg, layout)
     clean = False
     try:
-        ray_start.start_pools(PoolSettings.of(cfg))  # where the checks did not already ask for them
         with ray_start_signals():  # SIGTERM while Ray starts: exit 143 with its line, as later on
             waited = ray_start.wait()
             catch_sigterm(trainer)  # with the trainer now: trainer.save_on_preempt
         trainer.startup.update({"startup/ray_init_s": ray_start.seconds, "startup/ray_wait_s": waited})
-        trainer.start_workers(ray_start.take_pools())
+        trainer.start_workers(ray_start.take_pools(PoolSettings.of(cfg)))
         if resume:
             trainer.load_checkpoint(resume)
         history = trainer.fit()
@@ -136,7 +135,7 @@ def _run_logged(cfg: DictConfig, layout: ParallelLayout) -> None:
         ray_start = RayStart(cfg, layout)  # Ray's processes come up while the checks run
         try:
             with ray_start_signals():
-                prepared = _prepare_checked(cfg, layout, ray_start)
+                prepared = _prepare_checked(cfg, layout)
             if (done := finished_step(cfg)) is not None:  # a run length from the dataset is known only now
                 log.info("the run is already complete at step %d (trainer.total_training_steps=%d)", done,
                          cfg.trainer.total_training_steps)
@@ -159,15 +158,10 @@ def _run_logged(cfg: DictConfig, layout: ParallelLayout) -> None:
         raise SystemExit(1) from None
 
 
-def _prepare_checked(cfg: DictConfig, layout: ParallelLayout, ray_start: RayStart | None = None
-                     ) -> tuple[RayTrainer, str | None]:
+def _prepare_checked(cfg: DictConfig, layout: ParallelLayout) -> tuple[RayTrainer, str | None]:
     """Preflight, the resume checks and the datasets; a user error exits 2 before any worker has the config
-    (the processes of `ray_start`'s pools start meanwhile, and are stopped)."""
+    (the worker processes that started meanwhile are stopped)."""
     from rlsp.trainer.preflight import preflight
-    from rlsp.trainer.training_workers import PoolSettings
-
-    if ray_start is not None:  # the worker classes are imported: their processes may start
-        ray_start.start_pools(PoolSettings.of(cfg))
 
     try:
         preflight(cfg, layout)  # resolves built-in assets in place

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlsp.config.layout import ParallelLayout
 from rlsp.controller.resource_pool import ResourcePool
 from rlsp.controller.step_data import StepData, from_batch, from_results
 from rlsp.controller.traffic import TRAFFIC
+from rlsp.controller.worker_process import rank_env, start_worker_processes
 from rlsp.data.batch import Batch
 from rlsp.utils.logging import get_logger
 from rlsp.workers.columns import COLUMNS_INFO, assemble
@@ -100,24 +100,14 @@ class RayWorker(Worker):
 
 
 class RayWorkerGroup:
-    def __init__(self, pool: ResourcePool, layout: ParallelLayout, group: str, env_vars: dict[str, str] | None = None
-                 ) -> None:
-        """Reserve `pool` and start its processes (each builds a `Worker` without the run's config)."""
+    def __init__(self, pool: ResourcePool, layout: ParallelLayout, group: str, env_vars: dict[str, str] | None = None,
+                 workers: list[Any] | None = None) -> None:
+        """Reserve `pool` and start its processes (rlsp.controller.worker_process), or adopt `workers`, the
+        processes `start_worker_processes` started for it; their `Worker`s get the config with `init_workers`."""
         self.pool, self.layout, self.group = pool, layout, group
         self.roles = layout.roles_of(group)
         self.world_size = pool.world_size
-        pg = pool.pg if pool.pg is not None else pool.create(layout.node_local_sizes(group))
-        remote_cls = ray.remote(RayWorker)
-        bundle = pool.bundle()
-        self.workers = []
-        for rank in range(self.world_size):
-            env = {**(env_vars or {}), **self.rank_env(rank)}
-            self.workers.append(remote_cls.options(
-                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    pg, placement_group_bundle_index=pool.rank_to_bundle[rank]),
-                runtime_env={"env_vars": env}, name=f"rlsp-{group}-{rank}-{id(self):x}",
-            ).remote(layout, group, rank))
+        self.workers = workers if workers is not None else start_worker_processes(pool, layout, group, env_vars)
 
     def read_rows(self, spec: Any, *refs: Any) -> Any:
         """A reference to the rows `spec` builds from the blocks `refs`, built by rank 0 (see RayWorker)."""
@@ -125,14 +115,7 @@ class RayWorkerGroup:
         return self.workers[0].read_rows.remote(spec, *refs)
 
     def rank_env(self, rank: int) -> dict[str, str]:
-        env = {"RANK": str(rank), "WORLD_SIZE": str(self.world_size), "RLSP_WORKER_GROUP": self.group}
-        if self.pool.device_type == "cpu":
-            # Each worker gets its own cores: vLLM binds its OpenMP threads, so give disjoint ranges.
-            c = self.pool.cpus_per_worker
-            first = self.pool.first_core + (rank % self.pool.procs_per_node) * c
-            env["VLLM_CPU_OMP_THREADS_BIND"] = f"{first}-{first + c - 1}" if c > 1 else str(first)
-            env["OMP_NUM_THREADS"] = str(c)
-        return env
+        return rank_env(self.pool, self.group, rank)
 
     def wait_started(self) -> None:
         """Block until every worker process is up and has built its `Worker` (imports included)."""

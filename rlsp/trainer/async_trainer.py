@@ -52,7 +52,8 @@ from rlsp.controller.worker_group import PendingCall, RayWorkerGroup
 from rlsp.data.batch import Batch
 from rlsp.trainer.ray_trainer import RayTrainer, _prompt_batch
 from rlsp.trainer.staleness import max_units_ahead
-from rlsp.trainer.training_workers import PoolSettings, start_pool
+from rlsp.trainer.training_workers import start_pool
+from rlsp.trainer.worker_pools import PoolSettings, StartedPool
 from rlsp.utils.logging import get_logger
 
 log = get_logger("rlsp.trainer")
@@ -90,7 +91,7 @@ class AsyncTrainer(RayTrainer):
     def rollout_wg(self) -> RayWorkerGroup:
         return self.pool_wg
 
-    def start_workers(self, pools: list[RayWorkerGroup] | None = None) -> list[dict[str, Any]]:
+    def start_workers(self, pools: list[StartedPool] | None = None) -> list[dict[str, Any]]:
         infos = super().start_workers(pools)
         t0 = time.perf_counter()
         self.pool_wg = start_pool(PoolSettings.of(self.cfg), self.layout, "rollout")

@@ -1,13 +1,18 @@
 """The run's Ray: which one (a private local Ray or a cluster to join), starting it, and stopping it.
 
-`RayStart` runs `init_ray` on a thread of its own, so that a private Ray's processes (GCS, raylet,
-agents: ~2 s on 2 cores) come up while the driver's start-up checks import torch and transformers on the
-main thread; once the driver has imported the worker classes, the same thread starts the training
-pools' processes (their imports: ~4 s of CPU each) while the checks themselves run. On a small run these
+`RayStart` runs `init_ray` on a thread of its own and then starts the training pools' processes
+(rlsp.trainer.worker_pools: no torch in the driver for that), so that a private Ray's processes (GCS,
+raylet, agents: ~2 s on 2 cores) come up and the workers import torch and transformers (~4 s of CPU
+each) while the driver's start-up checks import the same on the main thread. On a small run these
 phases, one after the other, were most of what a user waited for before the first step. The workers get
 the run's config only once every check passed (`init_workers`); a refused check (or a signal meanwhile)
 waits for `ray.init` to return, which cannot be cut short, and stops the pools and that Ray again
 (`RayStart.stop`).
+
+A cluster to join (`trainer.ray_address`, or the one `ray job submit` gave the driver) is joined as
+before, on the main thread once the checks passed (`wait`): with a job's working directory Ray's runtime
+env replaces the driver's current directory while it connects, which the checks' imports read at the same
+time (`os.getcwd()` failed in them).
 
 The thread lives until `stop`: Ray's processes die with the thread that started them (PR_SET_PDEATHSIG).
 Ray's SIGTERM handler (a bare `sys.exit(15)`) is installed only by a `ray.init` on the main thread; on
@@ -31,10 +36,9 @@ from rlsp.controller.ray_start import without_api_server
 from rlsp.trainer.stopping import kill_ray_sessions, ray_in_own_session, stop_autoscaler_monitor
 from rlsp.utils.logging import get_logger
 
-if TYPE_CHECKING:  # imported by the main thread once it has torch (see `RayStart.start_pools`)
+if TYPE_CHECKING:
     from rlsp.config.layout import ParallelLayout
-    from rlsp.controller.worker_group import RayWorkerGroup
-    from rlsp.trainer.training_workers import PoolSettings
+    from rlsp.trainer.worker_pools import PoolSettings, StartedPool
 
 log = get_logger("rlsp.main")
 # Ray's job supervisor sets this (with RAY_ADDRESS) on every driver it starts for `ray job submit`.
@@ -115,30 +119,39 @@ def stop_ray() -> None:
 
 
 class RayStart:
-    """`init_ray` on a thread of its own, begun at construction (see the module docstring); then, once the
-    caller asks (`start_pools`, after it imported the worker classes on the main thread), the training
-    pools' processes. `wait()` returns once both are under way, raising what failed, and logs which Ray it
-    is; `take_pools()` hands the pools over; `stop()` stops what was not handed over and the Ray this start
-    brought up. A process already connected to Ray (tests) keeps its Ray."""
+    """`init_ray` on a thread of its own, begun at construction, then the training pools' processes (see the
+    module docstring). `wait()` returns once both are under way, raising what failed, and logs which Ray it
+    is; `take_pools(settings)` hands the pools over; `stop()` stops what was not handed over and the Ray this
+    start brought up. A process already connected to Ray (tests) keeps its Ray."""
 
     def __init__(self, cfg: DictConfig, layout: ParallelLayout) -> None:
+        import ray  # noqa: F401 -- here: imported by two threads at once, a package can be seen half initialised
+
+        from rlsp.trainer.worker_pools import PoolSettings, start_training_pools
+
         self.owned = False  # this start connected the process: `stop` ends its Ray
         self.seconds = 0.0  # how long ray.init took (alongside the checks)
         self._cfg = copy.deepcopy(cfg)  # the main thread goes on resolving its own copy meanwhile
         self._layout = layout
+        self._settings = PoolSettings.guess(cfg)  # no torch: checked against torch's answer by `take_pools`
+        self._start_pools = start_training_pools
         self._error: BaseException | None = None
         self._started: str | None = None  # init_ray's line: logged by `wait`, never after a refused check
-        self._settings: PoolSettings | None = None
-        self._pools: list[RayWorkerGroup] = []
-        self._pools_asked = threading.Event()
+        self._pools: list[StartedPool] = []
         self._up = threading.Event()
         self._release = threading.Event()
-        import ray  # noqa: F401 -- here: imported by two threads at once, a package can be seen half initialised
-
-        self._thread = threading.Thread(target=self._start, name="rlsp-ray-start", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if ray_address(cfg.trainer.ray_address) is None:  # a private Ray; a cluster is joined by `wait`
+            self._thread = threading.Thread(target=self._start, name="rlsp-ray-start", daemon=True)
+            self._thread.start()
 
     def _start(self) -> None:
+        self._connect_and_start_pools()
+        # Ray starts its processes with PR_SET_PDEATHSIG (they die with their parent), and Linux's parent
+        # is the thread that started them: this thread outlives them, until `stop` has stopped Ray.
+        self._release.wait()
+
+    def _connect_and_start_pools(self) -> None:
         t0 = time.perf_counter()
         try:
             import ray
@@ -146,33 +159,17 @@ class RayStart:
             self.owned = not ray.is_initialized()  # set before: a failed start still has processes to stop
             self._started = init_ray(self._cfg, self._layout.total_workers)
             self.seconds = time.perf_counter() - t0
-            self._pools_asked.wait()
-            if self._settings is not None:  # already imported by the main thread (see `start_pools`)
-                from rlsp.trainer.training_workers import start_training_pools
-
-                self._pools = start_training_pools(self._settings, self._layout)
+            self._pools = self._start_pools(self._settings, self._layout)
         except BaseException as exc:  # noqa: BLE001 -- raised again by `wait` on the main thread
             self._error = exc
         self._up.set()
-        # Ray starts its processes with PR_SET_PDEATHSIG (they die with their parent), and Linux's parent
-        # is the thread that started them: this thread outlives them, until `stop` has stopped Ray.
-        self._release.wait()
-
-    def start_pools(self, settings: PoolSettings) -> None:
-        """Start the training pools' processes as soon as Ray is up. Their workers get no config: that comes
-        with `init_workers`, once every check passed. Call it on the main thread after importing
-        rlsp.trainer.training_workers there (two threads importing one module graph at once can see it
-        half initialised). Only the first call counts."""
-        if not self._pools_asked.is_set():
-            self._settings = settings
-            self._pools_asked.set()
 
     def wait(self) -> float:
-        """Block until Ray is up and the pools asked for (`start_pools` first) are starting; the seconds
-        waited here (what the checks did not hide)."""
-        if not self._pools_asked.is_set():
-            raise RuntimeError("RayStart.wait() before start_pools(): the thread waits for that call")
+        """Block until Ray is up and the pools' processes are starting; the seconds waited here (what the
+        checks did not hide)."""
         t0 = time.perf_counter()
+        if self._thread is None and not self._up.is_set():
+            self._connect_and_start_pools()  # joining a cluster: here, once the checks passed
         self._up.wait()
         if self._error is not None:
             raise self._error
@@ -181,22 +178,33 @@ class RayStart:
             self._started = None
         return time.perf_counter() - t0
 
-    def take_pools(self) -> list[RayWorkerGroup]:
-        """The started pools (policy, then a critic pool of its own), now the caller's to shut down."""
+    def take_pools(self, settings: PoolSettings) -> list[StartedPool] | None:
+        """The started pools (policy, then a critic pool of its own), now the caller's to stop; None (and
+        the pools stopped) where `settings`, read once the checks passed, differ from those they started
+        with (`trainer.device=auto` guessed another device than torch sees)."""
         pools, self._pools = self._pools, []
-        return pools
+        if pools and settings != self._settings:
+            log.info("the worker processes started for %s are stopped: this run computes on %s", self._settings,
+                     settings)
+            for pool in pools:
+                pool.stop()
+            return None
+        return pools or None
 
     def stop(self) -> None:
         """Stop the pools not taken and the Ray this start brought up (idempotent); a process that was
         already connected keeps its Ray."""
-        self._pools_asked.set()  # no pools if none were asked for yet
+        if self._thread is None and not self._up.is_set():
+            return  # a cluster not joined yet: nothing started
         self._up.wait()
         try:
-            for pool in self.take_pools():
-                pool.shutdown(graceful=False)
+            for pool in self._pools:
+                pool.stop()
+            self._pools = []
             if self.owned:
                 self.owned = False
                 stop_ray()
         finally:
             self._release.set()
-            self._thread.join()
+            if self._thread is not None:
+                self._thread.join()

@@ -47,6 +47,7 @@ from rlsp.trainer.row_advantages import compute_row_advantages, row_level
 from rlsp.trainer.stopping import Terminated
 from rlsp.trainer.training_workers import check_sharded_forwards, start_training_workers
 from rlsp.trainer.val_generations import ValGenerationLog
+from rlsp.trainer.worker_pools import StartedPool
 from rlsp.utils.logging import get_logger
 from rlsp.utils.timing import timed
 
@@ -103,7 +104,7 @@ class RayTrainer:
         self.ckpt = CheckpointWriter(self.run_dir, cfg.trainer.max_actor_ckpt_to_keep, cfg.trainer.max_critic_ckpt_to_keep)
 
     # ------------------------------------------------------------------ workers
-    def start_workers(self, pools: list[RayWorkerGroup] | None = None) -> list[dict[str, Any]]:
+    def start_workers(self, pools: list[StartedPool] | None = None) -> list[dict[str, Any]]:
         """Start (or take `pools`, started while the checks ran: rlsp.trainer.ray_session) and initialise
         the workers; each worker's init result."""
         scorers = start_rule_scorers(self.cfg)  # its processes (if any) start while the training workers do

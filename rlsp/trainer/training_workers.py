@@ -1,14 +1,13 @@
 """The training side's processes, started together: the policy pool (actor, reference, and the
 rollout engines, critic and reward model where they are colocated), a critic pool of its own, and
 the reward loop's engines in processes beside the policy workers (rlsp.controller.reward_servers).
-`start_pool` is the one function that starts a worker pool — these and the asynchronous trainer's
-rollout pool alike. Also the environment every worker process starts with, and the start-up check of
-sharded forwards.
+`start_pool` starts a worker pool as a worker group (the asynchronous trainer's rollout pool); the
+processes themselves start in rlsp.trainer.worker_pools, also before the driver has imported torch
+(rlsp.trainer.ray_session). Also the start-up check of sharded forwards.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,26 +15,14 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from rlsp.config.layout import ParallelLayout
-from rlsp.controller.resource_pool import ResourcePool, default_cpus_per_worker
 from rlsp.controller.reward_servers import RewardServers, server_envs
 from rlsp.controller.worker_group import RayWorkerGroup
 from rlsp.data.batch import Batch
 from rlsp.engine.fsdp_engine import assert_sp_matches
-from rlsp.utils.device import resolve_device_type
+from rlsp.trainer.worker_pools import PoolSettings, StartedPool, start_pool_processes, start_training_pools, worker_env
 from rlsp.utils.logging import get_logger
 
 log = get_logger("rlsp.trainer")
-
-
-def worker_env(cfg: DictConfig) -> dict[str, str]:
-    """The environment of every worker process (and of the processes beside them)."""
-    return {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CPU_KVCACHE_SPACE": str(cfg.actor_rollout_ref.rollout.cpu_kvcache_space_gib),
-        "TOKENIZERS_PARALLELISM": "false",
-        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
-        "RLSP_LOG_LEVEL": os.environ.get("RLSP_LOG_LEVEL", "INFO"),
-    }
 
 
 @dataclass
@@ -47,50 +34,20 @@ class TrainingWorkers:
     timings: dict[str, float] = field(default_factory=dict)  # startup/* seconds
 
 
-def _workers_before(layout: ParallelLayout, group: str) -> int:
-    """Workers of the pools started before `group`'s (policy, then a separate critic, then a rollout pool):
-    on CPU each pool binds the cores after theirs, so pools sharing a node never share a core."""
-    separate_critic = layout.role("critic").world_size if layout.has_critic and not layout.critic_colocated else 0
-    return {"policy": 0, "critic": layout.world_size, "rollout": layout.world_size + separate_critic}[group]
-
-
-@dataclass(frozen=True)
-class PoolSettings:
-    """What starting the worker pools needs from the config, read once on the driver's main thread (the
-    pools may start on another thread while the main one still checks and resolves the config)."""
-
-    device_type: str
-    env: dict[str, str]
-
-    @classmethod
-    def of(cls, cfg: DictConfig) -> PoolSettings:
-        return cls(resolve_device_type(cfg.trainer.device), worker_env(cfg))
-
-
 def start_pool(settings: PoolSettings, layout: ParallelLayout, group: str) -> RayWorkerGroup:
-    """Reserve the resources of one worker pool ('policy'; 'critic' or 'rollout' where the layout gives them
-    a pool of their own) and start its processes. Not yet initialised: the caller waits for them
-    (`wait_started`) and initialises each world (`init_workers`), so several pools can start at once."""
-    world = layout.world_of(group)
-    cpus = 1 if settings.device_type == "cuda" else default_cpus_per_worker(layout.total_workers)
-    first_core = 0 if settings.device_type == "cuda" else _workers_before(layout, group) * cpus
-    resources = ResourcePool(world.nnodes, world.procs_per_node, settings.device_type, cpus, name=group,
-                             first_core=first_core)
-    return RayWorkerGroup(resources, layout, group, env_vars=settings.env)
+    """Reserve one worker pool and start its processes (`start_pool_processes`), as a worker group. Not yet
+    initialised: the caller waits for them (`wait_started`) and initialises each world (`init_workers`)."""
+    started = start_pool_processes(settings, layout, group)
+    return RayWorkerGroup(started.pool, layout, group, workers=started.workers)
 
 
-def start_training_pools(settings: PoolSettings, layout: ParallelLayout) -> list[RayWorkerGroup]:
-    """The training side's pools, processes starting: the policy pool, then a critic pool of its own."""
-    separate = layout.has_critic and not layout.critic_colocated
-    return [start_pool(settings, layout, "policy")] + ([start_pool(settings, layout, "critic")] if separate else [])
-
-
-def start_training_workers(cfg: DictConfig, layout: ParallelLayout, pools: list[RayWorkerGroup] | None = None
+def start_training_workers(cfg: DictConfig, layout: ParallelLayout, started: list[StartedPool] | None = None
                            ) -> TrainingWorkers:
-    """Start every process (unless `pools` were started already, from `start_training_pools`), and
+    """Start every process (unless `started`, from `start_training_pools` with this config's settings), and
     initialise the workers with the run's config (each world collectively)."""
     t0 = time.perf_counter()
-    groups = pools or start_training_pools(PoolSettings.of(cfg), layout)
+    started = started or start_training_pools(PoolSettings.of(cfg), layout)
+    groups = [RayWorkerGroup(p.pool, layout, p.group, workers=p.workers) for p in started]
     wg = groups[0]
     critic_wg = groups[1] if len(groups) > 1 else wg if layout.has_critic else None
     for g in groups:  # processes up, worker module imported (all groups start at once)

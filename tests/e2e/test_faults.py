@@ -101,7 +101,7 @@ def test_killed_worker_ends_the_run_quickly_and_cleanly(tmp_path):
     proc = _start(str(tmp_path / "run"), "trainer.total_training_steps=200", marker=marker)
     try:
         _wait_for(lambda: _steps(tmp_path / "run") >= 2, 180, "two training steps")
-        workers = [p for p in _marked(marker) if _cmdline(p).startswith("ray::RayWorker")]  # the policy workers
+        workers = [p for p in _marked(marker) if _cmdline(p).startswith("ray::WorkerProcess")]  # the policy workers
         assert workers, {p: _cmdline(p) for p in _marked(marker)}
         os.kill(workers[-1], signal.SIGKILL)
         t0 = time.monotonic()

@@ -144,7 +144,7 @@ def test_job_submit_runs_on_both_nodes(cluster, cache_dir, tmp_path):
     assert f"Job '{sid}' succeeded" in status.stdout, status.stdout + status.stderr
     assert "joined the Ray cluster at" in job.stdout and "run complete: 2 steps" in job.stdout, job.stdout[-3000:]
     assert "sp self-check passed" in job.stdout
-    assert "(RayWorker pid=" not in job.stdout and "(RayWorker pid=" in (run_dir / "run.log").read_text(), job.stdout
+    assert "(WorkerProcess pid=" not in job.stdout and "(WorkerProcess pid=" in (run_dir / "run.log").read_text(), job.stdout
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
     assert all(math.isfinite(r["reward/mean"]) and math.isfinite(r["actor/pg_loss"]) for r in records)
@@ -152,7 +152,7 @@ def test_job_submit_runs_on_both_nodes(cluster, cache_dir, tmp_path):
     nodes = {n["node_id"]: n for n in _state(cluster, "nodes")}
     ours = {nid for nid, n in nodes.items() if {"rlsp_head", "rlsp_second"} & set(n["resources_total"])}
     assert len(ours) == 2, nodes
-    workers = [a for a in _state(cluster, "actors", "--filter=class_name=RayWorker")
+    workers = [a for a in _state(cluster, "actors", "--filter=class_name=WorkerProcess")
                if a["name"].startswith("rlsp-policy-")]
     node_of = {int(a["name"].split("-")[2]): a["node_id"] for a in workers}
     assert sorted(node_of) == [0, 1, 2, 3] and set(node_of.values()) == ours, workers

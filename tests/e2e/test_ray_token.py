@@ -85,7 +85,9 @@ from ray._private import ray_constants, worker
 from rlsp.config.schema import RLSPConfig
 from rlsp.config.validate import validate_config
 from rlsp.trainer.ray_session import RayStart
-from rlsp.trainer.training_workers import PoolSettings
+from rlsp.trainer.worker_pools import PoolSettings
+import sys
+print("torch before the workers are up:", "torch" in sys.modules)
 
 def config(**settings):
     cfg = OmegaConf.structured(RLSPConfig)
@@ -95,15 +97,15 @@ def config(**settings):
 
 def worker_processes():
     raylet = worker._global_node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
-    return [p for p in psutil.Process(raylet).children(recursive=True) if p.cmdline()[:1] == ["ray::RayWorker"]]
+    return [p for p in psutil.Process(raylet).children(recursive=True) if p.cmdline()[:1] == ["ray::WorkerProcess"]]
 
-# A refused check: Ray and the pools' processes started beside it are stopped, nothing is left.
+# A refused check: Ray and the worker processes started beside it are stopped, nothing is left.
 cfg, layout = config()
 start = RayStart(cfg, layout)
 print("ray on a thread:", start._thread.name, start._thread.is_alive())
-start.start_pools(PoolSettings.of(cfg))
 start.wait()
-start._pools[0].wait_started()  # the processes are up, each with a Worker that has no config
+ray.get([w.__ray_ready__.remote() for w in start._pools[0].workers])  # up, the worker stack imported
+print("torch in the driver:", "torch" in sys.modules)
 procs = worker_processes()
 services = [i.process for infos in worker._global_node.all_processes.values() for i in infos]
 print("workers:", len(procs))
@@ -116,44 +118,43 @@ print("stopped:", ray.is_initialized(), sum(p.is_running() and p.status() != psu
 cfg, layout = config()
 OmegaConf.update(cfg, "ray_kwargs.ray_init.num_cpus", 4)
 failed = RayStart(cfg, layout)
-for ask in (False, True):
-    if ask:
-        failed.start_pools(PoolSettings.of(cfg))
-    try:
-        failed.wait()
-    except RuntimeError as exc:
-        print("refused:", exc)
+try:
+    failed.wait()
+except RuntimeError as exc:
+    print("refused:", exc)
 failed.stop()
 
-# A process already connected (a caller's Ray) keeps it; the pools not taken are stopped.
+# A process already connected (a caller's Ray) keeps it. The pools go to the caller only with the
+# settings they started with; taken with others (a device guessed wrong), they are stopped.
 cfg, layout = config()
 ray.init(num_cpus=2, include_dashboard=False)
-kept = RayStart(cfg, layout)
-kept.start_pools(PoolSettings.of(cfg))
-kept.wait()
-pools = kept.take_pools()
-print("taken:", len(pools), "left:", len(kept.take_pools()))
-kept.stop()
-print("kept:", ray.is_initialized())
-pools[0].shutdown(graceful=False)
+for device in ("cuda", "cpu"):
+    kept = RayStart(cfg, layout)
+    kept.wait()
+    pools = kept.take_pools(PoolSettings(device, PoolSettings.guess(cfg).env))
+    print(device, "taken:", pools and [(p.group, len(p.workers)) for p in pools], "left:", kept.take_pools(kept._settings))
+    kept.stop()
+print("kept:", ray.is_initialized(), "bundles left:", ray.available_resources().get("CPU", 0.0))
+pools[0].stop()
 ray.shutdown()
 """
 
 
 def test_ray_starts_on_a_thread_beside_the_checks_and_a_refusal_stops_it_with_its_pools():
     """`RayStart` (rlsp.main's start while the checks run): Ray comes up on a thread that outlives Ray's
-    processes; the pools' processes start (their Workers get the config later); `stop` after a refused check
-    ends those processes and every Ray service, twice safely; a failed start raises its reason on the main
-    thread; a caller's Ray is kept."""
+    processes, then the worker processes, all without torch in the driver; `stop` after a refused check ends
+    those processes and every Ray service, twice safely; a failed start raises its reason on the main
+    thread; a caller's Ray is kept; pools started for another device than the run's are not handed over."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
     proc = subprocess.run([sys.executable, "-c", START_DRIVER], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
+    assert "torch before the workers are up: False" in out and "torch in the driver: False" in out, out
     assert "ray on a thread: rlsp-ray-start True" in out, out
     assert "workers: 2" in out, out
     assert "stopped: False 0 0 thread alive: False" in out, out
-    assert "refused: RayStart.wait() before start_pools()" in out, out
     assert ("refused: ray_kwargs.ray_init.num_cpus=4 on a CPU run: CPU workers share this machine's cores equally "
             "(Ray needs all of them); leave it null") in out, out
-    assert "taken: 1 left: 0" in out and "kept: True" in out, out
+    assert "cuda taken: None left: None" in out, out
+    assert "cpu taken: [('policy', 2)] left: None" in out and "kept: True bundles left: 0.0" in out, out

@@ -15,7 +15,8 @@ from omegaconf import OmegaConf
 
 from rlsp.config.schema import RLSPConfig
 from rlsp.config.validate import validate_config
-from rlsp.controller.worker_group import RayWorker, WorkerDiedError
+from rlsp.controller.worker_group import WorkerDiedError
+from rlsp.controller.worker_process import WorkerProcess
 from rlsp.data.batch import Batch
 from rlsp.models.tokenizer import build_char_tokenizer
 from rlsp.rewards.scoring import Scorer
@@ -62,7 +63,7 @@ def test_reward_workers_equal_one_scorer(tmp_path):
         layout = validate_config(cfg)
         assert cfg.reward_model.num_workers == 0  # auto: no rollout pool, so the policy workers score
         config = OmegaConf.to_container(cfg)
-        workers = [ray.remote(RayWorker).remote(layout, "policy", rank) for rank in range(2)]
+        workers = [ray.remote(WorkerProcess).remote(layout, "policy", rank) for rank in range(2)]
         ray.get([w.configure.remote(config) for w in workers])  # the config alone: no process group to score
         batch = _batch(tok)
         assert ScoringPool(workers).score_rows(batch).tolist() == want.tolist()
