@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
+from rlsp.config.machine import machine_facts
 from rlsp.controller.ray_start import without_api_server
 from rlsp.trainer.stopping import kill_ray_sessions, ray_in_own_session, stop_autoscaler_monitor
 from rlsp.utils.logging import get_logger
@@ -65,9 +66,9 @@ def private_auth_token() -> None:
 
 def private_ray_resources(cfg: DictConfig, world_size: int) -> dict[str, int]:
     """num_cpus and object_store_memory of the private local Ray: verl's ray_kwargs.ray_init where set."""
-    from rlsp.utils.device import target_device_type  # torch: not imported by rlsp.main's own import
     ray_init = cfg.ray_kwargs.ray_init  # start-up validation checks the values
-    if ray_init.num_cpus is not None and target_device_type(cfg.trainer.device) == "cpu":
+    # the device type without importing torch (Ray may start on a thread while the main one imports it)
+    if ray_init.num_cpus is not None and machine_facts(cfg.trainer.device, 1).device == "cpu":
         # CPU workers each reserve cores // workers: fewer Ray CPUs would leave them unplaced forever.
         raise RuntimeError(f"ray_kwargs.ray_init.num_cpus={ray_init.num_cpus} on a CPU run: CPU workers share this "
                            "machine's cores equally (Ray needs all of them); leave it null")
