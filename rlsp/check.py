@@ -8,7 +8,7 @@ trainer.n_gpus_per_node, whatever this machine has); the model's config.json and
 data sources and prompt lengths are counted (prompts over data.max_prompt_length per
 data.filter_overlong_prompts / data.truncation); the trackers' packages are looked up; and the resume
 checks run (once the run length is known). These are the registered start-up checks (rlsp.config.checks),
-stage by stage, the same list `python -m rlsp.main` runs before any worker starts. It prints the layout, the batch split and
+stage by stage, the same list `python -m rlsp.main` runs before any worker has the run's config. It prints the layout, the batch split and
 token budgets, the schedule, and what rlsp does with each verl key of the command, then every
 problem found. Exit 0 when there is none, 2 listing all of them.
 """

@@ -55,7 +55,7 @@ from rlsp.config.validate import validate_config
 from rlsp.config.verl_compat import verl_key_notes
 from rlsp.trainer.checkpoint import finished_step, latest_checkpoint
 from rlsp.trainer.ray_session import RayStart
-from rlsp.trainer.stopping import SIGTERM_EXIT_CODE, Terminated, catch_sigterm, ray_start_signals
+from rlsp.trainer.stopping import SIGTERM_EXIT_CODE, Terminated, catch_sigterm, ray_start_signals, signals_deferred
 from rlsp.utils.fast_exit import run_and_exit
 from rlsp.utils.logging import RUN_LOG_NAME, get_logger, log_to_run_file
 
@@ -78,7 +78,7 @@ def run(cfg: DictConfig) -> list[dict[str, Any]]:
 
 def prepare(cfg: DictConfig, layout: ParallelLayout, plan: ResumePlan | None = None
             ) -> tuple[RayTrainer, str | None]:
-    """Everything that can fail on the user's input, before any worker starts: the datasets (they fix the run
+    """Everything that can fail on the user's input, before any worker has the run's config: the datasets (they fix the run
     length when trainer.total_training_steps is unset), then the resume stage of the checks."""
     from rlsp.trainer.ray_trainer import RayTrainer
     from rlsp.trainer.resume_check import resume_plan
@@ -134,7 +134,7 @@ def _run_logged(cfg: DictConfig, layout: ParallelLayout) -> None:
             return
         ray_start = RayStart(cfg, layout)  # Ray's processes come up while the checks run
         try:
-            with ray_start_signals():
+            with signals_deferred():  # a signal inside an import can break the module: after the checks
                 prepared = _prepare_checked(cfg, layout)
             if (done := finished_step(cfg)) is not None:  # a run length from the dataset is known only now
                 log.info("the run is already complete at step %d (trainer.total_training_steps=%d)", done,

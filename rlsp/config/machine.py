@@ -1,6 +1,6 @@
 """What the machine a command runs on offers the run: its device type and the memory of one rank.
 
-Read before any worker starts and without importing torch (the config stage answers in about a
+Read before any worker has the run's config and without importing torch (the config stage answers in about a
 second): the device type is `trainer.device` when it names one; for `auto` it is torch's answer when
 torch is already imported, else whether `nvidia-smi` lists a GPU this process may use
 (`CUDA_VISIBLE_DEVICES` respected). A rank's memory is the smallest visible GPU's total memory on

@@ -3,7 +3,7 @@
 Run length: `trainer.total_training_steps` when set explicitly, else `trainer.total_epochs` x the
 batches of one epoch (full batches of `data.train_batch_size` prompts from the training set after
 filtering; with dynamic sampling's `data.gen_batch_size`, batches of that many prompts, as verl's loader). The number of prompts is known only once the dataset is read, so the driver (and
-`rlsp.check`) call `resolve_total_steps` right after reading it, before any worker starts; from then
+`rlsp.check`) call `resolve_total_steps` right after reading it, before any worker has the run's config; from then
 on the config carries the number.
 
 Warm-up: `optim.lr_warmup_steps` training steps, or (when it is < 0) `optim.lr_warmup_steps_ratio`
@@ -77,7 +77,7 @@ def warmup_training_steps(optim: Any, total_steps: int | None) -> int:
         return 0
     if total_steps is None:
         raise ValueError("lr_warmup_steps_ratio needs the run length: trainer.total_training_steps is resolved from "
-                         "the dataset by the driver before workers start")
+                         "the dataset by the driver before workers have the run's config")
     return int(optim.lr_warmup_steps_ratio * total_steps)
 
 

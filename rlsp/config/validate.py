@@ -1,5 +1,5 @@
 """Start-up validation of a config: the config stage of the check registry (rlsp.config.checks), run
-in the driver before any worker starts; it builds the run's one `ParallelLayout` on the way.
+in the driver before any worker has the run's config; it builds the run's one `ParallelLayout` on the way.
 
 Checks here are arithmetic on config values (the `auto` keys also read the model's config.json and
 the machine's memory, rlsp.config.auto); checks that need the model or the registries (head counts,

@@ -3,7 +3,7 @@ table the trainer and the teacher role read.
 
 Arithmetic on config values only (no torch, no files): called by `validate_config`, which collects every
 message into one error. The checks that need files (teacher/student vocabularies, the data_source values
-of the data) run in rlsp.trainer.distill before any worker starts.
+of the data) run in rlsp.trainer.distill before any worker has the run's config.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Can the chosen rollout engine serve this model on this device? Checked before any worker starts.
+"""Can the chosen rollout engine serve this model on this device? Checked before any worker has the run's config.
 
 vLLM fails on such models only at the first `generate`, deep inside a worker (e.g. "Unsupported CPU
 attention configuration: head_dim=16"); this check names the reason and the alternative up front.

@@ -86,7 +86,7 @@ def _recorded_steps(run_dir: str) -> int:
 
 def resolve_resume(cfg: DictConfig) -> str | None:
     """The checkpoint directory to resume from, or None to start fresh; ValueError when neither is
-    possible without losing an earlier run's record. Runs in the driver before any worker starts."""
+    possible without losing an earlier run's record. Runs in the driver before any worker has the run's config."""
     t = cfg.trainer
     run_dir = t.default_local_dir
     if t.resume_mode == "resume_path":

@@ -16,7 +16,7 @@ log = get_logger("rlsp.trainer")
 
 class MetricsLogger:
     def __init__(self, run_dir: str, sinks: list[str]) -> None:
-        check_trackers(list(sinks))  # unknown names and missing libraries fail before any worker starts
+        check_trackers(list(sinks))  # unknown names and missing libraries fail before any worker has the run's config
         self.run_dir = run_dir
         self.sinks = list(dict.fromkeys(sinks))
         self.path = os.path.join(run_dir, "metrics.jsonl")

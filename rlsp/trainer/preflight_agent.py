@@ -1,6 +1,6 @@
 """Start-up checks of agent loops that need files: the tools (verl's tool YAML, function tools), the loops
 registered by `agent.agent_loop_config_path`, the chat template's turn structure, and the `agent_name`
-values of the data. Run in the driver before any worker starts (rlsp.main and rlsp.check).
+values of the data. Run in the driver before any worker has the run's config (rlsp.main and rlsp.check).
 """
 
 from __future__ import annotations

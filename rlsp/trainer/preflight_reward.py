@@ -1,4 +1,4 @@
-"""Preflight of the reward model (`reward_model.enable=true`): what needs its files, checked before workers start.
+"""Preflight of the reward model (`reward_model.enable=true`): what needs its files, checked before workers have the run's config.
 
 The directory must hold a config.json of a model type transformers knows and the reward model's own
 tokenizer (both paths render or compare with it). The checkpoint must be a one-label *ForSequenceClassification model whose attention rlsp can shard at

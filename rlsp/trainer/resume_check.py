@@ -1,4 +1,4 @@
-"""What a resume checks, in one place, before any worker starts (docs/checkpoints.md, "What a resume checks"):
+"""What a resume checks, in one place, before any worker has the run's config (docs/checkpoints.md, "What a resume checks"):
 the resume stage of the check registry (rlsp.config.checks; `resume_plan` runs it).
 
 `check_resume(cfg)` runs after preflight (the model path is a local directory by then) and returns a

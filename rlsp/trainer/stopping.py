@@ -8,7 +8,8 @@ With `trainer.save_on_preempt=true` the first SIGTERM after this run's first ste
 to stop: the step in flight finishes, is checkpointed, and then `Terminated` is raised. A second
 SIGTERM stops at once. Ray's `ray.init` installs its own SIGTERM handler (a bare `sys.exit(15)`), so
 call this again once Ray is up, and start Ray inside `ray_start_signals()`, which stops the run for a
-SIGTERM or Ctrl-C that arrives while Ray starts.
+SIGTERM or Ctrl-C that arrives while Ray starts. The start-up checks run inside `signals_deferred()`: a
+signal then stops the run once their imports are done.
 
 A scheduler's stop (Slurm's `scancel`, a container runtime that signals every process) reaches every
 process of the job's process group, not only the driver. A private local Ray started inside
@@ -60,6 +61,36 @@ def catch_sigterm(trainer: Any | None = None) -> None:
         raise Terminated()
 
     signal.signal(signal.SIGTERM, on_sigterm)
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """SIGTERM and Ctrl-C (SIGINT) that arrive in this block stop the run at its end, as they would have
+    inside it: `Terminated` or KeyboardInterrupt. Raised inside an import, their exception can leave a
+    module half initialised (numpy then fails with another error, and the run exited 1 with it instead of
+    143 or 130 with its line). The block is the start-up checks, which import torch and transformers
+    (seconds). The same signal a second time raises at once."""
+    if threading.current_thread() is not threading.main_thread():  # only there can handlers be set
+        yield
+        return
+    caught: list[int] = []
+
+    def stop_for(signum: int) -> KeyboardInterrupt:
+        return Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+    def defer(signum: int, frame: FrameType | None) -> None:
+        if signum in caught:
+            raise stop_for(signum)
+        caught.append(signum)
+
+    previous = {signum: signal.signal(signum, defer) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if caught:
+        raise stop_for(caught[0])
 
 
 @contextlib.contextmanager

@@ -186,7 +186,7 @@ assert tuple(TRACKERS) == LOGGERS, f"rlsp.config.choices.LOGGERS {LOGGERS} != tr
 
 
 def check_trackers(names: list[str]) -> None:
-    """Refuse unknown names and trackers whose library is missing, before any worker starts."""
+    """Refuse unknown names and trackers whose library is missing, before any worker has the run's config."""
     unknown = [n for n in names if n not in TRACKERS]
     if unknown:
         raise ValueError(f"trainer.logger contains {unknown}; legal entries: {list(TRACKERS)}")

@@ -5,7 +5,7 @@ the 2 policy workers at Ulysses 2 (the reference's layout); with use_task_reward
 advantage is the negative sampled reverse KL alone. Both steps log the distillation metrics and the
 teacher's timing; the reverse KL is clearly non-zero (the teacher differs from the student), the
 start-up self-check of the teacher's sharded forward passes, and a data_source no teacher key matches
-is refused before any worker starts.
+is refused before any worker has the run's config.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@
 * the same checkpoint resumed on another layout (2 workers with sp=2 -> 1 worker with sp=1): step k+1
   equals the uninterrupted run within fp32 reduction-order tolerance;
 * a reward function returning NaN stops the run naming the function and the row; unknown `+keys` are
-  refused before Ray starts, data problems before any worker starts (with nothing left).
+  refused before Ray starts, data problems before any worker has the run's config (with nothing left).
 """
 
 from __future__ import annotations
@@ -182,8 +182,9 @@ def test_nan_reward_and_bad_input_fail_clearly(tmp_path):
     assert proc.returncode not in (0, None)
     assert "returned nan (a reward must be a finite number)" in err and "row index=" in err, err[-3000:]
     assert not (tmp_path / "nan" / "metrics.jsonl").read_text().strip()  # no step was recorded
-    # Refused before any worker starts: an unknown '+key' (before Ray starts), and an empty training file
-    # (the data stage, while Ray starts beside it: stopped again, nothing left).
+    # Refused before any worker has the run's config: an unknown '+key' (before Ray starts), and an empty
+    # training file (the data stage, while Ray and the worker processes start beside it: stopped again,
+    # nothing left).
     import pandas as pd
 
     empty = tmp_path / "empty.parquet"

@@ -3,7 +3,7 @@
 * `python -m rlsp.main` completes a short GRPO run and writes finite metrics and the reward plot;
 * the policy weights change and vLLM's logprobs follow them (weight sync);
 * the same rollout batch gets the same old logprobs at sp=2 as at sp=1 (within 1e-5);
-* a bad config fails before any worker starts, naming the value.
+* a bad config fails before any worker has the run's config, naming the value.
 """
 
 from __future__ import annotations

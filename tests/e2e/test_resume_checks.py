@@ -3,8 +3,8 @@
 On one finished 2-step run (tiny model, checkpoints at steps 1 and 2):
 * the same command again: "the run is already complete" and exit 0 within seconds, Ray never started;
 * another model (6 q / 2 kv heads instead of 4 / 2) or an algorithm that adds the critic: refused with
-  both models described, exit 2, before any worker starts (the private Ray that came up beside the
-  checks stopped again, nothing left), the run dir untouched;
+  both models described, exit 2, before any worker has the run's config (the private Ray and the worker
+  processes that came up beside the checks stopped again, nothing left), the run dir untouched;
 * a copy with a truncated actor shard in its newest checkpoint, rerun with another learning rate and
   one more step: the file is named, the previous checkpoint is used, the changed setting is listed,
   the run continues; resume_path to the damaged checkpoint is refused naming the file.
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.e2e
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FINISHED = ("trainer.total_training_steps=2", "trainer.save_freq=1")
 # rlsp's own lines (the terminal's): the private Ray is up (logged only once every check passed, while Ray
-# may start beside the checks), and the run goes on to start its workers.
+# and the worker processes may start beside the checks), and the run goes on to its workers.
 RAY_STARTED = "started a private local Ray"
 WORKERS_NEXT = "run dir: "
 

@@ -1,5 +1,5 @@
 """Multi-turn keys: verl's agentic command shapes are accepted and explained by `python -m rlsp.check`; values
-and combinations rlsp cannot run are refused before any worker starts, each naming the key and what is legal."""
+and combinations rlsp cannot run are refused before any worker has the run's config, each naming the key and what is legal."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A model directory that cannot be loaded is named before any worker starts, by rlsp.check and by
+"""A model directory that cannot be loaded is named before any worker has the run's config, by rlsp.check and by
 rlsp.main's preflight alike: one line per problem with the key, the path and what is missing.
 
 * a model directory without config.json, or whose model_type transformers does not know (the actor,
@@ -8,7 +8,7 @@ rlsp.main's preflight alike: one line per problem with the key, the path and wha
 * a LoRA adapter directory without adapter weights.
 
 rlsp.check exits 2 listing the problem; rlsp.main exits 2 on the ValueError of `validate_config`
-(the LoRA keys) or `preflight` (the model files) before any worker starts.
+(the LoRA keys) or `preflight` (the model files) before any worker has the run's config.
 """
 
 from __future__ import annotations

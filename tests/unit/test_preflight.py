@@ -1,4 +1,4 @@
-"""Preflight: checks that need the registries, the model config or files fail before workers start."""
+"""Preflight: checks that need the registries, the model config or files fail before workers have the run's config."""
 
 import pytest
 from omegaconf import OmegaConf

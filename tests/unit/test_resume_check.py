@@ -1,4 +1,4 @@
-"""The checks a resume runs before any worker starts (rlsp.trainer.resume_check), on real checkpoint files:
+"""The checks a resume runs before any worker has the run's config (rlsp.trainer.resume_check), on real checkpoint files:
 DCP shards written by torch.distributed.checkpoint, a model config, the trainer's own files.
 
 * a truncated shard, a missing .metadata or a garbled trainer file is named; resume_mode=auto then

@@ -1,4 +1,4 @@
-"""A model the rollout engine cannot serve on the device is refused before any worker starts."""
+"""A model the rollout engine cannot serve on the device is refused before any worker has the run's config."""
 
 from __future__ import annotations
 

@@ -42,3 +42,16 @@ def test_starting_worker_processes_imports_neither_torch_nor_transformers():
             "print(sorted(m for m in ('torch', 'transformers', 'tensordict') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_pools_device_read_without_torch_is_torchs_answer_here():
+    """`trainer.device=auto`: the worker processes start with the device nvidia-smi shows (no torch in the
+    driver yet); here it equals torch's answer, so `RayStart.take_pools` hands them over unchanged."""
+    from rlsp.trainer.worker_pools import PoolSettings
+
+    cfg = OmegaConf.structured(RLSPConfig)
+    assert cfg.trainer.device == "auto"
+    assert PoolSettings.guess(cfg) == PoolSettings.of(cfg)
+    for device in ("cpu", "cuda"):
+        OmegaConf.update(cfg, "trainer.device", device)
+        assert PoolSettings.guess(cfg).device_type == device  # an explicit device is taken as it is
