@@ -99,10 +99,10 @@ def train(cfg: DictConfig, layout: ParallelLayout, prepared: tuple[RayTrainer, s
           ray_start: RayStart | None = None) -> list[dict[str, Any]]:
     """Start the workers (once Ray is up: `ray_start`, begun while the checks ran, else started here), train,
     and stop everything this run started."""
+    from rlsp.trainer.worker_pools import PoolSettings  # ray: imported once a run gets this far
+
     trainer, resume = prepared or prepare(cfg, layout)
     log.info("run dir: %s | %s", cfg.trainer.default_local_dir, layout.describe())
-    from rlsp.trainer.worker_pools import PoolSettings
-
     ray_start = ray_start or RayStart(cfg, layout)
     clean = False
     try:

@@ -126,7 +126,7 @@ class RayStart:
     start brought up. A process already connected to Ray (tests) keeps its Ray."""
 
     def __init__(self, cfg: DictConfig, layout: ParallelLayout) -> None:
-        import ray  # noqa: F401 -- here: imported by two threads at once, a package can be seen half initialised
+        import ray  # noqa: F401 -- on the main thread, before the start thread runs
 
         from rlsp.trainer.worker_pools import PoolSettings, start_training_pools
 
