@@ -19,7 +19,7 @@ from rlsp.config.layout import ParallelLayout
 from rlsp.controller.resource_pool import ResourcePool
 from rlsp.controller.step_data import StepData, from_batch, from_results
 from rlsp.controller.traffic import TRAFFIC
-from rlsp.controller.worker_process import rank_env, start_worker_processes
+from rlsp.controller.worker_process import rank_env
 from rlsp.data.batch import Batch
 from rlsp.utils.logging import get_logger
 from rlsp.workers.columns import COLUMNS_INFO, assemble
@@ -100,14 +100,13 @@ class RayWorker(Worker):
 
 
 class RayWorkerGroup:
-    def __init__(self, pool: ResourcePool, layout: ParallelLayout, group: str, env_vars: dict[str, str] | None = None,
-                 workers: list[Any] | None = None) -> None:
-        """Reserve `pool` and start its processes (rlsp.controller.worker_process), or adopt `workers`, the
-        processes `start_worker_processes` started for it; their `Worker`s get the config with `init_workers`."""
+    def __init__(self, pool: ResourcePool, layout: ParallelLayout, group: str, workers: list[Any]) -> None:
+        """The group of `workers`, the processes `start_worker_processes` (rlsp.controller.worker_process)
+        started in `pool`, in rank order; their `Worker`s get the config with `init_workers`."""
         self.pool, self.layout, self.group = pool, layout, group
         self.roles = layout.roles_of(group)
         self.world_size = pool.world_size
-        self.workers = workers if workers is not None else start_worker_processes(pool, layout, group, env_vars)
+        self.workers = workers
 
     def read_rows(self, spec: Any, *refs: Any) -> Any:
         """A reference to the rows `spec` builds from the blocks `refs`, built by rank 0 (see RayWorker)."""

@@ -37,8 +37,11 @@ class TrainingWorkers:
 def start_pool(settings: PoolSettings, layout: ParallelLayout, group: str) -> RayWorkerGroup:
     """Reserve one worker pool and start its processes (`start_pool_processes`), as a worker group. Not yet
     initialised: the caller waits for them (`wait_started`) and initialises each world (`init_workers`)."""
-    started = start_pool_processes(settings, layout, group)
-    return RayWorkerGroup(started.pool, layout, group, workers=started.workers)
+    return _group(start_pool_processes(settings, layout, group), layout)
+
+
+def _group(started: StartedPool, layout: ParallelLayout) -> RayWorkerGroup:
+    return RayWorkerGroup(started.pool, layout, started.group, started.workers)
 
 
 def start_training_workers(cfg: DictConfig, layout: ParallelLayout, started: list[StartedPool] | None = None
@@ -47,7 +50,7 @@ def start_training_workers(cfg: DictConfig, layout: ParallelLayout, started: lis
     initialise the workers with the run's config (each world collectively)."""
     t0 = time.perf_counter()
     started = started or start_training_pools(PoolSettings.of(cfg), layout)
-    groups = [RayWorkerGroup(p.pool, layout, p.group, workers=p.workers) for p in started]
+    groups = [_group(p, layout) for p in started]
     wg = groups[0]
     critic_wg = groups[1] if len(groups) > 1 else wg if layout.has_critic else None
     for g in groups:  # processes up, worker module imported (all groups start at once)
