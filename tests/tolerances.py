@@ -11,8 +11,9 @@ Derivation (u is the dtype's unit roundoff: 2^-24 in fp32, 2^-8 in bf16, 2^-53 i
    their sums (tokens split over ranks and micro-batches, heads over ranks, blocks merged by log-sum-exp),
    so their results differ by about that much twice. A network chains such reductions: each layer's
    projections, attention scores and weighted values, the MLP, the vocabulary's log-sum-exp, and the same
-   again backwards; the relative errors of chained stages add. `roundoff_rtol` is that sum with a safety
-   factor of SAFETY for conditioning (small random models are well conditioned: their logits are O(1)).
+   again backwards; the relative errors of chained stages add. `roundoff_rtol` is that sum, times TWO for
+   the two computations that each carry their own error (small random models are well conditioned: their
+   logits are O(1), so no conditioning factor is added).
    A layout bug (a token, head or gradient shard lost or counted twice) moves a result by O(1e-2) or more,
    orders of magnitude above these bounds, so they keep the tests' power.
 
@@ -38,7 +39,7 @@ from collections.abc import Mapping
 
 import torch
 
-SAFETY = 4.0
+TWO = 2.0  # both computations carry their own rounding error
 ADAM_EPS = 1e-8  # torch.optim.AdamW's default, which rlsp's optimizer keeps
 STEP_ULPS = 4  # rounding of the decay, the division and the update inside one AdamW step
 
@@ -53,7 +54,7 @@ def roundoff_rtol(*, reduction: int, stages: int, dtype: torch.dtype = torch.flo
     reductions of at most `reduction` terms each (derivation 1)."""
     if reduction < 1 or stages < 1:
         raise ValueError(f"reduction={reduction} and stages={stages} must be >= 1")
-    return SAFETY * stages * math.sqrt(reduction) * unit_roundoff(dtype)
+    return TWO * stages * math.sqrt(reduction) * unit_roundoff(dtype)
 
 
 def model_rtol(config, tokens: int, *, backward: bool = True, dtype: torch.dtype = torch.float32) -> float:
