@@ -55,7 +55,13 @@ from rlsp.config.validate import validate_config
 from rlsp.config.verl_compat import verl_key_notes
 from rlsp.trainer.checkpoint import finished_step, latest_checkpoint
 from rlsp.trainer.ray_session import RayStart
-from rlsp.trainer.stopping import SIGTERM_EXIT_CODE, Terminated, catch_sigterm, ray_start_signals, signals_deferred
+from rlsp.trainer.stopping import (
+    SIGTERM_EXIT_CODE,
+    catch_sigterm,
+    ray_start_signals,
+    signals_deferred,
+    stop_exit_code,
+)
 from rlsp.utils.fast_exit import run_and_exit
 from rlsp.utils.logging import RUN_LOG_NAME, get_logger, log_to_run_file
 
@@ -144,11 +150,7 @@ def _run_logged(cfg: DictConfig, layout: ParallelLayout) -> None:
         finally:
             ray_start.stop()  # after a refused check or a signal (train stops it itself)
     except KeyboardInterrupt as exc:
-        latest = latest_checkpoint(cfg.trainer.default_local_dir)
-        where = f"last complete checkpoint: {latest} (continue with the same command)" if latest else "no checkpoint was written"
-        terminated = isinstance(exc, Terminated)
-        log.error("%s; %s", "terminated (SIGTERM)" if terminated else "interrupted", where)
-        raise SystemExit(SIGTERM_EXIT_CODE if terminated else 130) from None
+        raise stopped_exit(cfg, exc) from None
     except Exception as exc:
         traceback.print_exc()  # into the run's log file
         lines = str(exc).strip().splitlines() or [""]
@@ -156,6 +158,16 @@ def _run_logged(cfg: DictConfig, layout: ParallelLayout) -> None:
         log.error("run failed: %s: %s%s\n(traceback in %s)", type(exc).__name__, "\n".join(lines[:3]), more,
                   os.path.join(cfg.trainer.default_local_dir, RUN_LOG_NAME))
         raise SystemExit(1) from None
+
+
+def stopped_exit(cfg: DictConfig, exc: KeyboardInterrupt) -> SystemExit:
+    """The exit of a run stopped by a signal: one line naming the last complete checkpoint, code 143 for
+    SIGTERM and 130 for Ctrl-C, decided by the signal that arrived (`stop_exit_code`)."""
+    latest = latest_checkpoint(cfg.trainer.default_local_dir)
+    where = f"last complete checkpoint: {latest} (continue with the same command)" if latest else "no checkpoint was written"
+    code = stop_exit_code(exc)
+    log.error("%s; %s", "terminated (SIGTERM)" if code == SIGTERM_EXIT_CODE else "interrupted", where)
+    return SystemExit(code)
 
 
 def _prepare_checked(cfg: DictConfig, layout: ParallelLayout) -> tuple[RayTrainer, str | None]:

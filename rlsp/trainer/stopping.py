@@ -21,6 +21,12 @@ naming a checkpoint. The processes still die with the driver, even on SIGKILL: R
 with PR_SET_PDEATHSIG (kernel fate-sharing), and the workers end when their raylet does; after
 `ray.shutdown()`, `kill_ray_sessions()` ends what is left in those sessions. Ctrl-C in a terminal
 (SIGINT to the foreground group) reaches the driver alone in the same way.
+
+The exit code comes from the signal, not from the exception's type (`stop_exit_code`): Ray's core worker
+checks for signals while the driver waits in `ray.get` / `ray.wait` (a step's results, the workers inside a
+collective) and replaces whatever KeyboardInterrupt a handler raised there with a plain one, so a SIGTERM
+that arrived during such a wait surfaced as Ctrl-C (exit 130). Every handler here records its signal before
+it raises.
 """
 
 from __future__ import annotations
@@ -38,15 +44,38 @@ from rlsp.utils.logging import get_logger
 log = get_logger("rlsp.trainer")
 SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
 _ray_sessions: set[int] = set()  # the sessions `ray_in_own_session` started (their leaders' PIDs)
+_stop_signals: list[int] = []  # the signals that stopped (or began to stop) this process, in arrival order
 
 
 class Terminated(KeyboardInterrupt):
     """The run received SIGTERM."""
 
 
+def _stop(signum: int) -> KeyboardInterrupt:
+    """The exception that stops the run for `signum`, recorded first (see `stop_exit_code`)."""
+    _stop_signals.append(signum)
+    return Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+def _on_sigint(signum: int, frame: FrameType | None) -> None:
+    """Ctrl-C: Python's KeyboardInterrupt, recorded."""
+    raise _stop(signum)
+
+
+def stop_exit_code(exc: KeyboardInterrupt) -> int:
+    """128 + the signal that stopped the run: 143 for SIGTERM, 130 for Ctrl-C. The last signal a handler
+    recorded decides; the exception's type only when none was (Python's own SIGINT handler, or `Terminated`
+    raised by the loop after save_on_preempt's checkpoint). Ray may have replaced the exception on its way
+    out of `ray.get` (module docstring)."""
+    if isinstance(exc, Terminated) or (_stop_signals and _stop_signals[-1] == signal.SIGTERM):
+        return SIGTERM_EXIT_CODE
+    return 128 + signal.SIGINT
+
+
 def catch_sigterm(trainer: Any | None = None) -> None:
     """SIGTERM raises `Terminated` in the main thread (or, with the trainer's save_on_preempt, first
-    sets `trainer.stop_requested`). No-op outside the main thread, where Python cannot set handlers."""
+    sets `trainer.stop_requested`); Ctrl-C raises KeyboardInterrupt as before, both recorded for
+    `stop_exit_code`. No-op outside the main thread, where Python cannot set handlers."""
     if threading.current_thread() is not threading.main_thread():
         return
 
@@ -58,9 +87,11 @@ def catch_sigterm(trainer: Any | None = None) -> None:
             log.warning("SIGTERM: the step in flight finishes and is checkpointed, then the run stops "
                         "(SIGTERM again stops at once)")
             return
-        raise Terminated()
+        raise _stop(signum)
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    if signal.getsignal(signal.SIGINT) in (signal.default_int_handler, _on_sigint):
+        signal.signal(signal.SIGINT, _on_sigint)  # an ignored SIGINT (a background job) stays ignored
 
 
 @contextlib.contextmanager
@@ -75,12 +106,9 @@ def signals_deferred() -> Iterator[None]:
         return
     caught: list[int] = []
 
-    def stop_for(signum: int) -> KeyboardInterrupt:
-        return Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
-
     def defer(signum: int, frame: FrameType | None) -> None:
         if signum in caught:
-            raise stop_for(signum)
+            raise _stop(signum)
         caught.append(signum)
 
     previous = {signum: signal.signal(signum, defer) for signum in (signal.SIGTERM, signal.SIGINT)}
@@ -90,7 +118,7 @@ def signals_deferred() -> Iterator[None]:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     if caught:
-        raise stop_for(caught[0])
+        raise _stop(caught[0])
 
 
 @contextlib.contextmanager
@@ -112,16 +140,16 @@ def ray_start_signals() -> Iterator[None]:
     except SystemExit as exc:
         if exc.code != signal.SIGTERM:
             raise
-        raise Terminated() from None
+        raise _stop(signal.SIGTERM) from None
     finally:
         signal.set_wakeup_fd(previous)
         caught = _read_all(read_fd)
         os.close(read_fd)
         os.close(write_fd)
     if signal.SIGTERM in caught:
-        raise Terminated()
+        raise _stop(signal.SIGTERM)
     if signal.SIGINT in caught:
-        raise KeyboardInterrupt()
+        raise _stop(signal.SIGINT)
 
 
 def _read_all(fd: int) -> bytes:
