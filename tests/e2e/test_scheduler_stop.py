@@ -2,8 +2,9 @@
 not only `python -m rlsp.main`. The run is started in a session of its own, as a job step is, and the
 signal goes to that group (`os.killpg`):
 
-* SIGTERM after step 2's checkpoint: exit 143 within 15 s, one line naming the last complete
-  checkpoint, no process of the run left (the private Ray's GCS, raylet, agents, workers included);
+* SIGTERM after step 2's checkpoint: exit 143 within 15 s (on a quiet machine: tests/timing.py scales it),
+  one line naming the last complete checkpoint, no process of the run left (the private Ray's GCS, raylet,
+  agents, workers included);
   with trainer.save_on_preempt=true the step in flight is checkpointed first and that is the one named;
 * SIGTERM (143) or SIGINT (130, Ctrl-C in a terminal) while Ray starts: its line, nothing left, also
   when Python dropped the exception of Ray's SIGTERM handler (raised in an at-fork hook: the run went on).
@@ -23,6 +24,7 @@ import uuid
 
 import pytest
 from test_faults import _assert_nothing_left, _cmdline, _marked, _steps, _wait_for
+from timing import allowed
 
 from rlsp.trainer.checkpoint import damaged_file
 from rlsp.trainer.stopping import Terminated, ray_start_signals
@@ -72,7 +74,10 @@ def test_sigterm_to_the_process_group_ends_the_run_like_sigterm_to_the_driver(tm
     finally:
         proc.kill()
     assert proc.returncode == 143, (proc.returncode, f"{elapsed:.1f}s", err[-3000:])
-    assert elapsed <= 15, f"took {elapsed:.1f}s to stop"
+    # 0.5 s on a quiet machine; 15 s there, scaled by how much slower this one is now (a second busy core,
+    # a slower CPU), never past 45 s: well below the 60 s a driver waited for a GCS killed with it.
+    bound = allowed(elapsed, 15, cap_s=45)
+    assert elapsed <= bound, f"took {elapsed:.1f}s to stop (bound here now: {bound:.0f}s)"
     saved = _saved(run_dir)
     assert f"terminated (SIGTERM); last complete checkpoint: {run_dir}/global_step_{saved} " in err, err[-3000:]
     assert "Traceback" not in err
@@ -99,7 +104,10 @@ def test_a_group_signal_while_ray_starts_exits_with_its_line(tmp_path, signum, c
         proc.kill()
     assert proc.returncode == code, (proc.returncode, f"{elapsed:.1f}s", err[-3000:])
     assert f"{line}; no checkpoint was written" in err and "Traceback" not in err, err[-3000:]
-    assert elapsed <= 15, f"took {elapsed:.1f}s to stop"
+    # The rest of Ray's start, then its stop: 8 s on a quiet machine, 16.8 s with a second busy core. 15 s
+    # there, scaled by how much slower this machine is now, never past 45 s (below the 60 s GCS wait).
+    bound = allowed(elapsed, 15, cap_s=45)
+    assert elapsed <= bound, f"took {elapsed:.1f}s to stop (bound here now: {bound:.0f}s)"
     _assert_nothing_left(marker, grace=5.0)
     print(f"signal {signum} to the group while Ray starts: exit {code} after {elapsed:.2f}s")
 
