@@ -127,7 +127,7 @@ def _check_rank(rank: int, result: dict[str, Any], case: tuple) -> None:
 def test_ring_attention_matches_dense_reference(
     world_size: int, groups: list[list[int]] | None, ring_size: int
 ) -> None:
-    results = run_distributed(_ring_worker, world_size, groups, timeout_s=120.0)
+    results = run_distributed(_ring_worker, world_size, groups)  # 300 s default: ample when busy
     for rank, per_case in enumerate(results):
         for result, case in zip(per_case, CASES):
             assert result["ring_size"] == ring_size

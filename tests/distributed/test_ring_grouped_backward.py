@@ -98,7 +98,7 @@ def _check_pairs(logs: list[list[tuple[int, str, tuple[int, ...], str]]]) -> Non
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_grouped_ring_backward_matches_dense_reference(world_size: int) -> None:
-    results = run_distributed(_worker, world_size, timeout_s=120.0)
+    results = run_distributed(_worker, world_size)  # 300 s default: ample when busy
     r = world_size
     for n, (dtype, hq, hkv, per_pass) in enumerate(CASES):
         ref, groups, tr = _reference(hq, hkv, n), hkv // per_pass, sum(LENS) // r
