@@ -24,6 +24,7 @@ import uuid
 
 import pytest
 from test_faults import _assert_nothing_left, _marked, _wait_for
+from timing import allowed
 
 pytestmark = pytest.mark.e2e
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -131,11 +132,14 @@ def test_killed_rollout_worker_ends_the_run_naming_it(tmp_path):
         assert rollout, "no rollout worker process found"
         os.kill(rollout[0], signal.SIGKILL)
         t0 = time.monotonic()
-        _, err = proc.communicate(timeout=90)
-        assert time.monotonic() - t0 <= 90
+        _, err = proc.communicate(timeout=600)  # only ends a hung test (a driver waiting on its dead worker)
+        elapsed = time.monotonic() - t0
     finally:
         proc.kill()
     assert proc.returncode == 1, err[-3000:]
+    # 90 s on a quiet machine (a dead worker is seen within seconds), scaled by how much slower this one is now
+    bound = allowed(elapsed, 90)
+    assert elapsed <= bound, f"took {elapsed:.1f}s to end (bound here now: {bound:.0f}s)"
     assert "rollout worker rank 0 of 1 died" in err, err[-3000:]
     _assert_nothing_left(marker)
 
