@@ -50,5 +50,8 @@ def allowed(elapsed_s: float, quiet_bound_s: float, cap_s: float | None = None) 
     (at most `cap_s`)."""
     if elapsed_s <= quiet_bound_s:
         return quiet_bound_s
-    bound = quiet_bound_s * slowdown()
-    return bound if cap_s is None else min(bound, cap_s)
+    factor = slowdown()
+    bound = quiet_bound_s * factor if cap_s is None else min(quiet_bound_s * factor, cap_s)
+    print(f"timing: {elapsed_s:.1f}s > the quiet bound {quiet_bound_s:g}s; this machine is {factor:.2f}x slower "
+          f"than a quiet one now: bound {bound:.1f}s")
+    return bound
