@@ -204,7 +204,10 @@ def _files(cfg: DictConfig, layout: ParallelLayout | None, report: Report) -> An
     except ValueError:  # an illegal trainer.device: validation has listed it; check the rest as on cpu
         device = "cpu"
     report.add("cluster", f"device: {device} (trainer.device={cfg.trainer.device}; nothing is opened here)")
-    report.problems += preflight_errors(cfg, layout, device)  # the preflight stage, as rlsp.main runs it
+    skipped: dict[str, str] = {}
+    report.problems += preflight_errors(cfg, layout, device, skipped)  # the preflight stage, as rlsp.main runs it
+    if blocked := [f"{name} ({why})" for name, why in skipped.items() if why != "not in use"]:
+        report.add("checks", f"not checked until the problems below are fixed: {', '.join(blocked)}")
     return _model(cfg, report)
 
 

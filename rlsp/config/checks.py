@@ -14,7 +14,11 @@ Stages (each check appends its messages to one list; a stage's messages are repo
                load; registered by rlsp/trainer/resume_check.py
 
 A check is `fn(cfg, ctx, errors)`; `ctx` carries what earlier checks produced (the layout, the
-device, the resume plan). No torch here.
+device, the resume plan). Dependencies are declared, not left to the order: a check runs only when every
+check it `needs` (earlier in the same stage) passed, so a missing model directory gives its one line rather
+than a traceback from a check that read the tokenizer in it; and a check whose feature is off (`when`,
+config only: agent loops, teachers, a reward model) neither runs nor loads anything. What was skipped, and
+why, is in `ctx.results["skipped"]`. No torch here.
 """
 
 from __future__ import annotations
@@ -72,21 +76,39 @@ class Check:
     target: Callable[..., Any]  # the function doing the work (the validator `fn` adapts), for introspection
     needs_layout: bool = False  # skipped when the layout could not be built (its problems are reported)
     gate: bool = False  # its problems end the stage: the later checks would trip over them
+    needs: tuple[str, ...] = ()  # checks of the same stage that must have passed: this one reads what they vouch for
+    when: Callable[[Any], bool] | None = None  # whether the feature it checks is in use (None: always)
+
+    def skip_reason(self, cfg: Any, ctx: CheckContext, passed: set[str]) -> str | None:
+        """Why this check does not run now (None: it runs)."""
+        if self.needs_layout and ctx.layout is None:
+            return "the layout could not be built"
+        if self.when is not None and not self.when(cfg):
+            return "not in use"
+        if unmet := [n for n in self.needs if n not in passed]:
+            return f"needs {', '.join(unmet)}, which did not pass"
+        return None
 
 
 REGISTRY: dict[str, Check] = {}  # by name, in registration (= run) order within a stage
 
 
 def register(name: str, stage: str, *, needs_layout: bool = False, gate: bool = False,
-             target: Callable[..., Any] | None = None) -> Callable[[CheckFn], CheckFn]:
-    """Decorator registering `fn(cfg, ctx, errors)` as check `name` of `stage`."""
+             target: Callable[..., Any] | None = None, needs: tuple[str, ...] = (),
+             when: Callable[[Any], bool] | None = None) -> Callable[[CheckFn], CheckFn]:
+    """Decorator registering `fn(cfg, ctx, errors)` as check `name` of `stage`; `needs` names checks of the
+    same stage, registered before it, that must pass first; `when(cfg)` says whether its feature is in use."""
     if stage not in STAGES:
         raise ValueError(f"check {name!r}: stage={stage!r}; legal stages: {list(STAGES)}")
+    earlier = [c.name for c in REGISTRY.values() if c.stage == stage and c.name != name]
+    if unknown := [n for n in needs if n not in earlier]:
+        raise ValueError(f"check {name!r} needs {unknown}, which are not {stage} checks registered before it; "
+                         f"those are: {earlier}")
 
     def add(fn: CheckFn) -> CheckFn:
         if name in REGISTRY and REGISTRY[name].fn.__qualname__ != fn.__qualname__:
             raise ValueError(f"check {name!r} is registered twice ({REGISTRY[name].fn.__qualname__}, {fn.__qualname__})")
-        REGISTRY[name] = Check(name, stage, fn, target or fn, needs_layout, gate)
+        REGISTRY[name] = Check(name, stage, fn, target or fn, needs_layout, gate, tuple(needs), when)
         return fn
 
     return add
@@ -105,12 +127,17 @@ def run_checks(cfg: Any, stage: str, ctx: CheckContext) -> list[str]:
     if not checks:  # never a silent pass: the registering module was not imported
         raise RuntimeError(f"no {stage} checks are registered; import {STAGE_MODULES[stage]} first")
     errors: list[str] = []
+    passed: set[str] = set()
+    skipped = ctx.results.setdefault("skipped", {})
     for check in checks:
-        if check.needs_layout and ctx.layout is None:
+        if (why := check.skip_reason(cfg, ctx, passed)) is not None:
+            skipped[check.name] = why
             continue
         before = len(errors)
         check.fn(cfg, ctx, errors)
-        if check.gate and len(errors) > before:
+        if len(errors) == before:
+            passed.add(check.name)
+        elif check.gate:
             break
     return errors
 

@@ -17,6 +17,8 @@ from rlsp.algos.registry import list_adv_estimators, list_policy_losses
 from rlsp.config.checks import CheckContext, register, run_checks
 from rlsp.config.layout import CRITIC_ESTIMATORS, ParallelLayout
 from rlsp.config.validate import validate_config
+from rlsp.config.validate_agent import agent_loops_enabled
+from rlsp.config.validate_distill import distillation_enabled
 from rlsp.models.loading import check_sp_support, read_model_config, tokenizer_problem
 from rlsp.parallel.tensor_parallel import check_tp_support
 from rlsp.rewards.loader import load_custom_reward_fn
@@ -26,7 +28,7 @@ from rlsp.trainer.distill import teacher_vocab_problems
 from rlsp.trainer.estimator_inputs import estimator_errors
 from rlsp.trainer.off_policy import check_rollout_correction_names
 from rlsp.trainer.preflight_agent import agent_errors
-from rlsp.trainer.preflight_reward import reward_model_errors
+from rlsp.trainer.preflight_reward import reward_input_errors, reward_model_errors, reward_model_in_use
 from rlsp.trainer.trackers import check_trackers
 from rlsp.utils.device import resolve_device_type
 from rlsp.utils.logging import get_logger
@@ -78,21 +80,31 @@ def _check_degrees(config: Any, layout: ParallelLayout, errors: list[str]) -> No
                 errors.append(f"{prefix}.{key}: {exc}")
 
 
-@register("model", "preflight")
-def _check_model(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None:
-    layout, device_type = ctx.layout, ctx.device_type
+@register("model_dir", "preflight")
+def _check_model_dir(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None:
+    """A local directory whose config.json transformers reads: every check of the model needs it."""
     key, path = "actor_rollout_ref.model.path", cfg.actor_rollout_ref.model.path
     if not os.path.isdir(path):
         errors.append(f"{key}={path!r} is not a local directory with a Hugging Face model "
                       "(nor a .gguf file or a directory holding one)")
         return
     try:
-        config = read_model_config(key, path)
+        ctx.results["model_config"] = read_model_config(key, path)
     except ValueError as exc:
         errors.append(str(exc))
-        return
-    if missing := tokenizer_problem(key, path):  # the trainer tokenizes prompts and decodes responses with it
+
+
+@register("tokenizer", "preflight", needs=("model_dir",))
+def _check_tokenizer(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None:
+    """The trainer tokenizes prompts and decodes responses with the model directory's tokenizer."""
+    if missing := tokenizer_problem("actor_rollout_ref.model.path", cfg.actor_rollout_ref.model.path):
         errors.append(missing)
+
+
+@register("model", "preflight", needs=("model_dir",))
+def _check_model(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None:
+    """The model against the run: the degrees of the layout, the rollout engine, the sequence length."""
+    layout, device_type, config = ctx.layout, ctx.device_type, ctx.results["model_config"]
     if layout is not None:  # None: the config's degrees are invalid (validate_config names them)
         _check_degrees(config, layout, errors)
     rollout_error = check_rollout_support(config, cfg.actor_rollout_ref.rollout.name, device_type,
@@ -106,12 +118,14 @@ def _check_model(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None:
                       f"max_position_embeddings={limit}")
 
 
-@register("critic_model", "preflight")
+def _own_critic(cfg: DictConfig) -> bool:
+    return cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS and bool(cfg.critic.model.path)
+
+
+@register("critic_model", "preflight", when=_own_critic)
 def _check_critic(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None:
     """A critic with a model of its own (critic.model.path) needs a readable model directory there."""
     path = cfg.critic.model.path
-    if cfg.algorithm.adv_estimator not in CRITIC_ESTIMATORS or not path:
-        return
     if not os.path.isdir(path):
         errors.append(f"critic.model.path={path!r} is not a local directory with a Hugging Face model "
                       "(leave it unset to initialise the critic from the actor's checkpoint)")
@@ -145,10 +159,16 @@ def preflight(cfg: DictConfig, layout: ParallelLayout | None = None) -> DictConf
     return cfg
 
 
-def preflight_errors(cfg: DictConfig, layout: ParallelLayout | None, device_type: str) -> list[str]:
+def preflight_errors(cfg: DictConfig, layout: ParallelLayout | None, device_type: str,
+                     skipped: dict[str, str] | None = None) -> list[str]:
     """Every problem the preflight stage finds with the (resolved) files, names and model of `cfg` on
-    `device_type`; `layout` None skips the checks of parallel degrees against the model."""
-    return run_checks(cfg, "preflight", CheckContext(layout, device_type))
+    `device_type`; `layout` None skips the checks of parallel degrees against the model. `skipped` receives
+    the checks that did not run, with the reason."""
+    ctx = CheckContext(layout, device_type)
+    errors = run_checks(cfg, "preflight", ctx)
+    if skipped is not None:
+        skipped.update(ctx.results["skipped"])
+    return errors
 
 
 @register("custom_reward", "preflight")
@@ -160,21 +180,27 @@ def _check_custom_reward(cfg: DictConfig, ctx: CheckContext, errors: list[str]) 
             errors.append(str(exc))
 
 
-@register("reward_model", "preflight")
+@register("reward_model", "preflight", when=reward_model_in_use)
 def _check_reward_model(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None:
     errors += reward_model_errors(cfg, ctx.layout)
 
 
-@register("teachers", "preflight")
+@register("reward_model_inputs", "preflight", needs=("reward_model", "tokenizer"), when=reward_model_in_use)
+def _check_reward_model_inputs(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None:
+    """The rows the legacy reward-model worker gets, against the policy's tokenizer."""
+    errors += reward_input_errors(cfg, lambda: policy_tokenizer(cfg, ctx, errors))
+
+
+@register("teachers", "preflight", needs=("tokenizer",), when=distillation_enabled)
 def _check_teachers(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None:
-    if os.path.isdir(cfg.actor_rollout_ref.model.path):  # the teachers must score the student's token ids
-        errors += teacher_vocab_problems(cfg)
+    if (tokenizer := policy_tokenizer(cfg, ctx, errors)) is not None:  # teachers score the student's token ids
+        errors += teacher_vocab_problems(cfg, tokenizer)
 
 
-@register("agent", "preflight")
+@register("agent", "preflight", needs=("tokenizer",), when=agent_loops_enabled)
 def _check_agent(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None:
-    if os.path.isdir(cfg.actor_rollout_ref.model.path):  # else the model check named the missing model
-        errors += agent_errors(cfg, _policy_tokenizer(cfg))
+    if (tokenizer := policy_tokenizer(cfg, ctx, errors)) is not None:
+        errors += agent_errors(cfg, tokenizer)
 
 
 @register("trackers", "preflight")
@@ -185,7 +211,18 @@ def _check_trackers(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> No
         errors.append(str(exc))
 
 
-def _policy_tokenizer(cfg: DictConfig) -> Any:
-    from transformers import AutoTokenizer  # noqa: PLC0415 -- only runs with agent loops need it here
+def policy_tokenizer(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> Any | None:
+    """The policy's tokenizer, loaded once for the checks that read it (after the `tokenizer` check found its
+    files); files that do not load are named once, and the checks that wanted it skip their part (None)."""
+    if "policy_tokenizer" not in ctx.results:
+        from transformers import AutoTokenizer  # noqa: PLC0415 -- only runs that use a tokenizer-reading feature
 
-    return AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.path)
+        path = cfg.actor_rollout_ref.model.path
+        try:
+            ctx.results["policy_tokenizer"] = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            first = (str(exc).strip().splitlines() or [""])[0]
+            errors.append(f"actor_rollout_ref.model.path={path!r}: its tokenizer files do not load "
+                          f"({type(exc).__name__}: {first})")
+            ctx.results["policy_tokenizer"] = None
+    return ctx.results["policy_tokenizer"]

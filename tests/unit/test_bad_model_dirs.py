@@ -1,14 +1,16 @@
 """A model directory that cannot be loaded is named before any worker has the run's config, by rlsp.check and by
 rlsp.main's preflight alike: one line per problem with the key, the path and what is missing.
 
-* a model directory without config.json, or whose model_type transformers does not know (the actor,
-  the critic, the reward model);
+* a model directory without config.json (an empty one too), or whose model_type transformers does not know
+  (the actor, the critic, the reward model); an actor directory without tokenizer files;
 * a reward model without tokenizer files (transformers would build an empty tokenizer in its place),
   for the legacy reward-model worker and the reward loop;
 * a LoRA adapter directory without adapter weights.
 
 rlsp.check exits 2 listing the problem; rlsp.main exits 2 on the ValueError of `validate_config`
-(the LoRA keys) or `preflight` (the model files) before any worker has the run's config.
+(the LoRA keys) or `preflight` (the model files) before any worker has the run's config. Each actor case
+also with multi-turn rollouts on: the agent check reads the tokenizer, and runs only once the model
+directory and the tokenizer checks passed (one line, never a traceback from transformers).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import shutil
 import pandas as pd
 import pytest
 
+from rlsp import main as rlsp_main
 from rlsp.check import main as check_main
 from rlsp.config.compose import compose_config, parse_command_line
 from rlsp.config.validate import validate_config
@@ -39,6 +42,11 @@ def dirs(tmp_path_factory) -> dict[str, str]:
     for name in ("no_config", "bad_type"):
         out[name] = shutil.copytree(good, str(root / name))
     os.remove(os.path.join(out["no_config"], "config.json"))
+    out["empty"] = str(root / "empty")
+    os.mkdir(out["empty"])
+    out["no_tokenizer"] = shutil.copytree(good, str(root / "no_tokenizer"),
+                                          ignore=shutil.ignore_patterns("tokenizer*", "chat_template*", "vocab*",
+                                                                        "special_tokens*"))
     config_file = os.path.join(out["bad_type"], "config.json")
     with open(config_file) as f:
         config = json.load(f)
@@ -80,8 +88,26 @@ def _preflight_error(argv: list[str]) -> list[str]:
     return [p for p in str(info.value).split("\n  - ")[1:]]
 
 
+def _main_error(argv: list[str], capsys) -> list[str]:
+    """rlsp.main's own refusal: its checks before Ray's workers get the config exit 2 with one line a problem."""
+    line = parse_command_line(argv)
+    cfg = compose_config(line.config_name, line.overrides)
+    layout = rlsp_main.validate_config(cfg)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        rlsp_main._prepare_checked(cfg, layout)
+    assert info.value.code == 2
+    return [ln[4:] for ln in capsys.readouterr().err.splitlines() if ln.startswith("  - ")]
+
+
 CASES = {
     # name: (config, overrides(dirs), needle(dirs))
+    "actor in an empty directory": (
+        "rlsp", lambda d: [f"actor_rollout_ref.model.path={d['empty']}"],
+        lambda d: f"actor_rollout_ref.model.path={d['empty']!r} has no config.json"),
+    "actor without tokenizer files": (
+        "rlsp", lambda d: [f"actor_rollout_ref.model.path={d['no_tokenizer']}"],
+        lambda d: f"actor_rollout_ref.model.path={d['no_tokenizer']!r} has no tokenizer (none of tokenizer.json"),
     "actor without config.json": (
         "rlsp", lambda d: [f"actor_rollout_ref.model.path={d['no_config']}"],
         lambda d: f"actor_rollout_ref.model.path={d['no_config']!r} has no config.json"),
@@ -105,19 +131,50 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_rlsp_check_names_the_bad_model_dir(case, dirs, tmp_path, capsys):
-    config, overrides, needle = CASES[case]
-    rc, problems = _check(["--config-name", config, *_argv(tmp_path, dirs, *overrides(dirs))], capsys)
+MULTI_TURN = "actor_rollout_ref.rollout.multi_turn.enable=true"
+ACTOR_CASES = [c for c in CASES if c.startswith("actor")]
+
+
+def _case_argv(case: str, dirs, tmp_path, multi_turn: bool) -> list[str]:
+    config, overrides, _ = CASES[case]
+    return ["--config-name", config, *_argv(tmp_path, dirs, *overrides(dirs), *([MULTI_TURN] if multi_turn else []))]
+
+
+# every case with the default config; the actor's (whose tokenizer multi-turn reads) with multi-turn on too
+CHECK_CASES = [(c, False) for c in CASES] + [(c, True) for c in ACTOR_CASES]
+
+
+@pytest.mark.parametrize(("case", "multi_turn"), CHECK_CASES, ids=[f"{c}-{'multi_turn' if m else 'default'}"
+                                                                   for c, m in CHECK_CASES])
+def test_rlsp_check_names_the_bad_model_dir(case, multi_turn, dirs, tmp_path, capsys):
+    rc, problems = _check(_case_argv(case, dirs, tmp_path, multi_turn), capsys)
     assert rc == 2
-    assert len(problems) == 1 and problems[0].startswith(needle(dirs)), problems
+    assert len(problems) == 1 and problems[0].startswith(CASES[case][2](dirs)), problems
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_preflight_names_the_bad_model_dir(case, dirs, tmp_path):
-    config, overrides, needle = CASES[case]
-    problems = _preflight_error(["--config-name", config, *_argv(tmp_path, dirs, *overrides(dirs))])
-    assert len(problems) == 1 and problems[0].startswith(needle(dirs)), problems
+    problems = _preflight_error(_case_argv(case, dirs, tmp_path, False))
+    assert len(problems) == 1 and problems[0].startswith(CASES[case][2](dirs)), problems
+
+
+@pytest.mark.parametrize("multi_turn", [False, True], ids=["default", "multi_turn"])
+@pytest.mark.parametrize("case", ACTOR_CASES)
+def test_rlsp_main_names_the_bad_actor_dir(case, multi_turn, dirs, tmp_path, capsys):
+    problems = _main_error(_case_argv(case, dirs, tmp_path, multi_turn), capsys)
+    assert len(problems) == 1 and problems[0].startswith(CASES[case][2](dirs)), problems
+
+
+def test_checks_of_features_not_in_use_load_nothing(dirs, tmp_path, monkeypatch):
+    """No agent loops, teachers or reward model: nothing loads a tokenizer during the checks."""
+    import transformers
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a check of a feature not in use loaded a tokenizer")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
+    line = parse_command_line(_argv(tmp_path, dirs))
+    preflight(compose_config(line.config_name, line.overrides))  # passes without loading one
 
 
 def test_unknown_model_type_says_transformers_does_not_know_it(dirs, tmp_path):

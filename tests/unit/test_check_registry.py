@@ -58,8 +58,9 @@ def test_stages_and_their_order():
     names = {stage: [c.name for c in checks.registered(stage)] for stage in checks.STAGES}
     # the key gate, verl's spellings, the `auto` keys (fsdp_size is a degree of the layout), then the layout
     assert names["config"][:4] == ["known_keys", "verl_spellings", "auto", "layout"]
-    assert names["preflight"] == ["data_files", "names", "model", "critic_model", "custom_reward", "reward_model",
-                                  "teachers", "agent", "trackers"]
+    assert names["preflight"] == ["data_files", "names", "model_dir", "tokenizer", "model", "critic_model",
+                                  "custom_reward", "reward_model", "reward_model_inputs", "teachers", "agent",
+                                  "trackers"]
     assert names["resume"] == ["resume"]
     with pytest.raises(ValueError, match=r"stage='runtime'; legal stages: \['config', 'preflight', 'resume'\]"):
         checks.registered("runtime")
@@ -106,5 +107,51 @@ def test_rlsp_main_and_rlsp_check_run_the_same_registered_list(tmp_path, monkeyp
     cfg = compose_config(overrides=overrides)
     layout = rlsp_main.validate_config(cfg)
     rlsp_main._prepare_checked(cfg, layout)  # preflight, the datasets, the resume stage: everything before Ray
-    every = {stage: [c.name for c in registry.values() if c.stage == stage] for stage in checks.STAGES}
+    # every check of the stage but those whose feature is off (a reward model, teachers, agent loops, a critic
+    # with its own model): those load nothing
+    off = {"critic_model", "reward_model", "reward_model_inputs", "teachers", "agent"}
+    every = {stage: [c.name for c in registry.values() if c.stage == stage and c.name not in off]
+             for stage in checks.STAGES}
     assert ran_main == ran_check == every
+
+
+def _toy_registry(monkeypatch, fail: set[str]) -> list[str]:
+    """A preflight stage of four checks: b needs a, c needs b, d needs nothing and is off unless cfg.d;
+    the names in `fail` report a problem. Returns the names that ran."""
+    monkeypatch.setattr(checks, "REGISTRY", {})
+    ran: list[str] = []
+
+    def check(name):
+        def fn(cfg, ctx, errors):
+            ran.append(name)
+            if name in fail:
+                errors.append(f"{name} failed")
+        return fn
+
+    checks.register("a", "preflight")(check("a"))
+    checks.register("b", "preflight", needs=("a",))(check("b"))
+    checks.register("c", "preflight", needs=("b",))(check("c"))
+    checks.register("d", "preflight", when=lambda cfg: cfg["d"])(check("d"))
+    return ran
+
+
+@pytest.mark.parametrize(("fail", "d_on", "ran", "skipped"), [
+    (set(), True, ["a", "b", "c", "d"], {}),
+    ({"a"}, True, ["a", "d"], {"b": "needs a, which did not pass", "c": "needs b, which did not pass"}),
+    ({"b"}, False, ["a", "b"], {"c": "needs b, which did not pass", "d": "not in use"}),
+])
+def test_a_check_runs_only_when_what_it_needs_passed_and_its_feature_is_on(monkeypatch, fail, d_on, ran, skipped):
+    got = _toy_registry(monkeypatch, fail)
+    ctx = checks.CheckContext()
+    errors = checks.run_checks({"d": d_on}, "preflight", ctx)
+    assert got == ran and errors == [f"{n} failed" for n in ran if n in fail]
+    assert ctx.results["skipped"] == skipped
+
+
+def test_a_dependency_must_be_a_check_registered_before(monkeypatch):
+    _toy_registry(monkeypatch, set())
+    with pytest.raises(ValueError, match=r"check 'e' needs \['later'\], which are not preflight checks registered "
+                                         r"before it; those are: \['a', 'b', 'c', 'd'\]"):
+        checks.register("e", "preflight", needs=("later",))
+    with pytest.raises(ValueError, match="not resume checks"):
+        checks.register("f", "resume", needs=("a",))
