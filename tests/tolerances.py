@@ -13,7 +13,10 @@ Derivation (u is the dtype's unit roundoff: 2^-24 in fp32, 2^-8 in bf16, 2^-53 i
    projections, attention scores and weighted values, the MLP, the vocabulary's log-sum-exp, and the same
    again backwards; the relative errors of chained stages add. `roundoff_rtol` is that sum, times TWO for
    the two computations that each carry their own error (small random models are well conditioned: their
-   logits are O(1), so no conditioning factor is added).
+   logits are O(1), so no conditioning factor is added). Adding the stages rather than their squares keeps
+   room for what that leaves out: a gradient that is a small sum of larger terms (mixed-sign advantages, a
+   sequence-level ratio) carries the terms' roundoff. Measured on the tiny models of tests/distributed:
+   gradients differ by 1/20 to 1/200 of this bound, loss metrics by less.
    A layout bug (a token, head or gradient shard lost or counted twice) moves a result by O(1e-2) or more,
    orders of magnitude above these bounds, so they keep the tests' power.
 
@@ -27,6 +30,12 @@ Derivation (u is the dtype's unit roundoff: 2^-24 in fp32, 2^-8 in bf16, 2^-53 i
    another. The step's own rounding adds a few units in the last place of |p| and of the update (lr).
    `adam_step_bound` returns that bound per element from the gradients both computations actually used;
    `assert_adam_step_close` checks every element of every parameter against it.
+   A later step from a shared state (a resumed run against the continued one: the same m, v and step
+   count, only this step's gradients differ) moves p by lr * m_hat / (sqrt(v_hat) + eps), whose slope in g
+   is no longer small away from 0; `adam_step_bound(..., state=)` then evaluates that update in fp64 for
+   both gradients and takes the difference exactly, adding the same few ulps of the step's own rounding.
+   Runs that differ over several steps compare what each step did (its gradients, its metrics), not the
+   weights after them.
 
 3. bf16. Rounding a value to bf16 moves it by up to u_bf16 |x| = 2^-8 |x|; a bf16 computation compared with
    fp32 uses `roundoff_rtol(..., dtype=torch.bfloat16)`.
@@ -75,25 +84,42 @@ def scalar_tol(value_scale: float, rtol: float) -> float:
 
 
 def adam_step_bound(g: torch.Tensor, g_ref: torch.Tensor, p_ref: torch.Tensor, lr: float,
-                    eps: float = ADAM_EPS) -> torch.Tensor:
-    """Per element, the largest difference AdamW's first step (no clipping) can leave between two copies of
-    a parameter whose gradients were g and g_ref (derivation 2)."""
+                    eps: float = ADAM_EPS, *, state: Mapping | None = None,
+                    betas: tuple[float, float] = (0.9, 0.999)) -> torch.Tensor:
+    """Per element, the largest difference AdamW's step (no clipping) can leave between two copies of a
+    parameter whose gradients were g and g_ref (derivation 2): the first step, or with `state` (the
+    shared `exp_avg`, `exp_avg_sq` and `step` count before it, as torch keeps them) a later one."""
     g, g_ref = g.double(), g_ref.double()
-    nearest = torch.where(g.sign() == g_ref.sign(), torch.minimum(g.abs(), g_ref.abs()), 0.0)
-    amplified = lr * (g - g_ref).abs() * eps / (nearest + eps) ** 2
     ulp = torch.finfo(p_ref.dtype).eps
-    return amplified + STEP_ULPS * ulp * (p_ref.double().abs() + lr)
+    if state is None:
+        nearest = torch.where(g.sign() == g_ref.sign(), torch.minimum(g.abs(), g_ref.abs()), 0.0)
+        amplified = lr * (g - g_ref).abs() * eps / (nearest + eps) ** 2
+        return amplified + STEP_ULPS * ulp * (p_ref.double().abs() + lr)
+    (b1, b2), t = betas, int(state["step"]) + 1
+    m, v = state["exp_avg"].double(), state["exp_avg_sq"].double()
+
+    def update(grad: torch.Tensor) -> torch.Tensor:
+        m_hat = (b1 * m + (1 - b1) * grad) / (1 - b1**t)
+        v_hat = (b2 * v + (1 - b2) * grad * grad) / (1 - b2**t)
+        return lr * m_hat / (v_hat.sqrt() + eps)
+
+    u, u_ref = update(g), update(g_ref)
+    return (u - u_ref).abs() + STEP_ULPS * ulp * (p_ref.double().abs() + u_ref.abs() + lr)
 
 
 def assert_adam_step_close(params: Mapping[str, torch.Tensor], ref_params: Mapping[str, torch.Tensor],
                            grads: Mapping[str, torch.Tensor], ref_grads: Mapping[str, torch.Tensor], lr: float,
-                           eps: float = ADAM_EPS) -> None:
-    """Every element of every parameter after one AdamW step within `adam_step_bound` of the reference's;
-    the message names the worst element's parameter, difference and bound."""
-    assert params.keys() == ref_params.keys() and len(params) > 0, (sorted(params), sorted(ref_params))
+                           eps: float = ADAM_EPS, states: Mapping[str, Mapping] | None = None) -> None:
+    """Every element of every trained parameter (those with a gradient) after one AdamW step within
+    `adam_step_bound` of the reference's (`states`: per name, the shared state before a later step); the
+    message names the worst element's parameter, difference and bound."""
+    assert grads.keys() == ref_grads.keys() and len(grads) > 0, (sorted(grads), sorted(ref_grads))
+    assert params.keys() == ref_params.keys() and grads.keys() <= params.keys(), (sorted(params), sorted(grads))
     worst = (0.0, "", 0.0, 0.0)
-    for name, ref in ref_params.items():
-        bound = adam_step_bound(grads[name], ref_grads[name], ref, lr, eps)
+    for name in grads:
+        ref = ref_params[name]
+        state = None if states is None else states[name]
+        bound = adam_step_bound(grads[name], ref_grads[name], ref, lr, eps, state=state)
         err = (params[name].double() - ref.double()).abs()
         ratio = err / bound
         i = int(ratio.argmax())
@@ -103,6 +129,30 @@ def assert_adam_step_close(params: Mapping[str, torch.Tensor], ref_params: Mappi
                              f"(ratio {worst[0]:.3g})")
 
 
+def assert_grads_close(grads: Mapping[str, torch.Tensor], ref_grads: Mapping[str, torch.Tensor], rtol: float) -> None:
+    """The same parameters, each gradient within `rtol` of the reference's in `rel_error`."""
+    assert grads.keys() == ref_grads.keys() and len(grads) > 0, (sorted(grads), sorted(ref_grads))
+    name, worst = max(((k, rel_error(grads[k], ref_grads[k])) for k in grads), key=lambda kv: kv[1])
+    assert worst <= rtol, f"gradient of {name} differs by {worst:.3g} (relative) > {rtol:.3g}"
+
+
+def assert_scalars_close(got: Mapping[str, float], ref: Mapping[str, float], keys, rtol: float,
+                         value_scale: float = 1.0) -> None:
+    """Each metric in `keys` within `scalar_tol(max(|reference|, value_scale), rtol)` of the reference's."""
+    for key in keys:
+        tol = scalar_tol(max(abs(ref[key]), value_scale), rtol)
+        assert abs(got[key] - ref[key]) <= tol, (key, got[key], ref[key], tol)
+
+
 def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
     """Norm of the difference over the reference's norm (the gradients' measure)."""
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def assert_tensor_close(got: torch.Tensor, ref: torch.Tensor, rtol: float, value_scale: float | None = None) -> None:
+    """Every element (logprobs, values, scores) within `scalar_tol(value_scale, rtol)` of the reference's;
+    the scale defaults to the reference's largest magnitude."""
+    scale = float(ref.double().abs().max()) if value_scale is None else value_scale
+    err, tol = float((got.double() - ref.double()).abs().max()), scalar_tol(scale, rtol)
+    assert got.shape == ref.shape and err <= tol, (tuple(got.shape), tuple(ref.shape), err, tol)
+
