@@ -40,8 +40,9 @@ AGENT_LOOPS = ("single_turn_agent", "tool_agent")
 # trainer.use_legacy_worker_impl: verl's choice between its two worker implementations.
 LEGACY_WORKER_IMPL = ("auto", "enable", "disable")
 # reward.reward_manager.name (verl's older spelling: reward_model.reward_manager): rlsp's Scorer calls a reward
-# function per row (verl's "naive"); "dapo" adds DAPO's overlong reward shaping (rlsp.rewards.overlong).
-REWARD_MANAGERS = ("naive", "dapo")
+# function per row (verl's "naive"); "dapo" adds DAPO's overlong reward shaping (rlsp.rewards.overlong); "gdpo" is
+# naive with the run's trainer.experiment_name in every row's extra_info (as verl's gdpo manager does).
+REWARD_MANAGERS = ("naive", "dapo", "gdpo")
 # algorithm.filter_groups.metric: the per-sample value DAPO's dynamic sampling compares within a prompt's group
 # (verl's names; rlsp.trainer.dynamic_sampling computes them).
 FILTER_GROUP_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
@@ -51,7 +52,7 @@ REWARD_ENGINES = ("vllm",)
 FUSED_KERNEL_BACKENDS = ("torch", "triton")
 
 # (key suffix, value) -> why rlsp refuses it. The suffix matches the key's last components.
-_MANAGER = ("reward managers other than naive and dapo are not implemented (rlsp calls the reward function once "
+_MANAGER = ("reward managers other than naive, dapo and gdpo are not implemented (rlsp calls the reward function once "
             "per row); custom scoring: reward.custom_function_path")
 REFUSED_VALUES: dict[tuple[str, str], str] = {
     ("reward_manager.name", "prime"): _MANAGER,

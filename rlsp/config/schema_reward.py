@@ -45,7 +45,7 @@ class RewardKwargsConfig:
 class RewardManagerConfig:
     """verl's `reward.reward_manager`: how rows are turned into token-level scores."""
 
-    name: str = "naive"  # naive: the reward function once per row | dapo: the same, plus overlong reward shaping
+    name: str = "naive"  # naive: the reward function once per row | dapo: the same, plus overlong reward shaping | gdpo: naive, with extra_info.experiment_name
 
 
 @dataclass

@@ -181,6 +181,10 @@ VERL_NOTES = {
     "ray_kwargs.ray_init.*": "num_cpus and object_store_memory of the private local Ray rlsp starts (no effect when "
                              "joining a cluster with trainer.ray_address); num_cpus >= the run's workers, GPU runs only",
     "ray_kwargs.timeline_json_file": "null only",
+    "reward.reward_manager.name": "naive, dapo or gdpo (verl's managers): the reward function once per row, every entry "
+                                  "of a returned dict kept per row (what algorithm.gdpo_reward_keys reads, whatever "
+                                  "the manager); dapo adds overlong shaping, gdpo the run's trainer.experiment_name "
+                                  "under extra_info.experiment_name (as verl's gdpo manager)",
     "reward.reward_kwargs.max_resp_len": "null or data.max_response_length only (null means that value): the "
                                          "overlong penalty reaches -penalty_factor at the generation limit",
     "algorithm.filter_groups.*": "verl's dynamic sampling; the run still trains trainer.total_training_steps steps: "

@@ -9,6 +9,10 @@ and is counted in `reward/errors` (`reward.on_error=zero`) — never a silent Na
 As in verl, a reward function may return a dict instead of a number: its "score" (a finite number) is
 the reward, and all its entries (e.g. named reward components for algorithm.adv_estimator=gdpo) are
 kept per row in `batch.meta["reward_extra_info"]` (a dict per row; empty for a plain number).
+
+The reward manager (`reward.reward_manager.name`) may add entries to every row's extra_info before the call:
+verl's gdpo manager adds the run's `experiment_name` (verl's rlla reward function reads it), otherwise it
+scores as naive does (`manager_extra_info`).
 """
 
 from __future__ import annotations
@@ -32,12 +36,19 @@ class RewardError(RuntimeError):
     pass
 
 
+def manager_extra_info(manager: str, experiment_name: str) -> dict[str, Any]:
+    """What reward manager `manager` adds to every row's extra_info: the gdpo manager the experiment's name."""
+    return {"experiment_name": experiment_name} if manager == "gdpo" else {}
+
+
 class Scorer:
     def __init__(self, tokenizer, custom_path: str | None = None, custom_name: str = "compute_score",
-                 on_error: str = "raise") -> None:
+                 on_error: str = "raise", row_extra: dict[str, Any] | None = None) -> None:
+        """`row_extra`: entries added to every row's extra_info (`manager_extra_info`)."""
         if on_error not in ("raise", "zero"):
             raise ValueError(f"reward.on_error={on_error!r}; legal values: ['raise', 'zero']")
         self.tokenizer = tokenizer
+        self.row_extra = dict(row_extra or {})
         self.custom_fn = load_custom_reward_fn(custom_path, custom_name) if custom_path else None
         self.on_error = on_error
         self.last_errors = 0
@@ -77,6 +88,8 @@ class Scorer:
         texts = self.decode_responses(batch)
         sources, truths = batch.meta["data_source"], batch.meta["ground_truth"]
         extras = batch.meta.get("extra_info", [None] * len(batch))
+        if self.row_extra:
+            extras = [{**(extra or {}), **self.row_extra} for extra in extras]
         indices = batch.meta.get("index", [None] * len(batch))
         self.last_errors = 0
         scored = [self._score_one(*row) for row in zip(sources, texts, truths, extras, indices)]

@@ -28,7 +28,7 @@ from rlsp.config.layout import ParallelLayout
 from rlsp.controller.reward_servers import RewardServers
 from rlsp.controller.worker_group import RayWorkerGroup
 from rlsp.rewards.overlong import build_overlong_shaping
-from rlsp.rewards.scoring import apply_rm_scores
+from rlsp.rewards.scoring import apply_rm_scores, manager_extra_info
 from rlsp.trainer.reward_workers import ScoringPool, start_scoring_processes
 
 ModelScores = Callable[[Any], Any]  # rows -> their `rm_scores` columns (a StepData of the same rows)
@@ -76,8 +76,10 @@ class Reward:
 def start_rule_scorers(cfg: DictConfig) -> list[Any]:
     """The rule-scoring processes (they score validation too), started now: they load while the training
     workers do; none with reward_model.num_workers=0 (the policy workers score)."""
+    r = cfg.reward
     return start_scoring_processes(cfg.reward_model.num_workers, cfg.actor_rollout_ref.model.path,
-                                   cfg.reward.custom_function_path, cfg.reward.custom_function_name, cfg.reward.on_error)
+                                   r.custom_function_path, r.custom_function_name, r.on_error,
+                                   manager_extra_info(r.reward_manager.name, cfg.trainer.experiment_name))
 
 
 def build_reward(cfg: DictConfig, layout: ParallelLayout, scorers: list[Any], wg: RayWorkerGroup,

@@ -36,10 +36,12 @@ SCORE_READS = ("input_ids", "attention_mask", "response_mask", "data_source", "g
 class ScoringActor:
     """One rule-scoring process: a Scorer of its own (not the reward loop, which serves a reward model)."""
 
-    def __init__(self, tokenizer_path: str, custom_path: str | None, custom_name: str, on_error: str) -> None:
+    def __init__(self, tokenizer_path: str, custom_path: str | None, custom_name: str, on_error: str,
+                 row_extra: dict[str, Any] | None = None) -> None:
         from transformers import AutoTokenizer  # noqa: PLC0415 -- in the actor's process
 
-        self.scorer = Scorer(AutoTokenizer.from_pretrained(tokenizer_path), custom_path, custom_name, on_error)
+        self.scorer = Scorer(AutoTokenizer.from_pretrained(tokenizer_path), custom_path, custom_name, on_error,
+                             row_extra)
 
     def score(self, spec: RowsSpec, *blocks: Batch) -> tuple[np.ndarray, int, list[dict[str, Any]]]:
         return self.scorer.score_report(assemble(spec, blocks))
@@ -98,6 +100,8 @@ def set_row_scores(data: StepData, scores: np.ndarray) -> None:
 
 
 def start_scoring_processes(num_workers: int, tokenizer_path: str, custom_path: str | None, custom_name: str,
-                            on_error: str) -> list[Any]:
-    """`num_workers` scoring processes, started now so they load while the training workers do (none for 0)."""
-    return [ScoringActor.remote(tokenizer_path, custom_path, custom_name, on_error) for _ in range(num_workers)]
+                            on_error: str, row_extra: dict[str, Any] | None = None) -> list[Any]:
+    """`num_workers` scoring processes, started now so they load while the training workers do (none for 0);
+    `row_extra`: what the reward manager adds to every row's extra_info."""
+    return [ScoringActor.remote(tokenizer_path, custom_path, custom_name, on_error, row_extra)
+            for _ in range(num_workers)]

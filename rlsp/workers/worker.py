@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 
 from rlsp.config.layout import ParallelLayout
 from rlsp.data.batch import Batch
-from rlsp.rewards.scoring import Scorer
+from rlsp.rewards.scoring import Scorer, manager_extra_info
 from rlsp.utils.device import backend_for, device_for, resolve_device_type
 from rlsp.utils.dtypes import resolve_dtype
 from rlsp.utils.logging import get_logger
@@ -182,7 +182,8 @@ class Worker:
         if self.scorer is None:
             r = self.cfg.reward
             tokenizer = AutoTokenizer.from_pretrained(self.cfg.actor_rollout_ref.model.path)
-            self.scorer = Scorer(tokenizer, r.custom_function_path, r.custom_function_name, r.on_error)
+            self.scorer = Scorer(tokenizer, r.custom_function_path, r.custom_function_name, r.on_error,
+                                 manager_extra_info(r.reward_manager.name, self.cfg.trainer.experiment_name))
         return self.scorer.score_report(assemble(spec, blocks))
 
     def _rollout_starts_stale(self) -> bool:
