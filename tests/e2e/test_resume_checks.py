@@ -49,6 +49,7 @@ def _start(run_dir, cache, *overrides: str, marker: str) -> subprocess.Popen:
 
 
 def _run(run_dir, cache, *overrides: str, timeout: float = 300) -> tuple[int, str, float]:
+    """`timeout` only ends a hung test (a refusal took 27 s on a 2-core machine with its cores shared)."""
     marker = uuid.uuid4().hex
     t0 = time.monotonic()
     proc = _start(run_dir, cache, *overrides, marker=marker)
@@ -89,8 +90,7 @@ def test_another_model_or_a_critic_is_refused_before_workers_start(finished, tmp
     other = ensure_tiny_model(str(tmp_path / "tiny-6q2kv"), spec)
     config = os.path.join(run_dir, "config.yaml")
     before = os.path.getmtime(config)
-    rc, err, elapsed = _run(run_dir, cache, f"actor_rollout_ref.model.path={other}", "trainer.total_training_steps=4",
-                            timeout=120)
+    rc, err, elapsed = _run(run_dir, cache, f"actor_rollout_ref.model.path={other}", "trainer.total_training_steps=4")
     assert rc == 2, err[-3000:]
     assert (f"cannot resume: run dir trainer.default_local_dir={run_dir!r} holds checkpoint global_step_2, which "
             "this command cannot load") in err
@@ -99,7 +99,7 @@ def test_another_model_or_a_critic_is_refused_before_workers_start(finished, tmp
     assert "hidden_size 128 -> 192, num_attention_heads 4 -> 6" in err and "new trainer.default_local_dir" in err
     assert RAY_STARTED not in err and WORKERS_NEXT not in err and "Traceback" not in err
     rc, err, _ = _run(run_dir, cache, "algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=2",
-                      "trainer.total_training_steps=4", timeout=120)
+                      "trainer.total_training_steps=4")
     assert rc == 2, err[-3000:]
     assert ("its run had no critic (algorithm.adv_estimator='grpo'); this command has one "
             "(algorithm.adv_estimator='gae')") in err
@@ -117,7 +117,7 @@ def test_a_truncated_shard_is_named_and_changed_settings_are_listed(finished, tm
     with open(shard, "r+b") as f:
         f.truncate(os.path.getsize(shard) // 2)
     rc, err, _ = _run(str(tmp_path / "elsewhere"), finished[1], "trainer.resume_mode=resume_path",
-                      f"trainer.resume_from_path={newest}", timeout=120)
+                      f"trainer.resume_from_path={newest}")
     assert rc == 2 and f"trainer.resume_from_path={newest!r} cannot be resumed: {shard} is truncated" in err, err[-3000:]
     rc, err, _ = _run(run_dir, finished[1], "trainer.total_training_steps=3", "trainer.save_freq=1",
                       "actor_rollout_ref.actor.optim.lr=0.0005")
