@@ -24,12 +24,13 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from rlsp.config.auto import AutoChoice
-from rlsp.config.compose import DEFAULT_CONFIG, CommandLine, compose_collecting, parse_command_line
+from rlsp.config.compose import DEFAULT_CONFIG, CommandLine, compose_collecting, drop_not_set, parse_command_line
 from rlsp.config.describe import describe_batches, describe_placement, describe_schedule
 from rlsp.config.layout import ParallelLayout
 from rlsp.config.run_length import run_length_errors
 from rlsp.config.validate import validate_config
 from rlsp.config.verl_compat import verl_note
+from rlsp.config.verl_spellings import rename_overrides
 from rlsp.utils.fast_exit import run_and_exit
 
 SHOWN_ROW_PROBLEMS = 5  # per data split: the first few unreadable rows, then a count
@@ -239,6 +240,9 @@ def _verl_keys(line: CommandLine, report: Report) -> None:
         note = verl_note(key)
         if note:
             report.add("verl keys", f"{key}: {note}")
+    _, left_out = drop_not_set(rename_overrides(line.overrides)[0])
+    if left_out:
+        report.add("verl keys", *left_out)
 
 
 def run_checks(argv: list[str]) -> Report:

@@ -13,11 +13,13 @@ from rlsp.config.choices import REFUSED_VALUES
 from rlsp.config.schema import RLSPConfig
 from rlsp.config.validate_keys import schema_keys
 from rlsp.config.verl_compat import ALIASES, verl_status
+from rlsp.config.verl_keys import VERL_RELEASE, answer, verl_keys
 from rlsp.config.verl_spellings import PREFIX_RENAMES, RENAMES
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "config.md"
 VERL_COMMANDS = ROOT / "tests" / "data" / "verl_commands.json"
+VERL_SOURCE = "verl/trainer/config/_generated_ppo_trainer.yaml"
 VERL_COMMANDS_2026 = ROOT / "tests" / "data" / "verl_commands_2026.json"
 # What tests/unit/test_verl_commands_2026.py pins (its REFUSED table): the refused scripts and why.
 VERL_2026_RESULT = """12 of the 16 are accepted. Refused: one DAPO script's
@@ -26,6 +28,9 @@ scripts (verl's default `rollout.n=1` with a group estimator), and the SAPO scri
 settings that would have no effect)."""
 VERL_HEADER = """
 ## Coming from verl
+
+rlsp tracks verl's release v0.9.0 (verl-project/verl): every key of it is answered below ("verl v0.9.0, key by
+key").
 
 verl's command lines run unchanged: `python -m rlsp.main --config-name verl <the arguments of
 verl.trainer.main_ppo>`. `configs/verl.yaml` holds verl's defaults where rlsp's differ (one sample per
@@ -154,8 +159,38 @@ def render_verl_2026(declared: set[str]) -> str:
             "| key | scripts | in rlsp |\n|---|---|---|\n" + rows + "\n")
 
 
+_KINDS = {"same": "same", "rlsp": "rlsp's way", "refused": "refused"}
+
+
+def render_verl_release() -> str:
+    """verl 0.9's whole key surface (rlsp/config/verl_0_9_keys.json) with rlsp's answer per key, keys of one
+    section with the same answer in one row."""
+    declared = set(schema_keys())
+    keys = verl_keys()
+    groups: dict[tuple[str, str, str], list[str]] = {}
+    for key in keys:
+        kind, text = answer(key, declared)
+        parent, _, leaf = key.rpartition(".")
+        groups.setdefault((parent, kind, text), []).append(leaf)
+    counts = {k: sum(len(v) for (_, kind, _), v in groups.items() if kind == k) for k in _KINDS}
+    rows = []
+    for (parent, kind, text), leaves in sorted(groups.items()):
+        names = ", ".join(f"`{leaf}`" for leaf in leaves)
+        where = f"`{parent}.`{{{names}}}" if len(leaves) > 1 else f"`{parent}.{leaves[0]}`" if parent else names
+        rows.append(f"| {where} | {_KINDS[kind]} | {'' if kind == 'same' else text.replace('|', chr(92) + '|')} |")
+    return (f"\n## verl {VERL_RELEASE}, key by key\n\nrlsp tracks verl {VERL_RELEASE}: every key of its PPO trainer "
+            f"config (`{VERL_SOURCE}`, FSDP engine blocks included; {len(keys)} keys, listed with verl's defaults in "
+            "`rlsp/config/verl_0_9_keys.json`, written by `scripts/extract_verl_keys.py`) gets one answer, computed "
+            "from rlsp's tables (`rlsp/config/verl_keys.py`): **same** (declared with verl's meaning, or verl's other "
+            f"spelling of a declared key): {counts['same']}; **rlsp's way** (accepted; the note says how): "
+            f"{counts['rlsp']}; **refused** by name with the reason: {counts['refused']}. A refused key set to verl's "
+            "\"not set\" (null, or verl's own default where it means off: false, 0, empty, `disabled`) is accepted "
+            "and left out with a note. `tests/unit/test_verl_keys.py` checks every key has one answer.\n\n"
+            "| verl keys | in rlsp | how / why |\n|---|---|---|\n" + "\n".join(rows) + "\n")
+
+
 def render() -> str:
-    return HEADER + "\n".join(_rows(RLSPConfig, "")) + "\n" + render_verl()
+    return HEADER + "\n".join(_rows(RLSPConfig, "")) + "\n" + render_verl() + render_verl_release()
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from rlsp.config.schema_policy_loss import rewrite_policy_loss_override
 from rlsp.config.store import register_schema
 from rlsp.config.validate_keys import schema_keys, unknown_key_error
 from rlsp.config.verl_compat import refusal
+from rlsp.config.verl_keys import not_set_overrides
 from rlsp.config.verl_spellings import rename_overrides, rlsp_key
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
@@ -108,7 +109,16 @@ def verl_argv(argv: list[str]) -> list[str]:
     if problems:
         print("invalid rlsp config:\n  - " + "\n  - ".join(problems), file=sys.stderr)
         raise SystemExit(2)
+    renamed, notes = drop_not_set(renamed)
+    if notes:
+        print("verl keys of this command left out:\n  " + "\n  ".join(notes), file=sys.stderr)
     return flags + without_redundant_add(renamed)
+
+
+def drop_not_set(overrides: list[str]) -> tuple[list[str], list[str]]:
+    """(`overrides` without the refused verl keys set to verl's "not set" (null, verl's off default) or to a value
+    that is rlsp's behaviour already, one note per key left out): rlsp.config.verl_keys."""
+    return not_set_overrides(overrides, set(schema_keys()), refusal)
 
 
 def refused_overrides(overrides: list[str]) -> list[str]:
@@ -135,6 +145,7 @@ def compose_collecting(line: CommandLine) -> tuple[DictConfig | None, list[str]]
     """Compose `line`, leaving out every override that cannot be applied and naming each one, so all
     other checks can still run; None when even the config name fails."""
     renamed, problems = rename_overrides(line.overrides)
+    renamed, _ = drop_not_set(renamed)
     keep, refused = override_problems(without_redundant_add(renamed))
     problems += [_as_written(p, line.overrides) for p in refused]
     try:

@@ -19,6 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from rlsp.config.verl_keys import NOT_YET_0_9, UNSUPPORTED_0_9
 from rlsp.config.verl_spellings import REWARD_LOOP_KEY, rlsp_key
 
 # verl's spelling -> the rlsp key that carries the setting.
@@ -61,10 +62,12 @@ UNSUPPORTED_KEYS = {
                                  "max_position_embeddings)",
     "ray_kwargs.ray_init.*": "rlsp starts its private Ray with num_cpus and object_store_memory only; for other "
                              "ray.init arguments start Ray yourself and join it with trainer.ray_address",
+    **UNSUPPORTED_0_9,  # the rest of verl 0.9's key surface (rlsp.config.verl_keys)
 }
 # Keys of features being implemented now: refused by name until the schema declares them.
 _OTB = "the optimal token baseline's sum of squared token probabilities (actor.calculate_sum_pi_squared)"
 NOT_YET_KEYS: dict[str, str] = {
+    **NOT_YET_0_9,  # verl 0.9's keys of features in progress (rlsp.config.verl_keys)
     "actor_rollout_ref.actor.policy_loss.*": "verl's nested policy-loss block (actor.policy_loss.loss_mode and its keys)",
     "algorithm.rollout_correction.loss_type": "rollout correction's bypass mode (algorithm.rollout_correction.loss_type)",
     "algorithm.rollout_correction.bypass_mode": "rollout correction's bypass mode (algorithm.rollout_correction.bypass_mode)",
