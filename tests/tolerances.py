@@ -39,6 +39,16 @@ Derivation (u is the dtype's unit roundoff: 2^-24 in fp32, 2^-8 in bf16, 2^-53 i
 
 3. bf16. Rounding a value to bf16 moves it by up to u_bf16 |x| = 2^-8 |x|; a bf16 computation compared with
    fp32 uses `roundoff_rtol(..., dtype=torch.bfloat16)`.
+
+4. Two kernels, one model. vLLM's forward against the trainer's, a tensor-parallel engine against one
+   process, a KV-cached decode against one full forward, a pooling engine against HF's head: the kernels
+   differ in how they associate the same sums (online softmax over key blocks, fused norms, split matmuls,
+   a log-sum-exp over vocabulary shards), never in what they sum, so each stage of a forward carries its own
+   reordering error and `model_rtol(..., backward=False)` bounds the pair. A logprob x_t - lse(x) carries
+   it at the scale of what the log-sum-exp sums to, log(vocab) for logits of O(1), or of the logprob
+   itself where that is larger: `logprob_tol`. A later step's gap (after a weight sync) is the same bound:
+   each side recomputes from the same synced weights. A wrong or missing weight sync, a wrong shard or a
+   stale cache moves a logprob by O(0.1-1), far above it.
 """
 
 from __future__ import annotations
@@ -156,3 +166,10 @@ def assert_tensor_close(got: torch.Tensor, ref: torch.Tensor, rtol: float, value
     err, tol = float((got.double() - ref.double()).abs().max()), scalar_tol(scale, rtol)
     assert got.shape == ref.shape and err <= tol, (tuple(got.shape), tuple(ref.shape), err, tol)
 
+
+def logprob_tol(config, tokens: int, *, dtype: torch.dtype = torch.float32, value_scale: float = 0.0) -> float:
+    """Absolute bound on a token's logprob (or a value head's output) computed by two forward kernels of the
+    decoder given by its HF `config` over `tokens` tokens (derivation 4): `model_rtol` of the forward at the
+    scale of log(vocab), or `value_scale` where that is larger."""
+    rtol = model_rtol(config, tokens, backward=False, dtype=dtype)
+    return scalar_tol(max(math.log(config.vocab_size), abs(value_scale)), rtol)
