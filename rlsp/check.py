@@ -16,6 +16,7 @@ problem found. Exit 0 when there is none, 2 listing all of them.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -99,12 +100,12 @@ def _tokenizer(path: str, mtime: float) -> Any:
 
 @functools.lru_cache(maxsize=16)
 def _prompt_report(files: tuple[tuple[str, float], ...], tokenizer: Any, prompt_key: str, chat_template: bool,
-                   agent: Any = None) -> Any:
+                   agent: Any = None, template_kwargs: str = "{}") -> Any:
     """Prompt lengths of `files` (paths with their mtimes), cached: repeated checks in one process (a
-    notebook, the test of verl's commands) tokenize each dataset once."""
+    notebook, the test of verl's commands) tokenize each dataset once (`template_kwargs`: as JSON, hashable)."""
     from rlsp.data.dataset import prompt_report  # noqa: PLC0415
 
-    return prompt_report([f for f, _ in files], tokenizer, prompt_key, chat_template, agent)
+    return prompt_report([f for f, _ in files], tokenizer, prompt_key, chat_template, agent, json.loads(template_kwargs))
 
 
 def _split(cfg: DictConfig, name: str, files: list[str], tokenizer: Any, report: Report,
@@ -112,7 +113,10 @@ def _split(cfg: DictConfig, name: str, files: list[str], tokenizer: Any, report:
     """Report one data split; returns how many prompts training would keep (None: unknown)."""
     d, key = cfg.data, f"data.{name}_files"
     stamped = tuple((os.path.abspath(f), os.path.getmtime(f)) for f in files)
-    found = _prompt_report(stamped, tokenizer, d.prompt_key, bool(d.apply_chat_template), agent)
+    from rlsp.data.dataset import chat_template_kwargs  # noqa: PLC0415
+
+    kwargs = json.dumps(chat_template_kwargs(cfg), sort_keys=True)
+    found = _prompt_report(stamped, tokenizer, d.prompt_key, bool(d.apply_chat_template), agent, kwargs)
     if agent is not None:
         _agent_section(cfg, name, found.agent_loops, tokenizer, report)
     report.problems += found.problems[:SHOWN_ROW_PROBLEMS]

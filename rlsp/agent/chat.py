@@ -74,17 +74,21 @@ class ChatTokens:
     template as `tools=`.
     """
 
-    def __init__(self, tokenizer: Any, tools: list[dict] | None = None) -> None:
+    def __init__(self, tokenizer: Any, tools: list[dict] | None = None,
+                 template_kwargs: dict[str, Any] | None = None) -> None:
+        """`template_kwargs`: extra arguments of every apply_chat_template call (data.apply_chat_template_kwargs)."""
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError(f"tokenizer {type(tokenizer).__name__} has no chat_template; multi-turn rollouts need "
                              "one (a chat/instruct model, or set tokenizer.chat_template)")
         self.tokenizer = tokenizer
         self.tools = list(tools) if tools else None
+        self.template_kwargs = dict(template_kwargs or {})
         self._layout: _Layout | None = None
 
     def _apply(self, messages: list[dict], generation_prompt: bool, tools: list[dict] | None) -> list[int]:
         rendered = self.tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=True, return_dict=False)
+            messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=True, return_dict=False,
+            **self.template_kwargs)
         return _as_ids(rendered)
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> list[int]:

@@ -97,12 +97,12 @@ def load_agent_loop_config(path: str) -> list[str]:
 
 
 class AgentRunner:
-    def __init__(self, rollout_cfg: Any, tokenizer: Any) -> None:
+    def __init__(self, rollout_cfg: Any, tokenizer: Any, template_kwargs: dict[str, Any] | None = None) -> None:
         mt, agent = rollout_cfg.multi_turn, rollout_cfg.agent
         self.tokenizer = tokenizer
         self.settings = agent_settings(mt)
         self.tools = load_tools(mt.tool_config_path, mt.function_tool_path)
-        self.chat = ChatTokens(tokenizer, tool_schemas(self.tools) or None)
+        self.chat = ChatTokens(tokenizer, tool_schemas(self.tools) or None, template_kwargs)
         if agent.agent_loop_config_path:
             load_agent_loop_config(agent.agent_loop_config_path)
         self.default_loop = str(agent.default_agent_loop)

@@ -96,6 +96,7 @@ class TrainerVerlKeys:
 class RayInitConfig:
     """Arguments of the private local Ray that rlsp starts (ignored when joining a cluster: trainer.ray_address)."""
 
+    apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the policy tokenizer's apply_chat_template wherever a prompt or agent turn is rendered (e.g. enable_thinking: false for Qwen3)
     num_cpus: int | None = None  # CPUs Ray may schedule; None: this machine's cores (at least one per worker)
     object_store_memory: int | None = None  # bytes of Ray's object store; None: rlsp's 512 MiB
 

@@ -86,6 +86,25 @@ def _check_val_kwargs(cfg: Any, errors: list[str]) -> None:
                           f"set {key}.do_sample=true to sample, or leave them at their defaults")
 
 
+# apply_chat_template arguments rlsp sets itself at every render (the messages, tools, generation prompt, output form).
+RENDER_ARGS = ("conversation", "tools", "documents", "add_generation_prompt", "continue_final_message", "tokenize",
+               "return_dict", "return_tensors", "return_assistant_tokens_mask", "padding", "truncation", "max_length")
+
+
+def _check_chat_template_kwargs(cfg: Any, errors: list[str]) -> None:
+    """data.apply_chat_template_kwargs: template variables (enable_thinking, ...), not the arguments rlsp sets."""
+    kwargs, key = cfg.data.apply_chat_template_kwargs, "data.apply_chat_template_kwargs"
+    if kwargs is None:
+        return
+    if not hasattr(kwargs, "keys"):
+        errors.append(f"{key}={kwargs!r} must be a mapping of keyword arguments (e.g. {{enable_thinking: false}})")
+        return
+    taken = [k for k in kwargs.keys() if k in RENDER_ARGS]
+    if taken:
+        errors.append(f"{key} sets {taken}, which rlsp sets itself at every chat-template render; legal: template "
+                      f"variables other than {list(RENDER_ARGS)} (e.g. enable_thinking)")
+
+
 def _check_run(cfg: Any, errors: list[str]) -> None:
     t = cfg.trainer
     if not isinstance(t.total_epochs, int) or t.total_epochs < 1:
@@ -108,4 +127,5 @@ def check_verl_keys(cfg: Any, errors: list[str]) -> None:
     _check_fixed(cfg, errors)
     _check_val_kwargs(cfg, errors)
     _check_run(cfg, errors)
+    _check_chat_template_kwargs(cfg, errors)
     check_verl_runtime_keys(cfg, errors)

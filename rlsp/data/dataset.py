@@ -6,6 +6,8 @@ prompt added), tokenizes the result, and keeps the fields a reward function need
 else refused or cut as verl's `data.truncation` says: "left" keeps its last tokens, "right" its first,
 "middle" both ends (half each). `iterate_batches` yields fixed-size batches per epoch, shuffled or in
 file order. `prompt_report` counts what a dataset holds without building it (for `rlsp.check`).
+`template_kwargs` (verl's `data.apply_chat_template_kwargs`, e.g. enable_thinking) go to every
+apply_chat_template call, here and in the agent loops' renders (rlsp.agent.chat).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,11 +82,21 @@ class AgentRows:
         return name if isinstance(name, str) and name else self.default_loop
 
 
-def _render(prompt: Any, tokenizer: Any, chat_template: bool = True, tools: list[dict[str, Any]] | None = None) -> str:
+def chat_template_kwargs(cfg: Any) -> dict[str, Any]:
+    """The run's `data.apply_chat_template_kwargs` as a plain dict (what every chat-template render is given)."""
+    from omegaconf import OmegaConf  # noqa: PLC0415
+
+    kwargs = cfg.data.apply_chat_template_kwargs
+    return dict(OmegaConf.to_container(kwargs, resolve=True) if OmegaConf.is_config(kwargs) else kwargs or {})
+
+
+def _render(prompt: Any, tokenizer: Any, chat_template: bool = True, tools: list[dict[str, Any]] | None = None,
+            template_kwargs: Mapping[str, Any] | None = None) -> str:
     messages = _messages(prompt, chat_template)
     if messages is None:
         return prompt  # a completion prompt, tokenized as written
-    return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True,
+                                         **(template_kwargs or {}))
 
 
 class PromptDataset:
@@ -100,6 +112,7 @@ class PromptDataset:
         chat_template: bool = True,
         truncation: str = "error",
         agent: AgentRows | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         if truncation not in TRUNCATIONS:
             raise ValueError(f"truncation={truncation!r} is not supported; legal values: {list(TRUNCATIONS)}")
@@ -109,7 +122,8 @@ class PromptDataset:
         self.items: list[dict[str, Any]] = []
         dropped = 0
         for row_index, row in enumerate(frame.to_dict(orient="records")):
-            item = self._make_item(_plain(row), row_index, prompt_key, tokenizer, chat_template, agent)
+            item = self._make_item(_plain(row), row_index, prompt_key, tokenizer, chat_template, agent,
+                                   template_kwargs)
             if len(item["prompt_ids"]) > max_prompt_length:
                 if filter_overlong:
                     dropped += 1
@@ -126,17 +140,19 @@ class PromptDataset:
             log.warning("dropped %d of %d prompts longer than %d tokens (%s)", dropped, len(frame), max_prompt_length, paths)
         self.num_filtered = dropped
         if not self.items:
-            longest = max(len(self._make_item(_plain(r), 0, prompt_key, tokenizer, chat_template, agent)["prompt_ids"])
+            longest = max(len(self._make_item(_plain(r), 0, prompt_key, tokenizer, chat_template, agent,
+                                              template_kwargs)["prompt_ids"])
                           for r in frame.head(64).to_dict(orient="records"))
             raise ValueError(f"none of the {len(frame)} prompts of {paths} fits data.max_prompt_length="
                              f"{max_prompt_length} (the first ones are up to {longest} tokens); raise it")
 
     @staticmethod
     def _make_item(row: dict[str, Any], row_index: int, prompt_key: str, tokenizer: Any,
-                   chat_template: bool = True, agent: AgentRows | None = None) -> dict[str, Any]:
+                   chat_template: bool = True, agent: AgentRows | None = None,
+                   template_kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
         loop = agent.loop_of(row) if agent is not None else None
         tools = list(agent.tools) if agent is not None and loop != "single_turn_agent" else None
-        text = _render(row[prompt_key], tokenizer, chat_template, tools)
+        text = _render(row[prompt_key], tokenizer, chat_template, tools, template_kwargs)
         reward_model = row.get("reward_model") or {}
         extra_info = row.get("extra_info") or {}
         return {
@@ -203,7 +219,8 @@ class PromptReport:
 
 
 def prompt_report(files: Sequence[str], tokenizer: Any, prompt_key: str = "prompt",
-                  chat_template: bool = True, agent: AgentRows | None = None) -> PromptReport:
+                  chat_template: bool = True, agent: AgentRows | None = None,
+                  template_kwargs: Mapping[str, Any] | None = None) -> PromptReport:
     """Rows, prompt token lengths and missing columns of `files`, collecting every problem."""
     report, seen = PromptReport(), set()
     for path in files:
@@ -215,7 +232,8 @@ def prompt_report(files: Sequence[str], tokenizer: Any, prompt_key: str = "promp
         seen.update(frame.columns)
         for row_index, row in enumerate(frame.to_dict(orient="records")):
             try:
-                item = PromptDataset._make_item(_plain(row), row_index, prompt_key, tokenizer, chat_template, agent)
+                item = PromptDataset._make_item(_plain(row), row_index, prompt_key, tokenizer, chat_template, agent,
+                                                template_kwargs)
             except (ValueError, TypeError, AttributeError) as exc:
                 report.problems.append(f"{path} row {row_index}: {exc}")
                 continue

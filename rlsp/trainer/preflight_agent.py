@@ -15,7 +15,7 @@ from rlsp.agent.loop import registered_agent_loops
 from rlsp.agent.runner import load_agent_loop_config
 from rlsp.agent.tools.loading import load_tools, tool_schemas
 from rlsp.config.validate_agent import AGENT, agent_loops_enabled
-from rlsp.data.dataset import AgentRows
+from rlsp.data.dataset import AgentRows, chat_template_kwargs
 from rlsp.utils.logging import get_logger
 
 log = get_logger("rlsp.preflight")
@@ -55,7 +55,7 @@ def _template_errors(cfg: DictConfig, tokenizer: Any, tools: dict[str, Any]) -> 
     after them without rewriting the history (what observation ids are cut from)."""
     path = cfg.actor_rollout_ref.model.path
     try:
-        chat = ChatTokens(tokenizer, tool_schemas(tools) or None)
+        chat = ChatTokens(tokenizer, tool_schemas(tools) or None, chat_template_kwargs(cfg))
         ends = chat.end_of_turn_ids()
         chat.observation_ids([{"role": "tool", "content": "0"}])
     except (ValueError, RuntimeError, TypeError, KeyError) as exc:
@@ -114,7 +114,7 @@ def describe_agent(cfg: DictConfig, rows_per_loop: dict[str, int], tokenizer: An
     except (ValueError, RuntimeError, TypeError):
         tools = {}  # agent_errors names the problem
     lines.append(f"tools: {', '.join(tools) or 'none'}"
-                 + (f" (chat template {'renders' if ChatTokens(tokenizer, tool_schemas(tools)).tools_rendered() else 'does NOT render'} "
+                 + (f" (chat template {'renders' if ChatTokens(tokenizer, tool_schemas(tools), chat_template_kwargs(cfg)).tools_rendered() else 'does NOT render'} "
                     "their schemas)" if tools and tokenizer is not None else ""))
     turns = lambda n: "no limit" if n is None else str(n)  # noqa: E731
     lines.append(f"turns: assistant {turns(mt.max_assistant_turns)}, tool {turns(mt.max_user_turns)}; each turn up to "

@@ -30,7 +30,7 @@ from rlsp.controller.traffic import TRAFFIC
 from rlsp.controller.worker_group import RayWorkerGroup
 from rlsp.data.balance import balanced_order
 from rlsp.data.batch import Batch
-from rlsp.data.dataset import PromptDataset, iterate_batches
+from rlsp.data.dataset import PromptDataset, chat_template_kwargs, iterate_batches
 from rlsp.engine.export import export_hf
 from rlsp.trainer.baselines import add_greedy_baselines, needs_greedy_baseline
 from rlsp.trainer.batch_metrics import check_finite, compute_agent_metrics, compute_batch_metrics, row_tokens
@@ -78,7 +78,8 @@ class RayTrainer:
         d, agent = cfg.data, agent_rows(cfg)
         def dataset(files: Any) -> PromptDataset:
             return PromptDataset(files, self.tokenizer, d.max_prompt_length, d.prompt_key, d.filter_overlong_prompts,
-                                 chat_template=d.apply_chat_template, truncation=d.truncation, agent=agent)
+                                 chat_template=d.apply_chat_template, truncation=d.truncation, agent=agent,
+                                 template_kwargs=chat_template_kwargs(cfg))
 
         self.train_set = dataset(d.train_files)
         self.val_set = dataset(d.val_files) if d.val_files else None

@@ -28,6 +28,7 @@ import torch
 from rlsp.agent.runner import AgentRunner
 from rlsp.config.validate_agent import agent_loops_enabled
 from rlsp.data.batch import Batch
+from rlsp.data.dataset import chat_template_kwargs
 from rlsp.rollout import SamplingConfig, build_rollout_engine
 from rlsp.rollout.engine_options import vllm_engine_options
 from rlsp.rollout.segments import SegmentedOutput, generate_in_segments
@@ -68,7 +69,7 @@ class RolloutRole:
         from transformers import AutoTokenizer  # noqa: PLC0415 -- only agent loops decode and render turns here
 
         tokenizer = AutoTokenizer.from_pretrained(self.cfg.actor_rollout_ref.model.path)
-        return AgentRunner(self.cfg.actor_rollout_ref.rollout, tokenizer)
+        return AgentRunner(self.cfg.actor_rollout_ref.rollout, tokenizer, chat_template_kwargs(self.cfg))
 
     def _engine_kwargs(self) -> dict[str, Any]:
         r = self.cfg.actor_rollout_ref.rollout
