@@ -48,6 +48,19 @@ REWARD_MANAGERS = ("naive", "dapo", "gdpo")
 FILTER_GROUP_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
 # reward_model.rollout.name: the reward loop's engine (rlsp.rollout.vllm_reward, a vLLM pooling engine).
 REWARD_ENGINES = ("vllm",)
+# optim.optimizer: torch.optim classes, by verl's (case-sensitive) names; each is built with lr and weight_decay, plus
+# betas for the Adam family, then optim.override_optimizer_config (verl's rule; rlsp.engine.optim).
+OPTIMIZERS = ("AdamW", "Adam", "SGD", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "Adafactor", "ASGD")
+OPTIMIZER_IMPLS = ("torch.optim",)  # optim.optimizer_impl: the module the optimizer class comes from
+# torch.optim classes rlsp refuses, with the reason.
+REFUSED_OPTIMIZERS = {
+    "LBFGS": "LBFGS re-evaluates the loss through a closure inside step(); rlsp's update takes one step per mini-batch "
+             "from accumulated gradients",
+    "SparseAdam": "SparseAdam needs sparse gradients; rlsp's models have dense ones",
+    "Muon": "torch's Muon updates 2-D weights only; embeddings, norms and biases would need a second optimizer, which "
+            "optim.optimizer cannot name",
+    "Rprop": "Rprop takes no weight_decay, which every optimizer is given (verl's rule)",
+}
 # actor_rollout_ref.model.fused_kernel_options.impl_backend (verl's values).
 FUSED_KERNEL_BACKENDS = ("torch", "triton")
 

@@ -35,9 +35,12 @@ class FSDPConfig:
 
 @dataclass
 class OptimConfig:
+    optimizer: str = "AdamW"  # a torch.optim class by verl's name: AdamW | Adam | SGD | Adamax | NAdam | RAdam | RMSprop | Adagrad | Adadelta | Adafactor | ASGD
+    optimizer_impl: str = "torch.optim"  # the module the class comes from (torch.optim only)
+    override_optimizer_config: dict[str, Any] | None = field(default_factory=dict)  # more keyword arguments of the optimizer class (eps, momentum, amsgrad, ...); they win over lr/weight_decay/betas (verl's rule)
     lr: float = 1e-6
     weight_decay: float = 0.0
-    betas: list = field(default_factory=lambda: [0.9, 0.999])
+    betas: list = field(default_factory=lambda: [0.9, 0.999])  # given to the Adam family only (names containing adam), as verl
     lr_warmup_steps: int = -1  # linear learning-rate warm-up over this many training steps; < 0: lr_warmup_steps_ratio decides
     lr_warmup_steps_ratio: float = 0.0  # warm-up over this fraction of trainer.total_training_steps (when lr_warmup_steps < 0)
     grad_clip: float = 1.0  # max global gradient norm; <= 0 disables clipping

@@ -12,6 +12,9 @@ from typing import Any
 from rlsp.config.choices import (
     FUSED_KERNEL_BACKENDS,
     LEGACY_WORKER_IMPL,
+    OPTIMIZER_IMPLS,
+    OPTIMIZERS,
+    REFUSED_OPTIMIZERS,
     ROLLOUT_MODES,
     STRATEGIES,
     TRUNCATIONS,
@@ -105,6 +108,25 @@ def _check_chat_template_kwargs(cfg: Any, errors: list[str]) -> None:
                       f"variables other than {list(RENDER_ARGS)} (e.g. enable_thinking)")
 
 
+def _check_optim(prefix: str, optim: Any, errors: list[str]) -> None:
+    """optim.optimizer / optimizer_impl / override_optimizer_config of one trainable role (the override's keys
+    are checked against the class's arguments where the engine builds it: rlsp.engine.optim)."""
+    name = optim.optimizer
+    if name not in OPTIMIZERS:
+        why = f" ({REFUSED_OPTIMIZERS[name]})" if name in REFUSED_OPTIMIZERS else ""
+        near = [n for n in OPTIMIZERS if n.lower() == str(name).lower()]
+        why += f" (names are case-sensitive, as in verl: {near[0]!r})" if near else ""
+        errors.append(f"{prefix}optimizer={name!r} is not supported{why}; legal values: {list(OPTIMIZERS)}")
+    if (error := choice_error(f"{prefix}optimizer_impl", optim.optimizer_impl, OPTIMIZER_IMPLS)) is not None:
+        errors.append(error)
+    extra = optim.override_optimizer_config
+    if extra is not None and not hasattr(extra, "keys"):
+        errors.append(f"{prefix}override_optimizer_config={extra!r} must be a mapping of the optimizer's keyword "
+                      "arguments (e.g. {eps: 1e-6}) or null")
+    elif extra is not None and "params" in extra:
+        errors.append(f"{prefix}override_optimizer_config sets 'params': the trainable parameters are rlsp's to give")
+
+
 def _check_run(cfg: Any, errors: list[str]) -> None:
     t = cfg.trainer
     if not isinstance(t.total_epochs, int) or t.total_epochs < 1:
@@ -115,6 +137,8 @@ def _check_run(cfg: Any, errors: list[str]) -> None:
                       "per epoch)")
     errors += warmup_errors("actor_rollout_ref.actor.optim.", cfg.actor_rollout_ref.actor.optim)
     errors += warmup_errors("critic.optim.", cfg.critic.optim)
+    _check_optim("actor_rollout_ref.actor.optim.", cfg.actor_rollout_ref.actor.optim, errors)
+    _check_optim("critic.optim.", cfg.critic.optim, errors)
     logger = t.logger
     if not isinstance(logger, str) and not all(isinstance(name, str) for name in logger):
         errors.append(f"trainer.logger={logger!r} must be a logger name or a list of names")

@@ -208,6 +208,13 @@ def unsupported_reason(key: str) -> str | None:
     """Why rlsp refuses the undeclared key `key`, or None when it is not a known verl key."""
     reason = _match(key, UNSUPPORTED_KEYS)
     if reason is not None:
+    "*.optim.optimizer": "a torch.optim class by verl's case-sensitive name (AdamW, Adam, SGD, Adamax, NAdam, RAdam, "
+                         "RMSprop, Adagrad, Adadelta, Adafactor, ASGD) given lr, weight_decay, betas for the Adam "
+                         "family, then override_optimizer_config (verl's rule); LBFGS, SparseAdam, Muon and Rprop are "
+                         "refused with the reason; optimizer_impl torch.optim only",
+    "*.optim.override_optimizer_config": "null or the optimizer's keyword arguments (verl's meaning); add them one by "
+                                         "one (+<role>.optim.override_optimizer_config.eps=1e-6); an argument the "
+                                         "class does not take is refused naming the ones it does",
         return reason
     feature = _pending_feature(key)
     return None if feature is None else f"{feature}: not implemented in rlsp yet"

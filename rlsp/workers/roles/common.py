@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from rlsp.config.run_length import warmup_optimizer_steps
 from rlsp.data.batch import Batch
@@ -22,8 +22,10 @@ def optim_settings(cfg: DictConfig, role: str) -> OptimSettings:
     """The optimizer of trainable `role` ("actor" or "critic"); the warm-up (verl's keys, in training steps)
     becomes the optimizer steps the engine's scheduler counts."""
     optim = cfg.actor_rollout_ref.actor.optim if role == "actor" else cfg.critic.optim
+    overrides = OmegaConf.to_container(optim.override_optimizer_config) if optim.override_optimizer_config else {}
     return OptimSettings(lr=float(optim.lr), betas=tuple(optim.betas), weight_decay=float(optim.weight_decay),
-                         warmup_steps=warmup_optimizer_steps(cfg, role), grad_clip=float(optim.grad_clip))
+                         warmup_steps=warmup_optimizer_steps(cfg, role), grad_clip=float(optim.grad_clip),
+                         name=str(optim.optimizer), impl=str(optim.optimizer_impl), overrides=dict(overrides))
 
 
 def token_budget(enabled: bool, max_tokens: int) -> int | None:
