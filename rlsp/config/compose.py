@@ -26,14 +26,13 @@ from omegaconf import DictConfig
 from rlsp.config.schema_policy_loss import rewrite_policy_loss_override
 from rlsp.config.store import register_schema
 from rlsp.config.validate_keys import schema_keys, unknown_key_error
-from rlsp.config.verl_compat import refusal
+from rlsp.config.verl_compat import OPEN_MAPPINGS, refusal
 from rlsp.config.verl_keys import not_set_overrides
 from rlsp.config.verl_spellings import rename_overrides, rlsp_key
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
 DEFAULT_CONFIG = "rlsp"
 CONFIG_NAME_FLAGS = ("--config-name", "-cn")
-OPEN_MAPPINGS = ("actor_rollout_ref.rollout.engine_kwargs.vllm",)
 USAGE = "arguments: [--config-name NAME] key=value ... (the same as python -m rlsp.main)"
 
 

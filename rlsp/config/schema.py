@@ -164,7 +164,7 @@ class RefConfig(verl_keys.RefVerlKeys):
 
 
 @dataclass
-class ActorRolloutRefConfig:
+class ActorRolloutRefConfig(verl_keys.ActorRolloutRefVerlKeys):
     model: ModelConfig = field(default_factory=ModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)

@@ -63,9 +63,13 @@ class CheckpointEngineConfig:
 
 @dataclass
 class RolloutEngineKwargs:
-    """verl's `rollout.engine_kwargs.<engine>.*`: extra engine arguments (sglang / trtllm are refused by name)."""
+    """verl's `rollout.engine_kwargs.<engine>.*`: extra engine arguments. verl's scripts set the SGLang and
+    TensorRT-LLM blocks whatever engine runs; rlsp accepts them beside its own engines and says at start-up
+    that they are ignored (an engine not in use; rollout.name=sglang/trtllm stays refused)."""
 
     vllm: dict[str, Any] = field(default_factory=dict)  # passed to vllm.LLM(...) as keyword arguments
+    sglang: dict[str, Any] = field(default_factory=dict)  # engine not in use: ignored (noted at start-up)
+    trtllm: dict[str, Any] = field(default_factory=dict)  # engine not in use: ignored (noted at start-up)
 
 
 @dataclass
@@ -78,13 +82,21 @@ class RolloutVerlKeys:
     max_num_seqs: int = 256  # sequences per vLLM scheduler step
     data_parallel_size: int = 1  # 1 only: every engine is one tensor-parallel group of policy workers
     expert_parallel_size: int = 1  # 1 only
+    # GPU vLLM: a weight sync wakes the weights, loads them, then the KV cache (lower peak memory); CPU: no sleep mode
+    multi_stage_wake_up: bool = False
     engine_kwargs: RolloutEngineKwargs = field(default_factory=RolloutEngineKwargs)
     checkpoint_engine: CheckpointEngineConfig = field(default_factory=CheckpointEngineConfig)
 
 
 @dataclass
+class ActorRolloutRefVerlKeys:
+    nccl_timeout: int = 600  # seconds: the timeout of every worker process group (gloo and nccl; verl's default)
+
+
+@dataclass
 class DataVerlKeys:
     filter_overlong_prompts_workers: int = 1  # verl's filter processes; rlsp counts prompt lengths in the driver
+    apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the policy tokenizer's apply_chat_template wherever a prompt or agent turn is rendered (e.g. enable_thinking: false for Qwen3)
 
 
 @dataclass
@@ -93,12 +105,22 @@ class TrainerVerlKeys:
 
 
 @dataclass
-class RayInitConfig:
-    """Arguments of the private local Ray that rlsp starts (ignored when joining a cluster: trainer.ray_address)."""
+class RuntimeEnvConfig:
+    """verl's `ray_kwargs.ray_init.runtime_env`: the Ray runtime environment of the run's job (every Ray process
+    rlsp starts: workers, scoring and reward processes), for a private Ray and a joined cluster alike."""
 
-    apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the policy tokenizer's apply_chat_template wherever a prompt or agent turn is rendered (e.g. enable_thinking: false for Qwen3)
+    env_vars: dict[str, str] = field(default_factory=dict)  # set in every worker process (rlsp's own names refused)
+    py_executable: str | None = None  # a launcher for the worker processes' Python (e.g. `uv run --frozen`); None: this Python
+
+
+@dataclass
+class RayInitConfig:
+    """Arguments of the private local Ray that rlsp starts (num_cpus, object_store_memory: ignored when joining a
+    cluster, trainer.ray_address); runtime_env applies to both."""
+
     num_cpus: int | None = None  # CPUs Ray may schedule; None: this machine's cores (at least one per worker)
     object_store_memory: int | None = None  # bytes of Ray's object store; None: rlsp's 512 MiB
+    runtime_env: RuntimeEnvConfig = field(default_factory=RuntimeEnvConfig)
 
 
 @dataclass

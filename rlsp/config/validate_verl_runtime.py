@@ -7,6 +7,7 @@ key, the value and what is legal. The vLLM options built from these keys live wi
 
 from __future__ import annotations
 
+import shlex
 from typing import Any
 
 from omegaconf import OmegaConf
@@ -14,6 +15,15 @@ from omegaconf import OmegaConf
 from rlsp.config.schema_verl_runtime import CHECKPOINT_CONTENTS, HF_MODEL
 
 ROLLOUT = "actor_rollout_ref.rollout"
+# Environment variables rlsp sets in every worker process (ray_kwargs.ray_init.runtime_env.env_vars may not), and why.
+WORKER_ENV_NAMES = {
+    **dict.fromkeys(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "RLSP_WORKER_GROUP"),
+                    "the worker's place in its process group"),
+    "CUDA_VISIBLE_DEVICES": "Ray gives each worker its GPU",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "vLLM runs in the worker's own process",
+}
+CPU_WORKER_ENV_NAMES = dict.fromkeys(("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND"),
+                                     "on CPU each worker binds its own share of the cores")
 # Weight-transfer back-ends of verl's checkpoint engine that rlsp accepts (see VERL_NOTES).
 CHECKPOINT_ENGINE_BACKENDS = ("naive", "nccl")
 # vllm.LLM arguments rlsp sets from its own keys: engine_kwargs.vllm may not set them a second time.
@@ -25,7 +35,7 @@ OWN_VLLM_OPTIONS = {
     "distributed_executor_backend": "(rlsp's external_launcher)", "logprobs_mode": "(processed_logprobs)",
     "enable_chunked_prefill": f"{ROLLOUT}.enable_chunked_prefill",
     "max_num_batched_tokens": f"{ROLLOUT}.max_num_batched_tokens", "max_num_seqs": f"{ROLLOUT}.max_num_seqs",
-    "enable_sleep_mode": "(on for GPU)",
+    "enable_sleep_mode": "(on for GPU)", "multi_stage_wake_up": f"{ROLLOUT}.multi_stage_wake_up",
 }
 
 
@@ -108,9 +118,33 @@ def _check_runtime(cfg: Any, errors: list[str]) -> None:
                       "does not write Ray timelines (every step logs timing/* metrics); legal values: [null]")
 
 
+def _check_runtime_env(cfg: Any, errors: list[str]) -> None:
+    env, key = cfg.ray_kwargs.ray_init.runtime_env, "ray_kwargs.ray_init.runtime_env"
+    reserved = dict(WORKER_ENV_NAMES, **(CPU_WORKER_ENV_NAMES if cfg.trainer.device == "cpu" else {}))
+    for name, value in env.env_vars.items():
+        if name in reserved:
+            errors.append(f"{key}.env_vars.{name}={value!r} is not supported: rlsp sets {name} in every worker process "
+                          f"({reserved[name]}); leave it out")
+        elif value is None:
+            errors.append(f"{key}.env_vars.{name}=null: an environment variable's value must be a string")
+    launcher = env.py_executable
+    if launcher is not None:
+        try:
+            words = shlex.split(str(launcher))
+        except ValueError as exc:
+            words, why = [], f"cannot be split into words ({exc})"
+        else:
+            why = "is empty"
+        if not isinstance(launcher, str) or not words:
+            errors.append(f"{key}.py_executable={launcher!r} {why}: legal values: null (this Python) or a command "
+                          "that runs Python, e.g. 'uv run --frozen' or '/path/to/venv/bin/python'")
+
+
 def check_verl_runtime_keys(cfg: Any, errors: list[str]) -> None:
     """verl's engine and runtime keys: rollout engine options, checkpoint contents, Ray start-up."""
     _check_rollout(cfg, errors)
     _check_checkpoint("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor.checkpoint, errors)
     _check_checkpoint("critic", cfg.critic.checkpoint, errors)
     _check_runtime(cfg, errors)
+    _check_runtime_env(cfg, errors)
+    _positive_int("actor_rollout_ref.nccl_timeout", cfg.actor_rollout_ref.nccl_timeout, errors)

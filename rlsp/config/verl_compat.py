@@ -38,6 +38,10 @@ _PROFILER = ("profiler back-ends (nsys, torch profiler, NPU) are not implemented
              "time went (timing/* metrics, per-role update phases)")
 _RM_POOL = ("a reward-model pool of its own is not supported: the reward model runs on the policy workers "
             "(reward_model.ulysses_sequence_parallel_size and model.fsdp_config shard it there)")
+# Schema mappings whose entries the user names (any key under them is declared): verl's engine arguments and
+# the workers' environment variables.
+OPEN_MAPPINGS = ("actor_rollout_ref.rollout.engine_kwargs.vllm", "actor_rollout_ref.rollout.engine_kwargs.sglang",
+                 "actor_rollout_ref.rollout.engine_kwargs.trtllm", "ray_kwargs.ray_init.runtime_env.env_vars")
 # Keys (fnmatch patterns) rlsp refuses by name: verl features it does not implement.
 UNSUPPORTED_KEYS = {
     "algorithm.use_pf_ppo": "pf-PPO (re-weighting or re-sampling rows by their reward) is not implemented in rlsp",
@@ -54,14 +58,15 @@ UNSUPPORTED_KEYS = {
                                      "reward_model.micro_batch_size_per_gpu",
     "reward_model.max_length": "truncating the reward model's input is not supported: rlsp scores whole sequences and "
                                "refuses one longer than the reward model's max_position_embeddings",
-    "actor_rollout_ref.rollout.engine_kwargs.sglang.*": "SGLang rollouts are not implemented (rlsp's engines: vllm, hf)",
-    "actor_rollout_ref.rollout.engine_kwargs.trtllm.*": "TensorRT-LLM rollouts are not implemented (rlsp's engines: "
-                                                        "vllm, hf)",
     "*.model.override_config.*": "overriding entries of the model's config.json is not supported: rlsp builds the "
                                  "model as its config.json says (edit a copy of the checkpoint's config.json, e.g. "
                                  "max_position_embeddings)",
-    "ray_kwargs.ray_init.*": "rlsp starts its private Ray with num_cpus and object_store_memory only; for other "
-                             "ray.init arguments start Ray yourself and join it with trainer.ray_address",
+    "ray_kwargs.ray_init.runtime_env.*": "of Ray's runtime_env rlsp passes env_vars and py_executable (to the run's "
+                                         "job); for working_dir, pip, conda or containers start Ray yourself and join "
+                                         "it with trainer.ray_address",
+    "ray_kwargs.ray_init.*": "rlsp starts its private Ray with num_cpus, object_store_memory and runtime_env (env_vars, "
+                             "py_executable) only; for other ray.init arguments start Ray yourself and join it with "
+                             "trainer.ray_address",
     **UNSUPPORTED_0_9,  # the rest of verl 0.9's key surface (rlsp.config.verl_keys)
 }
 # Keys of features being implemented now: refused by name until the schema declares them.
@@ -181,9 +186,35 @@ VERL_NOTES = {
                                             "filter processes of verl are not needed for that)",
     "trainer.log_val_generations": "verl's meaning: the first N validation samples (prompt, response, score) of every "
                                    "validation, in <trainer.default_local_dir>/val_generations.jsonl",
+    "ray_kwargs.ray_init.runtime_env.env_vars.*": "set in every Ray process of the run (workers, scoring and reward "
+                                                  "processes; a private Ray or a joined cluster's job); names rlsp "
+                                                  "sets per worker (RANK, WORLD_SIZE, ...) are refused; the driver "
+                                                  "keeps the environment it was started with",
+    "ray_kwargs.ray_init.runtime_env.py_executable": "null (verl's default): the workers run this Python; a launcher "
+                                                     "(e.g. `uv run --frozen`) starts every worker process through "
+                                                     "it (Ray's runtime_env py_executable); refused when its program "
+                                                     "is not on this machine's PATH for a private Ray",
     "ray_kwargs.ray_init.*": "num_cpus and object_store_memory of the private local Ray rlsp starts (no effect when "
                              "joining a cluster with trainer.ray_address); num_cpus >= the run's workers, GPU runs only",
+    "actor_rollout_ref.nccl_timeout": "seconds (verl's meaning and default 600): the timeout of every process group "
+                                      "of the run's training workers (the default group and every mesh group, gloo "
+                                      "and nccl; the critic pool's too)",
+    "actor_rollout_ref.rollout.multi_stage_wake_up": "vLLM on GPU: a weight sync wakes the engine's weights, loads "
+                                                     "them, then wakes the KV cache (lower peak memory, verl's "
+                                                     "meaning); no effect on CPU (vLLM has no sleep mode there) or "
+                                                     "with the hf engine",
+    "actor_rollout_ref.rollout.engine_kwargs.sglang.*": "engine not in use: ignored (rlsp's rollout engines are vllm "
+                                                        "and hf; rollout.name=sglang is refused)",
+    "actor_rollout_ref.rollout.engine_kwargs.trtllm.*": "engine not in use: ignored (rlsp's rollout engines are vllm "
+                                                        "and hf; rollout.name=trtllm is refused)",
     "ray_kwargs.timeline_json_file": "null only",
+    "*.optim.optimizer": "a torch.optim class by verl's case-sensitive name (AdamW, Adam, SGD, Adamax, NAdam, RAdam, "
+                         "RMSprop, Adagrad, Adadelta, Adafactor, ASGD) given lr, weight_decay, betas for the Adam "
+                         "family, then override_optimizer_config (verl's rule); LBFGS, SparseAdam, Muon and Rprop are "
+                         "refused with the reason; optimizer_impl torch.optim only",
+    "*.optim.override_optimizer_config": "null or the optimizer's keyword arguments (verl's meaning); add them one by "
+                                         "one (+<role>.optim.override_optimizer_config.eps=1e-6); an argument the "
+                                         "class does not take is refused naming the ones it does",
     "reward.reward_manager.name": "naive, dapo or gdpo (verl's managers): the reward function once per row, every entry "
                                   "of a returned dict kept per row (what algorithm.gdpo_reward_keys reads, whatever "
                                   "the manager); dapo adds overlong shaping, gdpo the run's trainer.experiment_name "
@@ -206,15 +237,10 @@ def _match(key: str, table: dict[str, str]) -> str | None:
 
 def unsupported_reason(key: str) -> str | None:
     """Why rlsp refuses the undeclared key `key`, or None when it is not a known verl key."""
+    if any(key.startswith(f"{mapping}.") for mapping in OPEN_MAPPINGS):
+        return None  # an entry of a mapping the schema declares
     reason = _match(key, UNSUPPORTED_KEYS)
     if reason is not None:
-    "*.optim.optimizer": "a torch.optim class by verl's case-sensitive name (AdamW, Adam, SGD, Adamax, NAdam, RAdam, "
-                         "RMSprop, Adagrad, Adadelta, Adafactor, ASGD) given lr, weight_decay, betas for the Adam "
-                         "family, then override_optimizer_config (verl's rule); LBFGS, SparseAdam, Muon and Rprop are "
-                         "refused with the reason; optimizer_impl torch.optim only",
-    "*.optim.override_optimizer_config": "null or the optimizer's keyword arguments (verl's meaning); add them one by "
-                                         "one (+<role>.optim.override_optimizer_config.eps=1e-6); an argument the "
-                                         "class does not take is refused naming the ones it does",
         return reason
     feature = _pending_feature(key)
     return None if feature is None else f"{feature}: not implemented in rlsp yet"
@@ -267,7 +293,7 @@ def verl_status(key: str, declared: set[str]) -> str:
         return f"verl's spelling of `{ALIASES[key]}` (mapped onto it)"
     if rlsp_key(key) != key:
         return f"verl's other spelling of `{rlsp_key(key)}` (rewritten onto it)"
-    if key not in declared:
+    if key not in declared and not any(key.startswith(f"{mapping}.") for mapping in OPEN_MAPPINGS):
         reason = unsupported_reason(key)
         return f"refused: {reason}" if reason else "unknown to rlsp (refused as an unknown key)"
     note = verl_note(key)

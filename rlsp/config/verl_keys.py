@@ -247,9 +247,6 @@ NOT_YET_0_9: dict[str, str] = {
         "actor_rollout_ref.actor.use_torch_compile", "actor_rollout_ref.ref.use_torch_compile",
         "actor_rollout_ref.actor.fsdp_config.use_torch_compile", "actor_rollout_ref.ref.fsdp_config.use_torch_compile",
         "critic.model.fsdp_config.use_torch_compile")},
-    "actor_rollout_ref.nccl_timeout": "the process groups' timeout (actor_rollout_ref.nccl_timeout)",
-    "actor_rollout_ref.rollout.multi_stage_wake_up": "vLLM's staged wake-up (rollout.multi_stage_wake_up)",
-    "reward.num_workers": "concurrent rule-reward processes (reward.num_workers)",
     "data.apply_chat_template_kwargs": "arguments of the tokenizer's apply_chat_template (data.apply_chat_template_kwargs)",
 }
 

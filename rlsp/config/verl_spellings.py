@@ -26,6 +26,7 @@ _ROLES = {"actor_rollout_ref.actor.fsdp_config.": "actor_rollout_ref.actor.",
 # verl key -> rlsp key (applied after the prefixes).
 RENAMES = {
     "reward_model.model_path": "reward_model.model.path",  # newer verl's reward.reward_model.model_path
+    "reward.num_workers": "reward_model.num_workers",  # verl 0.9's reward-loop workers (rule scoring processes)
     "actor_rollout_ref.actor.grad_clip": "actor_rollout_ref.actor.optim.grad_clip",  # verl's deprecated spelling
     "critic.grad_clip": "critic.optim.grad_clip",
     "actor_rollout_ref.model.torch_dtype": "actor_rollout_ref.model.dtype",  # HF's name for the model's dtype

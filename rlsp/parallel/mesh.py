@@ -16,6 +16,7 @@ layout's: (dp, ring, ulysses, tp), tp innermost.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -121,8 +122,20 @@ def _ring_dkv_group(mesh: DeviceMesh, rank: int) -> dist.ProcessGroup | None:
     return mine
 
 
-def build_parallel_dims(layout: RoleLayout, device_type: str) -> ParallelDims:
-    """Build the meshes of `layout` over the already-initialised default process group (collective)."""
+def apply_group_timeout(dims: ParallelDims, timeout: timedelta) -> None:
+    """Give every group of `dims` `timeout` (gloo and nccl alike): torch creates a mesh's and `new_group`'s groups
+    with its backend default (30 min gloo, 10 min nccl), not the default group's timeout."""
+    groups = [*dims.mesh.get_all_groups(), *dims.fsdp_mesh.get_all_groups(), *dims.ulysses_subgroups.values()]
+    groups += [*(dims.tp_mesh.get_all_groups() if dims.tp_mesh is not None else []),
+               *([dims.ring_dkv_group] if dims.ring_dkv_group is not None else [])]
+    for group in groups:
+        if any(name in dist.get_backend(group) for name in ("gloo", "nccl")):  # torch's fake backend has no timeout
+            group.set_timeout(timeout)
+
+
+def build_parallel_dims(layout: RoleLayout, device_type: str, timeout: timedelta | None = None) -> ParallelDims:
+    """Build the meshes of `layout` over the already-initialised default process group (collective); `timeout`:
+    every group's (None: torch's defaults)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if world != layout.world_size:
         raise ValueError(f"the process group has {world} ranks but the layout describes {layout.world_size} "
@@ -131,5 +144,8 @@ def build_parallel_dims(layout: RoleLayout, device_type: str) -> ParallelDims:
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=("dp", "ring", "ulysses", "tp"))
     fsdp_mesh, tp_mesh = _param_meshes(layout, device_type)
     subgroups = _ulysses_subgroups(layout, rank) if layout.adaptive else {}
-    return ParallelDims(layout=layout, rank=rank, mesh=mesh, fsdp_mesh=fsdp_mesh, tp_mesh=tp_mesh,
+    dims = ParallelDims(layout=layout, rank=rank, mesh=mesh, fsdp_mesh=fsdp_mesh, tp_mesh=tp_mesh,
                         ulysses_subgroups=subgroups, ring_dkv_group=_ring_dkv_group(mesh, rank))
+    if timeout is not None:
+        apply_group_timeout(dims, timeout)
+    return dims

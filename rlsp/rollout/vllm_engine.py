@@ -76,23 +76,39 @@ def _with_tied_head(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterat
         yield LM_HEAD_NAME, embed
 
 
+SLEEP_TAGS = ("weights", "kv_cache")  # what vLLM's sleep mode releases, by its tags
+
+
 class _SleepWake:
-    """GPU sleep mode of an engine's `llm` (vLLM has none on CPU: both calls are no-ops there)."""
+    """GPU sleep mode of an engine's `llm` (vLLM has none on CPU: both calls are no-ops there). `_asleep` holds the
+    tags released: `wake_up(tags)` wakes some of them (verl's multi-stage wake-up: the weights before a weight
+    sync, the KV cache after it)."""
 
     llm: Any
     on_gpu: bool
-    _asleep: bool
+    _asleep: tuple[str, ...] = ()
 
     def sleep(self) -> None:
         """Release weights and KV cache memory on GPU (level 1 keeps a CPU copy); no-op on CPU."""
-        if self.on_gpu and not self._asleep:
-            self.llm.sleep(level=1)
-            self._asleep = True
+        if not self.on_gpu or self._asleep == SLEEP_TAGS:
+            return
+        if self._asleep:  # half awake: vLLM's sleep releases every tag, so the asleep ones are mapped first
+            self.wake_up()
+        self.llm.sleep(level=1)
+        self._asleep = SLEEP_TAGS
 
-    def wake_up(self) -> None:
-        if self.on_gpu and self._asleep:
+    def wake_up(self, tags: tuple[str, ...] | None = None) -> None:
+        """Wake `tags` (None: everything asleep); no-op on CPU."""
+        if not self.on_gpu or not self._asleep:
+            return
+        wake = [t for t in self._asleep if tags is None or t in tags]
+        if not wake:
+            return
+        if len(wake) == len(SLEEP_TAGS):
             self.llm.wake_up()
-            self._asleep = False
+        else:
+            self.llm.wake_up(tags=wake)
+        self._asleep = tuple(t for t in self._asleep if t not in wake)
 
 
 class VLLMEngine(_SleepWake):
@@ -109,9 +125,11 @@ class VLLMEngine(_SleepWake):
         gpu_memory_utilization: float = 0.5,
         cpu_kvcache_space_gib: int = 1,
         enable_prefix_caching: bool = True,
+        multi_stage_wake_up: bool = False,
         **llm_kwargs: Any,
     ) -> None:
         self.on_gpu = torch.cuda.is_available()
+        self.multi_stage_wake_up = multi_stage_wake_up
         _prepare_environment(self.on_gpu, cpu_kvcache_space_gib)
         import vllm  # noqa: PLC0415 -- deferred until the environment above is in place
 
@@ -145,7 +163,7 @@ class VLLMEngine(_SleepWake):
         )
         self.tie_word_embeddings = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
         self.max_model_len = max_model_len
-        self._asleep = False
+        self._asleep = ()
 
     def _sampling_params(self, sampling: SamplingConfig, prompt_index: int) -> Any:
         # vLLM seeds the j-th child of a request with seed + j; offsetting by prompt_index * n gives
@@ -189,8 +207,12 @@ class VLLMEngine(_SleepWake):
         Without the prefix-cache reset, prompts cached before the update would be continued from
         keys/values of the old weights (the e2e test catches this with a prompt longer than one
         KV block; on CPU a block is 128 tokens, so shorter prompts are never prefix-cached)."""
+        # Multi-stage wake-up (GPU): the KV cache stays released while the weights load, so the incoming
+        # tensors never share the device with it; then it is woken. Otherwise everything wakes first.
+        self.wake_up(("weights",) if self.multi_stage_wake_up else None)
         weights = _with_tied_head(named_tensors) if self.tie_word_embeddings else iter(named_tensors)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.wake_up()
         # Prefix-cache blocks hold keys/values computed with the old weights.
         self.llm.reset_prefix_cache()
 

@@ -77,7 +77,7 @@ class VLLMRewardEngine(_SleepWake):
                                 seed=seed, enforce_eager=enforce_eager, load_format=load_format,
                                 enable_chunked_prefill=False, **kwargs)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
-        self._asleep = False
+        self._asleep = ()
 
     def score(self, token_ids: list[list[int]]) -> list[float]:
         """One raw score per token-id sequence; ValueError naming the first sequence longer than max_model_len."""

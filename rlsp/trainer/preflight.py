@@ -29,6 +29,7 @@ from rlsp.trainer.estimator_inputs import estimator_errors
 from rlsp.trainer.off_policy import check_rollout_correction_names
 from rlsp.trainer.preflight_agent import agent_errors
 from rlsp.trainer.preflight_reward import reward_input_errors, reward_model_errors, reward_model_in_use
+from rlsp.trainer.ray_session import launcher_problem
 from rlsp.trainer.trackers import check_trackers
 from rlsp.utils.device import resolve_device_type
 from rlsp.utils.logging import get_logger
@@ -43,6 +44,12 @@ def _check_data_files(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> 
             errors.append(f"data file {f!r} does not exist")
     if not cfg.data.train_files:
         errors.append("data.train_files is empty; give at least one parquet file")
+
+
+@register("ray_launcher", "preflight")
+def _check_ray_launcher(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None:
+    if (problem := launcher_problem(cfg)) is not None:
+        errors.append(problem)
 
 
 @register("names", "preflight")

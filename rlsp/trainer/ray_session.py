@@ -26,9 +26,11 @@ from __future__ import annotations
 import copy
 import os
 import secrets
+import shlex
+import shutil
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
@@ -76,6 +78,35 @@ def private_ray_resources(cfg: DictConfig, world_size: int) -> dict[str, int]:
             "object_store_memory": ray_init.object_store_memory or 512 * 1024**2}
 
 
+def job_runtime_env(cfg: DictConfig) -> dict[str, Any]:
+    """Ray's runtime_env of the run's job from verl's ray_kwargs.ray_init.runtime_env: env_vars (as strings) and the
+    workers' py_executable where set. Every Ray process of the job gets it; an actor's own env_vars (rlsp's worker
+    environment) are merged over the job's, its other fields (the launcher) inherited."""
+    env = cfg.ray_kwargs.ray_init.runtime_env
+    runtime_env: dict[str, Any] = {}
+    if env.env_vars:
+        runtime_env["env_vars"] = {str(k): str(v) for k, v in env.env_vars.items()}
+    if env.py_executable is not None:
+        runtime_env["py_executable"] = str(env.py_executable)
+    return runtime_env
+
+
+def launcher_problem(cfg: DictConfig) -> str | None:
+    """Why a private Ray could not start its workers through ray_kwargs.ray_init.runtime_env.py_executable (its
+    program is not on this machine), or None. A joined cluster's nodes are not this machine: not checked."""
+    launcher = cfg.ray_kwargs.ray_init.runtime_env.py_executable
+    if launcher is None or ray_address(cfg.trainer.ray_address) is not None:
+        return None
+    program = shlex.split(str(launcher))[0]
+    found = os.access(program, os.X_OK) if os.sep in program else shutil.which(program) is not None
+    if found:
+        return None
+    return (f"ray_kwargs.ray_init.runtime_env.py_executable={launcher!r}: {program!r} is not "
+            f"{'an executable file' if os.sep in program else 'a program on this PATH'}, so the private Ray could "
+            "not start any worker process through it; install it, give its full path, or leave py_executable null "
+            "(the workers run this Python)")
+
+
 def init_ray(cfg: DictConfig, world_size: int) -> str | None:
     """Start or join Ray (see rlsp.main's docstring); the line that says which (for the caller to log), or
     None if this process was already connected."""
@@ -96,15 +127,20 @@ def init_ray(cfg: DictConfig, world_size: int) -> str | None:
         # scancel) long enough for the driver to stop the run cleanly (see rlsp.trainer.stopping).
         with ray_in_own_session(), without_api_server():
             ray.init(address="local", **private_ray_resources(cfg, world_size), include_dashboard=False,
-                     log_to_driver=True,
+                     log_to_driver=True, runtime_env=job_runtime_env(cfg) or None,
                      _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False})
         return f"started a private local Ray ({ray.get_runtime_context().gcs_address})"
     try:
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address, log_to_driver=True, runtime_env=job_runtime_env(cfg) or None)
     except ConnectionError as exc:
         raise RuntimeError(f"trainer.ray_address={cfg.trainer.ray_address!r}: no Ray cluster to join ({exc}). "
                            "Start one with `ray start --head`, or leave trainer.ray_address unset for a "
                            "private local Ray.") from None
+    except ValueError as exc:  # Ray's refusal to merge ray_kwargs' runtime_env with a submitted job's
+        if "runtime env" not in str(exc):
+            raise
+        raise RuntimeError(f"ray_kwargs.ray_init.runtime_env={job_runtime_env(cfg)} sets what the submitted job's "
+                           f"runtime env already sets ({exc}); set each field or variable in one place") from None
     return (f"joined the Ray cluster at {ray.get_runtime_context().gcs_address}: "
             f"{len([n for n in ray.nodes() if n['Alive']])} nodes, {ray.cluster_resources()}")
 

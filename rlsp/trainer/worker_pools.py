@@ -28,6 +28,9 @@ def worker_env(cfg: DictConfig) -> dict[str, str]:
         "TOKENIZERS_PARALLELISM": "false",
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
         "RLSP_LOG_LEVEL": os.environ.get("RLSP_LOG_LEVEL", "INFO"),
+        # verl's ray_kwargs.ray_init.runtime_env.env_vars: the job's too (rlsp.trainer.ray_session), and the
+        # user's value wins over rlsp's defaults above (names rlsp needs are refused at start-up)
+        **{str(k): str(v) for k, v in cfg.ray_kwargs.ray_init.runtime_env.env_vars.items()},
     }
 
 

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 from omegaconf import DictConfig
 
 from rlsp.config.layout import ParallelLayout, RoleLayout
 from rlsp.parallel.mesh import ParallelDims, build_parallel_dims
+
+
+def group_timeout(cfg: DictConfig) -> timedelta:
+    """The timeout of every process group of the run's workers: verl's actor_rollout_ref.nccl_timeout (seconds)."""
+    return timedelta(seconds=int(cfg.actor_rollout_ref.nccl_timeout))
 
 
 @dataclass
@@ -32,5 +38,5 @@ class RoleContext:
         """The meshes of `role`'s layout (built once per distinct layout; collective on first use)."""
         layout = self.layout.role(role)
         if layout not in self._dims:
-            self._dims[layout] = build_parallel_dims(layout, self.device_type)
+            self._dims[layout] = build_parallel_dims(layout, self.device_type, group_timeout(self.cfg))
         return self._dims[layout]

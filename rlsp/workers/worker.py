@@ -30,7 +30,7 @@ from rlsp.utils.dtypes import resolve_dtype
 from rlsp.utils.logging import get_logger
 from rlsp.utils.seeding import seed_everything
 from rlsp.workers.columns import COLUMNS_INFO, RowsSpec, assemble, row_report
-from rlsp.workers.context import RoleContext
+from rlsp.workers.context import RoleContext, group_timeout
 from rlsp.workers.dispatch import Dispatch, declared_fields, register
 from rlsp.workers.roles import ROLE_CLASSES
 
@@ -85,9 +85,10 @@ class Worker:
         world = self.world.world_size
         os.environ.update(RANK=str(self.rank), LOCAL_RANK="0", WORLD_SIZE=str(world),
                           MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        timeout = group_timeout(self.cfg)  # the mesh groups get it too (rlsp.parallel.mesh)
         if self.world.nnodes > 1:  # the store listens on all interfaces of rank 0's node
             dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
-                                    rank=self.rank, world_size=world)
+                                    rank=self.rank, world_size=world, timeout=timeout)
             return
         # One node: gloo (ours and vLLM's) binds where GLOO_SOCKET_IFNAME says, else to the address the
         # host name resolves to, which may be an external one.
@@ -100,7 +101,7 @@ class Worker:
         store = dist.TCPStore(master_addr, master_port, world, is_master=sock is not None,
                               timeout=default_pg_timeout, wait_for_workers=False, use_libuv=True,
                               master_listen_fd=sock.detach() if sock is not None else None)
-        dist.init_process_group(backend, store=store, rank=self.rank, world_size=world)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=world, timeout=timeout)
 
     # ------------------------------------------------------------------ set-up
     def configure(self, config: dict[str, Any]) -> None:

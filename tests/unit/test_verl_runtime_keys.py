@@ -162,9 +162,9 @@ def test_notes_and_refusals_of_the_new_keys():
     assert verl_status("critic.fsdp.param_offload", set()) == (
         "verl's other spelling of `critic.model.fsdp_config.param_offload` (rewritten onto it)")
     assert "always works in vocabulary chunks" in verl_note("actor_rollout_ref.ref.entropy_from_logits_with_chunking")
-    assert refusal("ray_kwargs.ray_init.runtime_env").startswith(
-        "ray_kwargs.ray_init.runtime_env is not supported: rlsp starts its private Ray with num_cpus and "
-        "object_store_memory only")
+    assert refusal("ray_kwargs.ray_init.namespace").startswith(
+        "ray_kwargs.ray_init.namespace is not supported: rlsp starts its private Ray with num_cpus, "
+        "object_store_memory and runtime_env (env_vars, py_executable) only")
     assert "config.json" in refusal("actor_rollout_ref.model.override_config.max_position_embeddings")
 
 

@@ -81,6 +81,7 @@ class RolloutRole:
             return {"enforce_eager": r.enforce_eager, "gpu_memory_utilization": r.gpu_memory_utilization,
                     "cpu_kvcache_space_gib": r.cpu_kvcache_space_gib, "distributed_executor_backend": "external_launcher",
                     "load_format": r.load_format, "tensor_parallel_size": self.ctx.layout.rollout_tp,
+                    "multi_stage_wake_up": r.multi_stage_wake_up,  # GPU: weights, then the KV cache, per sync
                     **vllm_engine_options(r, self.ctx.prompt_len + self.cfg.data.max_response_length,
                                           on_gpu=self.ctx.device.type == "cuda")}  # verl's engine options
         return {"device": str(self.ctx.device)}  # resolved (cuda:<i>), like the training engines' device
@@ -148,7 +149,8 @@ class RolloutRole:
         self.engine.sleep()
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.engine.wake_up()
+        if self.cfg.actor_rollout_ref.rollout.name != "vllm":  # vLLM wakes what a load needs (multi_stage_wake_up)
+            self.engine.wake_up()
         self.engine.update_weights(named_tensors)
 
     @register(Dispatch.ALL)
