@@ -21,6 +21,7 @@ import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 from test_config import make as _config
+from tolerances import assert_grads_close, model_rtol
 from torch import nn
 from transformers import Qwen2Config, Qwen2Model, Qwen3Config, Qwen3Model
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
@@ -189,9 +190,10 @@ def test_decoder_swap_keeps_names_parameters_values_and_gradients(arch, swapped,
         out.square().sum().backward()
         outs.append((out.detach(), {n: p.grad for n, p in model.named_parameters()}))
     assert torch.equal(outs[0][0], outs[1][0])
-    for name, g_ref in outs[0][1].items():  # fp32: each norm's bound 2 (H + 8) u = 4.8e-6 of its scale,
-        # through two layers: 1e-5 relative (norm of the difference over the norm)
-        assert float((outs[1][1][name] - g_ref).norm() / g_ref.norm()) <= 1e-5, name
+    # the backward differs (the analytic norm gradient sums in another order): tests/tolerances.py's bound
+    # for this decoder's gradients over its 2 x 11 tokens (measured: 1/40 of it)
+    rtol = model_rtol(plain.config, ids.numel())
+    assert_grads_close(outs[1][1], outs[0][1], rtol)
 
 
 def test_gemma_style_and_weightless_norms_are_refused():
