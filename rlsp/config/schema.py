@@ -142,6 +142,7 @@ class ActorConfig(verl_keys.ActorVerlKeys):
     # budget (use_dynamic_bsz) holds the micro-batch; the group's other ranks take other micro-batches
     sequence_parallel_adaptive: bool = False
     logprob_chunk_size: int = 1024
+    use_torch_compile: Any = "auto"  # true | false | auto: the entropy head's per-block reduction through torch.compile (what verl compiles); auto: on cuda only (inductor's compile costs ~30 s at start-up on cpu)
     calculate_sum_pi_squared: bool = False  # the old-logprob pass also returns sum_v p_v^2 per token (optimal token baselines)
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
@@ -156,6 +157,7 @@ class RefConfig(verl_keys.RefVerlKeys):
     sequence_parallel: bool | None = None
     sequence_parallel_adaptive: bool | None = None
     log_prob_micro_batch_size_per_gpu: int = 64
+    use_torch_compile: Any = None  # None = the actor's value; the reference computes no entropy, so nothing is compiled there
     # As in verl, the token budget follows the actor's unless set.
     log_prob_use_dynamic_bsz: Any = II("actor_rollout_ref.actor.use_dynamic_bsz")
     log_prob_max_token_len_per_gpu: int = II("actor_rollout_ref.actor.ppo_max_token_len_per_gpu")

@@ -138,6 +138,11 @@ def _check_run(cfg: Any, errors: list[str]) -> None:
     errors += warmup_errors("actor_rollout_ref.actor.optim.", cfg.actor_rollout_ref.actor.optim)
     errors += warmup_errors("critic.optim.", cfg.critic.optim)
     _check_optim("actor_rollout_ref.actor.optim.", cfg.actor_rollout_ref.actor.optim, errors)
+    for role, legal in (("actor", (True, False, "auto")), ("ref", (True, False, "auto", None))):
+        value = cfg.actor_rollout_ref[role].use_torch_compile
+        if value not in legal or isinstance(value, int) and not isinstance(value, bool):
+            errors.append(f"actor_rollout_ref.{role}.use_torch_compile={value!r} is not supported; legal values: "
+                          f"{list(legal)}")
     _check_optim("critic.optim.", cfg.critic.optim, errors)
     logger = t.logger
     if not isinstance(logger, str) and not all(isinstance(name, str) for name in logger):

@@ -208,6 +208,12 @@ VERL_NOTES = {
     "actor_rollout_ref.rollout.engine_kwargs.trtllm.*": "engine not in use: ignored (rlsp's rollout engines are vllm "
                                                         "and hf; rollout.name=trtllm is refused)",
     "ray_kwargs.timeline_json_file": "null only",
+    "actor_rollout_ref.*.use_torch_compile": "true, false or auto (rlsp's default: on cuda only, where verl's true "
+                                             "pays off; inductor costs ~20 s at start-up on cpu): the actor's entropy "
+                                             "head (the per-block logsumexp and sum p*logit, what verl compiles) runs "
+                                             "through torch.compile, within fp32 rounding of eager; the logprobs, "
+                                             "decoder and backward stay eager; the reference computes no entropy, so "
+                                             "nothing is compiled there",
     "*.optim.optimizer": "a torch.optim class by verl's case-sensitive name (AdamW, Adam, SGD, Adamax, NAdam, RAdam, "
                          "RMSprop, Adagrad, Adadelta, Adafactor, ASGD) given lr, weight_decay, betas for the Adam "
                          "family, then override_optimizer_config (verl's rule); LBFGS, SparseAdam, Muon and Rprop are "

@@ -36,7 +36,7 @@ RENAMES = {
     **{f"{block}{key}": f"{role}{key}" for block, role in _ROLES.items()
        for key in ("ulysses_sequence_parallel_size", "strategy")},
     **{f"{block}{key}": f"{role}{key}" for block, role in list(_ROLES.items())[:2]
-       for key in ("entropy_from_logits_with_chunking", "entropy_checkpointing")},
+       for key in ("entropy_from_logits_with_chunking", "entropy_checkpointing", "use_torch_compile")},
 }
 # Newer verl serves a reward model through its reward loop only (vLLM engines; reward.reward_model.rollout.*).
 REWARD_LOOP_KEY = "reward_model.use_reward_loop"

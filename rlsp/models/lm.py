@@ -73,10 +73,11 @@ def compute_hidden_states(
 class TokenLogprobModel(nn.Module):
     """Wraps a HF causal LM (`self.lm`); forward returns per-token logprobs (and entropy) of local tokens."""
 
-    def __init__(self, lm: nn.Module, chunk_size: int = 1024) -> None:
+    def __init__(self, lm: nn.Module, chunk_size: int = 1024, compiled: bool = False) -> None:
         super().__init__()
         self.lm = lm
         self.chunk_size = chunk_size  # tokens per vocab-projection chunk (memory O(chunk_size * V))
+        self.compiled = compiled  # the entropy head through torch.compile (use_torch_compile; rlsp.models.logprobs)
         self.tp_info: TPInfo | None = None  # set by rlsp.parallel.tensor_parallel.apply_tensor_parallel
 
     @property
@@ -115,5 +116,6 @@ class TokenLogprobModel(nn.Module):
             return {"logprobs": logprobs_S, "sum_pi_squared": sum_sq_S}
         logprobs_S, entropy_S = compute_token_logprobs(
             *head, temperature=temperature, chunk_size=self.chunk_size, with_entropy=with_entropy,
+            compiled=self.compiled,
         )
         return {"logprobs": logprobs_S} if entropy_S is None else {"logprobs": logprobs_S, "entropy": entropy_S}

@@ -14,12 +14,18 @@ per recorded op. An output the loss does not use gets no gradient work.
 returns sum_v p_v^2 per token (the optimal token baseline's path variance, verl's sum_pi_squared), from
 the same chunk of logits: exact per token, so any sequence sharding gives the unsharded values.
 
+`compiled=True` (verl's `use_torch_compile`) runs the forward's per-block entropy (logsumexp and
+sum_v p_v * logit_v of a [128, V] block) through torch.compile, as verl compiles its entropy from logits;
+the logprobs, the sum of p^2 and the written-out backward stay eager. Same values to fp32 rounding.
+
 Legend: T tokens, H hidden size, V vocabulary size, C chunk length.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import functools
 
 import torch
 
@@ -33,24 +39,47 @@ def _chunk_logits(hidden_CH: torch.Tensor, weight_VH: torch.Tensor, temperature:
 _ROWS = 128  # rows per reduction block of a chunk: logsumexp's and softmax's temporaries stay [128, V]
 
 
-def _reduce_rows(logits_CV: torch.Tensor, entropy_C: torch.Tensor | None) -> torch.Tensor:
+def _block_entropy(block_RV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logsumexp, entropy) of each row of a [R, V] block of logits."""
+    lse_R = torch.logsumexp(block_RV, dim=-1)
+    p_RV = (block_RV - lse_R[:, None]).exp()
+    return lse_R, lse_R - torch.linalg.vecdot(p_RV, block_RV)
+
+
+@functools.cache
+def compiled_block_entropy() -> Any:
+    """`_block_entropy` through torch.compile (inductor; dynamic shapes: one graph for every block size), run
+    once on a probe block so a platform where compiling fails says so where the head is built (RuntimeError
+    naming the way out) instead of in the first training step."""
+    fn = torch.compile(_block_entropy, dynamic=True)
+    try:
+        fn(torch.zeros(3, 5))
+    except Exception as exc:  # inductor raises many types (no C++ compiler, unsupported platform, ...)
+        raise RuntimeError(f"torch.compile of the entropy head failed ({type(exc).__name__}: {str(exc)[:300]}); "
+                           "set actor_rollout_ref.actor.use_torch_compile=false (and ref.use_torch_compile) to run "
+                           "it eagerly") from exc
+    return fn
+
+
+def _reduce_rows(logits_CV: torch.Tensor, entropy_C: torch.Tensor | None, compiled: bool = False) -> torch.Tensor:
     """Row-wise logsumexp of a chunk's logits (returned) and, into `entropy_C`, H = lse - sum_v p_v * logit_v,
     _ROWS rows at a time so no temporary of the chunk's full [C, V] size is allocated."""
     lse_C = logits_CV.new_empty(logits_CV.shape[0])
+    block_entropy = compiled_block_entropy() if compiled else _block_entropy
     for r0 in range(0, logits_CV.shape[0], _ROWS):
         block_RV = logits_CV[r0:r0 + _ROWS]
-        lse_R = torch.logsumexp(block_RV, dim=-1)
-        lse_C[r0:r0 + _ROWS] = lse_R
-        if entropy_C is not None:
-            p_RV = (block_RV - lse_R[:, None]).exp_()
-            entropy_C[r0:r0 + _ROWS] = lse_R - torch.linalg.vecdot(p_RV, block_RV)
+        if entropy_C is None:
+            lse_C[r0:r0 + _ROWS] = torch.logsumexp(block_RV, dim=-1)
+        else:
+            lse_C[r0:r0 + _ROWS], entropy_C[r0:r0 + _ROWS] = block_entropy(block_RV)
     return lse_C
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden_TH: torch.Tensor, weight_VH: torch.Tensor, labels_T: torch.Tensor,
-                temperature: float, chunk_size: int, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                temperature: float, chunk_size: int, with_entropy: bool,
+                compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         T = hidden_TH.shape[0]
         out_dtype = torch.promote_types(hidden_TH.dtype, torch.float32)
         logprobs_T = hidden_TH.new_empty((T,), dtype=out_dtype)
@@ -59,7 +88,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         for start in range(0, T, chunk_size):
             end = min(start + chunk_size, T)
             logits_CV = _chunk_logits(hidden_TH[start:end], weight_VH, temperature)
-            lse_C = _reduce_rows(logits_CV, entropy_T[start:end] if with_entropy else None)
+            lse_C = _reduce_rows(logits_CV, entropy_T[start:end] if with_entropy else None, compiled)
             lse_T[start:end] = lse_C
             logprobs_T[start:end] = logits_CV.gather(-1, labels_T[start:end, None])[:, 0] - lse_C
             del logits_CV
@@ -79,7 +108,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         entropy_grad = with_entropy and g_ent_T is not None
         if g_lp_T is None:
             if not entropy_grad:
-                return None, None, None, None, None, None
+                return None, None, None, None, None, None, None
             g_lp_T = torch.zeros_like(lse_T)
         grad_h = torch.empty_like(hidden_TH) if need_h else None
         grad_w = torch.zeros_like(weight_VH) if need_w else None
@@ -104,7 +133,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if need_w:
                 grad_w.addmm_(grad_z_CV.t(), h_CH)
             del grad_z_CV  # nothing of this chunk stays alive while the next one is computed
-        return grad_h, grad_w, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None
 
 
 def _check_head_inputs(hidden_TH: torch.Tensor, weight_VH: torch.Tensor, labels_T: torch.Tensor,
@@ -129,13 +158,16 @@ def compute_token_logprobs(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     with_entropy: bool = False,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(hidden @ weight.T / temperature)[label] per token; entropy of the same
     distribution when `with_entropy` (else None). Outputs are fp32 (fp64 for fp64 inputs); the
-    matmul runs in the model dtype. Exact: equal to the naive full-logits computation."""
+    matmul runs in the model dtype. Exact: equal to the naive full-logits computation. `compiled`: the
+    entropy's per-block reduction through torch.compile (module docstring)."""
     _check_head_inputs(hidden_TH, weight_VH, labels_T, temperature, chunk_size)
     logprobs_T, entropy_T = _ChunkedLogprobs.apply(
-        hidden_TH, weight_VH, labels_T.to(torch.int64), float(temperature), int(chunk_size), with_entropy
+        hidden_TH, weight_VH, labels_T.to(torch.int64), float(temperature), int(chunk_size), with_entropy,
+        bool(compiled and with_entropy),
     )
     return logprobs_T, (entropy_T if with_entropy else None)
 

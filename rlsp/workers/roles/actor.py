@@ -27,6 +27,7 @@ from rlsp.workers.context import RoleContext
 from rlsp.workers.dispatch import Dispatch, register
 from rlsp.workers.ppo_loop import global_counts, run_ppo_epochs
 from rlsp.workers.roles.common import (
+    torch_compile_enabled,
     batch_temperature,
     fsdp_offload,
     note_padding,
@@ -61,9 +62,12 @@ def build_policy_engine(ctx: RoleContext, trainable: bool,
     if arr.model.lean_rmsnorm:  # before TP/FSDP; the norms keep their weight Parameters and names
         apply_lean_rmsnorm(lm.model)
     adapters = apply_lora(lm, lora) if trainable and lora is not None else None  # after tiling: peft wraps the linears in place
-    module = TokenLogprobModel(lm.to(ctx.device), chunk_size=arr.actor.logprob_chunk_size)
-    optim = optim_settings(ctx.cfg, "actor") if trainable else None
     role = "actor" if trainable else "ref"
+    setting = arr.ref.use_torch_compile if role == "ref" and arr.ref.use_torch_compile is not None \
+        else arr.actor.use_torch_compile
+    compiled = torch_compile_enabled(setting, ctx.device, role)
+    module = TokenLogprobModel(lm.to(ctx.device), chunk_size=arr.actor.logprob_chunk_size, compiled=compiled)
+    optim = optim_settings(ctx.cfg, "actor") if trainable else None
     engine = FSDPEngine(module, ctx.dims(role), ctx.device,
                         compute_dtype=compute, optim=optim,
                         activation_offload=trainable and arr.model.enable_activation_offload,

@@ -28,6 +28,27 @@ def optim_settings(cfg: DictConfig, role: str) -> OptimSettings:
                          name=str(optim.optimizer), impl=str(optim.optimizer_impl), overrides=dict(overrides))
 
 
+def torch_compile_enabled(setting: Any, device: torch.device, role: str) -> bool:
+    """use_torch_compile of `role` (true | false | auto: on cuda only) resolved, with one logged line saying what
+    is compiled; on, the compiled entropy head is built and probed here, so a platform where torch.compile
+    fails stops the run at start-up (rlsp.models.logprobs.compiled_block_entropy)."""
+    if setting not in (True, False, "auto"):
+        raise ValueError(f"use_torch_compile={setting!r} of the {role}; legal values: [true, false, auto]")
+    enabled = device.type == "cuda" if setting == "auto" else bool(setting)
+    if not enabled:
+        log_once(log, f"compile:{role}", "%s: use_torch_compile=%s on %s: nothing compiled", role, setting, device.type)
+        return False
+    if role == "ref":
+        log_once(log, "compile:ref", "ref: use_torch_compile on, but the reference computes no entropy: nothing to compile")
+        return False
+    from rlsp.models.logprobs import compiled_block_entropy  # noqa: PLC0415
+
+    compiled_block_entropy()
+    log_once(log, f"compile:{role}", "%s: use_torch_compile=%s: the entropy head's per-block reduction runs through "
+             "torch.compile (the logprobs, the decoder and the backward stay eager)", role, setting)
+    return True
+
+
 def token_budget(enabled: bool, max_tokens: int) -> int | None:
     """Tokens per rank per micro-batch when token-budget micro-batching is on, else None (fixed rows)."""
     return int(max_tokens) if enabled else None
