@@ -16,6 +16,12 @@ script runs under bash with an empty PATH (no program runs; every external comma
 and `python`/`python3` (also behind `srun` or `ray job submit`) a shell function that records the arguments of the first `-m verl.trainer.main_ppo`
 call and stops the script. $HOME stays literal, the cluster size comes from SHELL_ENV, and `--config-path` /
 `--config-name` are recorded apart from the overrides.
+
+`python scripts/extract_verl_commands.py --0.9 <root> <tag> <commit>` writes tests/data/verl_commands_0_9.json
+from a checkout of verl's release `tag` (v0.9.0): every examples/*/run_*_fsdp*.sh outside sft/, ascend_extras/
+and tuning/ whose `verl.trainer.main_ppo` (or `main_ppo_sync`) command trains with FSDP, expanded the same way,
+with its rollout engine and the model family (model_type) of the model it names (`family`). A `python3 -c`
+probe fails (no module such as torch_npu is installed) and `ulimit` succeeds, as on a GPU cluster.
 """
 
 from __future__ import annotations
@@ -40,9 +46,11 @@ DIRS_2026 = tuple(f"examples/{name}" for name in (
 # Variables the scripts read from a Slurm/cluster environment without a default of their own: one 8-GPU node.
 SHELL_ENV = {"SLURM_GPUS_PER_NODE": "8", "SLURM_JOB_NUM_NODES": "1", "GPUS_PER_NODE": "8"}
 _SHELL_PRELUDE = r"""
+trap '' PIPE  # `python3 ... 2>&1 | tee log`: tee is a no-op that reads nothing; the recorder must not die writing
 command_not_found_handle() { return 0; }
 _verl_record() {
-  if [ "$1" = "-m" ] && [ "$2" = "verl.trainer.main_ppo" ]; then
+  if [ "$1" = "-c" ]; then return 1; fi  # a probe (python3 -c 'import torch_npu'): no such module here
+  if [ "$1" = "-m" ] && { [ "$2" = "verl.trainer.main_ppo" ] || [ "$2" = "verl.trainer.main_ppo_sync" ]; }; then
     shift 2; printf '%s\0' "$@" > "$VERL_ARGS_OUT"; exit 0
   fi
   return 0
@@ -53,6 +61,7 @@ _launch() {  # srun / ray job submit: skip the launcher's own arguments up to th
   while [ $# -gt 0 ] && [ "$1" != python ] && [ "$1" != python3 ]; do shift; done
   if [ $# -gt 0 ]; then "$@"; fi
 }
+ulimit() { return 0; }  # raising the open-files limit (a cluster allows it; this machine may not)
 srun() { _launch "$@"; }
 ray() { _launch "$@"; }
 """
@@ -188,7 +197,68 @@ def main_2026(root: str, commit: str) -> None:
     print(f"{len(commands)} commands -> {OUT_2026}")
 
 
+OUT_0_9 = os.path.join(DATA, "verl_commands_0_9.json")
+SKIPPED_0_9 = ("sft", "ascend_extras", "tuning")
+# The script's own default of a variable it reads (under `set -u`) before assigning it.
+SHELL_ENV_0_9 = {**SHELL_ENV, "INFER_BACKEND": "vllm"}
+# The model family (Hugging Face model_type) a script trains, from its model path: first match wins.
+FAMILIES_0_9 = (
+    (r"qwen3[._-]?5.*a3b", "qwen3_5_moe"), (r"qwen3[._-]?5", "qwen3_5"), (r"qwen3-next", "qwen3_next"),
+    (r"qwen3-vl.*a3b", "qwen3_vl_moe"), (r"qwen3-vl", "qwen3_vl"), (r"qwen2\.5-vl", "qwen2_5_vl"),
+    (r"glm-4\.1v", "glm4v"), (r"minicpm-o", "minicpmo"), (r"gpt-oss", "gpt_oss"), (r"seed-oss", "seed_oss"),
+    (r"mistral", "mistral"), (r"llama", "llama"), (r"qwen3-.*a3b", "qwen3_moe"), (r"qwen3", "qwen3"),
+    (r"qwen2", "qwen2"))
+
+
+def family(model_path: str) -> str:
+    """The model_type of the checkpoint a script's model path names (FAMILIES_0_9)."""
+    name = model_path.rstrip("/").rsplit("/", 1)[-1].lower()
+    return next(f for pattern, f in FAMILIES_0_9 if re.search(pattern, name))
+
+
+def extract_0_9(root: str, commit: str) -> list[dict[str, object]]:
+    """verl 0.9's FSDP example scripts (examples/*/run_*_fsdp*.sh outside SKIPPED_0_9; main_ppo or main_ppo_sync;
+    not --config-name *megatron*), each with its rollout engine and model family."""
+    found = []
+    SHELL_ENV.update(SHELL_ENV_0_9)
+    for folder in sorted(os.listdir(os.path.join(root, "examples"))):
+        if folder in SKIPPED_0_9 or not os.path.isdir(os.path.join(root, "examples", folder)):
+            continue
+        for name in sorted(os.listdir(os.path.join(root, "examples", folder))):
+            if not re.fullmatch(r"run_.*_fsdp.*\.sh", name):
+                continue
+            args = command_args_bash(os.path.join(root, "examples", folder, name))
+            if args is None:
+                continue
+            config_name, overrides = split_config_flags(args)
+            if "megatron" in (config_name or ""):
+                continue
+            values = dict(a.lstrip("+").partition("=")[::2] for a in overrides)
+            found.append({"script": f"examples/{folder}/{name}", "commit": commit,
+                          "config_name": config_name or "ppo_trainer",
+                          "rollout": values.get("actor_rollout_ref.rollout.name", "vllm"),
+                          "family": family(values["actor_rollout_ref.model.path"]), "args": overrides})
+    return found
+
+
+def main_0_9(root: str, tag: str, commit: str) -> None:
+    commands = extract_0_9(root, commit)
+    data = {"source": {"repository": "verl-project/verl", "tag": tag, "commit": commit, "environment": SHELL_ENV_0_9,
+                       "selection": "examples/*/run_*_fsdp*.sh (not sft/, ascend_extras/, tuning/) whose "
+                                    "verl.trainer.main_ppo(_sync) command trains with FSDP (no Megatron config), "
+                                    "expanded by bash with no program run; `rollout` is the rollout engine, `family` "
+                                    "the model_type of the model the script names"},
+            "commands": commands}
+    with open(OUT_0_9, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    print(f"{len(commands)} commands ({sum(c['rollout'] == 'vllm' for c in commands)} with vLLM) -> {OUT_0_9}")
+
+
 def main(argv: list[str]) -> None:
+    if argv and argv[0] == "--0.9":
+        main_0_9(argv[1], argv[2] if len(argv) > 2 else "v0.9.0", argv[3] if len(argv) > 3 else "unknown")
+        return
     if argv and argv[0] == "--2026":
         main_2026(argv[1], argv[2] if len(argv) > 2 else "unknown")
         return
