@@ -3,6 +3,8 @@
 Each test runs one of the GPU benchmark scripts in a subprocess at a small size and checks what it
 reports against a reference: the engine step (loss finite, fp32 masters, an lr-1e-6 step moves the
 weights), packed attention against exact fp32 attention, the logprob head against full logits.
+Bounds from tests/tolerances.py: the kernels accumulate in fp32 and round to bf16 what they store, so a
+result carries one bf16 rounding per rounded operand (u_bf16 = 2^-8 each, derivation 3).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tolerances import roundoff_rtol, scalar_tol
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -42,12 +45,21 @@ def test_packed_attention_matches_fp32_reference(heads: tuple[str, str]) -> None
     q, kv = heads
     r = _run("gpu_attention.py", "--tokens", "8192", "--seq-len", "3000", "--impl", "rlsp", "--q-heads", q, "--kv-heads", kv)
     assert r["ok"], r
-    assert r["max_abs_err"] < 2e-2 * max(1.0, r["ref_max_abs"]), r  # bf16 inputs/outputs
-    assert r["dq_max_rel_err"] < 1e-2, r
+    # the reference takes the same bf16 inputs in fp32: the kernel rounds P (dS backward) and its result
+    rtol = roundoff_rtol(reduction=1, stages=2, dtype=torch.bfloat16)
+    assert r["max_abs_err"] <= scalar_tol(r["ref_max_abs"], rtol), (r, rtol)
+    assert r["dq_max_rel_err"] <= rtol, (r, rtol)
 
 
 def test_chunked_logprob_head_matches_full_logits() -> None:
     r = _run("gpu_logprob.py", "--tokens", "4096", "--vocab", "32000", "--hidden", "256", "--chunk", "1000")
     assert not r["chunked"]["oom"] and not r["naive"]["oom"]
-    assert r["max_logprob_diff"] < 1e-3 and r["max_entropy_diff"] < 1e-3, r
-    assert r["grad_hidden_rel_diff"] < 2e-2 and r["grad_weight_rel_diff"] < 2e-2, r
+    # both heads round the same fp32-accumulated bf16 matmul: a logit may land on the neighbouring bf16
+    # value where the two sums straddle a rounding boundary, 2 u_bf16 of the largest logit (the script's
+    # weights are 0.02 N(0, 1) over 256 hidden units: logits of sd 0.32, at most ~6 sd); gradients round
+    # dlogits and their result once each
+    logit_scale = 6 * 0.02 * 256**0.5
+    tol = scalar_tol(logit_scale, roundoff_rtol(reduction=1, stages=1, dtype=torch.bfloat16))
+    assert r["max_logprob_diff"] <= tol and r["max_entropy_diff"] <= tol, (r, tol)
+    grad_rtol = roundoff_rtol(reduction=1, stages=2, dtype=torch.bfloat16)
+    assert r["grad_hidden_rel_diff"] <= grad_rtol and r["grad_weight_rel_diff"] <= grad_rtol, (r, grad_rtol)
