@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 from _launch import run_distributed
+from tolerances import logprob_tol
+from transformers import AutoConfig
 
 from rlsp.engine.offload import ActivationOffload
 
@@ -43,8 +45,10 @@ def model_path(tmp_path_factory) -> str:
     return build_tiny_model(_script().SHAPES["tiny"][0], str(tmp_path_factory.mktemp("tiny")))
 
 
-def test_gpu_check_script_runs_every_engine_check_on_cpu(tmp_path):
-    """`bash scripts/gpu_check.sh --cpu`: every engine option passes, and the results are recorded."""
+def test_gpu_check_script_runs_every_engine_check_on_cpu(tmp_path, model_path):
+    """`bash scripts/gpu_check.sh --cpu`: every engine option passes, and the results are recorded; an fp32
+    option's logprobs and the rollout engine's after the sync are within tests/tolerances.py's bound for two
+    forwards of the script's tiny model over a check's tokens (`logprob_tol`)."""
     doc = tmp_path / "benchmarks.md"
     env = {**os.environ, "PYTHON": sys.executable, "RLSP_BENCH_DOC": str(doc)}
     out = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--cpu"], capture_output=True, text=True,
@@ -54,11 +58,12 @@ def test_gpu_check_script_runs_every_engine_check_on_cpu(tmp_path):
     assert [r["check"] for r in records] == list(_script().CHECKS)
     assert all(rec["ok"] for rec in records), [rec for rec in records if not rec["ok"]]
     sync = records.pop([r["check"] for r in records].index("rollout_sync"))
-    assert sync["generated"] > 0 and sync["logprob_max_abs_diff_actor_vs_engine"] <= 1e-4, sync
+    tol = logprob_tol(AutoConfig.from_pretrained(model_path), max(r["tokens"] for r in records))
+    assert sync["generated"] > 0 and sync["logprob_max_abs_diff_actor_vs_engine"] <= tol, (sync, tol)
     for rec in records:
         assert rec["master_dtypes"] == ["torch.float32"] and rec["weights_moved"], rec
     fp32 = [r for r in records if r["logprob_tol"] == 1e-4 and r["check"] != "baseline"]
-    assert len(fp32) >= 6 and all(r["logprob_max_abs_diff"] <= 1e-5 for r in fp32), fp32
+    assert len(fp32) >= 6 and all(r["logprob_max_abs_diff"] <= tol for r in fp32), (fp32, tol)
     text = doc.read_text()
     assert "`bash scripts/gpu_check.sh --cpu`" in text and "0 failing line(s)." in text
     assert text.count('{"check": ') == len(records) + 1
