@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tolerances import logprob_tol
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlsp.agent.loop import AgentLoopOutput, AgentSample, agent_loop_class
@@ -22,7 +23,6 @@ from rlsp.rollout import SamplingConfig, build_rollout_engine
 from rlsp.workers.agent_rollout import agent_generate
 
 GREEDY = SamplingConfig(n=1, temperature=0.0, max_tokens=40)
-LOGPROB_TOL = 2e-5  # fp32: generate with a KV cache against one full forward (measured <= 3e-6)
 
 ENV_LOOP = '''
 import asyncio
@@ -128,7 +128,10 @@ def test_multi_turn_ids_are_the_engines_continuations_and_logprobs_match_a_full_
         recomputed = logprobs.gather(-1, targets[:, None])[:, 0][len(sample.prompt_ids) - 1:]
         mask = torch.tensor(out.response_mask, dtype=torch.bool)
         gap = (recomputed[mask] - torch.tensor(out.response_logprobs)[mask]).abs().max().item()
-        assert gap <= LOGPROB_TOL, gap
+        # fp32: a KV-cached decode against one full forward, two kernels of the model (tests/tolerances.py;
+        # measured <= 1/90 of it)
+        tol = logprob_tol(model.config, full.shape[1])
+        assert gap <= tol, (gap, tol)
         assert all(lp == 0.0 for lp, m in zip(out.response_logprobs, out.response_mask) if not m)
 
 
