@@ -1,8 +1,9 @@
 """GGUF -> HF conversion round trip on the packaged SmolLM2-135M-Instruct.
 
 Reference: transformers' own GGUF load of the same file. The converted directory must give the
-same logits (every position and vocabulary entry of a chat prompt; both fp32 from the same
-de-quantized tensors, so the tolerance is 1e-5), the same tokenizer (chat template, eos/pad/bos,
+same logits (every position and vocabulary entry of a chat prompt), bit for bit: both are transformers'
+fp32 forward of the same model class over the same de-quantized tensors, the same computation in the same
+order; the same tokenizer (chat template, eos/pad/bos,
 token ids) and the same config (head_dim, rope parameters, tied embeddings, head counts).
 """
 
@@ -25,7 +26,6 @@ from rlsp.models.gguf import SOURCE_FILE, convert_gguf, ensure_hf_checkpoint, fi
 from rlsp.trainer.assets import resolve_model_path
 
 NAME = "smollm2-135m-instruct"
-LOGIT_TOL = 1e-5
 MESSAGES = [{"role": "user", "content": "Sam has 12 apples and buys 7 more. How many apples does Sam have now?"}]
 CONFIG_KEYS = ("head_dim", "rope_parameters", "tie_word_embeddings", "num_attention_heads", "num_key_value_heads",
                "num_hidden_layers", "hidden_size", "intermediate_size", "vocab_size", "rms_norm_eps",
@@ -72,7 +72,7 @@ def test_logits_match_transformers_gguf_load(converted: str, reference: tuple) -
         want, got = ref_model(input_ids).logits, model(input_ids).logits
     diff = (want - got).abs().max().item()
     print(f"\nmax |logit diff| over {tuple(got.shape)}: {diff:.2e}")
-    assert got.shape == want.shape and diff <= LOGIT_TOL
+    assert got.shape == want.shape and torch.equal(got, want), diff  # the same computation (module docstring)
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # still tied
 
 
