@@ -48,7 +48,11 @@ Derivation (u is the dtype's unit roundoff: 2^-24 in fp32, 2^-8 in bf16, 2^-53 i
    it at the scale of what the log-sum-exp sums to, log(vocab) for logits of O(1), or of the logprob
    itself where that is larger: `logprob_tol`. A later step's gap (after a weight sync) is the same bound:
    each side recomputes from the same synced weights. A wrong or missing weight sync, a wrong shard or a
-   stale cache moves a logprob by O(0.1-1), far above it.
+   stale cache moves a logprob by O(0.1-1), far above it. `model_rtol` takes every stage at the longest
+   reduction; for a deep model with a large vocabulary (SmolLM2-135M: 30 layers, 49152 entries) that
+   leaves ~3e-2 on a logprob, too near a bug's size, so `logprob_tol(..., per_stage=True)` gives each stage
+   its own length instead (derivation 1 as it stands): per layer the projections (hidden), the scores
+   (head_dim), the weighted values (tokens) and the MLP (intermediate), then the vocabulary's log-sum-exp.
 """
 
 from __future__ import annotations
@@ -167,9 +171,20 @@ def assert_tensor_close(got: torch.Tensor, ref: torch.Tensor, rtol: float, value
     assert got.shape == ref.shape and err <= tol, (tuple(got.shape), tuple(ref.shape), err, tol)
 
 
-def logprob_tol(config, tokens: int, *, dtype: torch.dtype = torch.float32, value_scale: float = 0.0) -> float:
+def forward_stages_rtol(config, tokens: int, *, dtype: torch.dtype = torch.float32) -> float:
+    """Derivation 1 for a decoder's forward with each stage at its own reduction length (derivation 4)."""
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    intermediate = getattr(config, "intermediate_size", 0) or hidden
+    per_layer = sum(math.sqrt(n) for n in (hidden, head_dim, max(tokens, 1), intermediate))
+    return TWO * (layers * per_layer + math.sqrt(config.vocab_size)) * unit_roundoff(dtype)
+
+
+def logprob_tol(config, tokens: int, *, dtype: torch.dtype = torch.float32, value_scale: float = 0.0,
+                per_stage: bool = False) -> float:
     """Absolute bound on a token's logprob (or a value head's output) computed by two forward kernels of the
-    decoder given by its HF `config` over `tokens` tokens (derivation 4): `model_rtol` of the forward at the
-    scale of log(vocab), or `value_scale` where that is larger."""
-    rtol = model_rtol(config, tokens, backward=False, dtype=dtype)
+    decoder given by its HF `config` over `tokens` tokens (derivation 4): `model_rtol` of the forward
+    (`forward_stages_rtol` with `per_stage`) at the scale of log(vocab), or `value_scale` where larger."""
+    rtol = (forward_stages_rtol(config, tokens, dtype=dtype) if per_stage
+            else model_rtol(config, tokens, backward=False, dtype=dtype))
     return scalar_tol(max(math.log(config.vocab_size), abs(value_scale)), rtol)

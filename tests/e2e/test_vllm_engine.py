@@ -11,14 +11,14 @@ import time
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from tolerances import logprob_tol
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlsp.models.tiny import TinyModelSpec, build_tiny_model
 from rlsp.rollout import RolloutEngine, SamplingConfig, build_rollout_engine
 
 pytestmark = pytest.mark.e2e
 
-TOL = 1e-4  # fp32 engine vs fp64 reference; measured max diffs are ~1e-6
 # "<|im_start|>user\n3+4=<|im_end|>\n<|im_start|>assistant\n7<|im_end|>" as char-token ids.
 SEQUENCE = [2, 37, 35, 21, 34, 5, 10, 43, 11, 46, 3, 5, 2, 17, 35, 35, 25, 35, 36, 17, 30, 36, 5, 12, 3]
 PROMPTS = [SEQUENCE[:23], SEQUENCE[2:23], [2, 37, 35, 21, 34, 5, 8, 43, 12, 46, 3, 5, 2, 17, 35, 35, 25, 35, 36, 17, 30, 36, 5, 5]]
@@ -29,6 +29,13 @@ LONG_PROMPTS = [SEQUENCE[:6] + [6 + i % 40 for i in range(150)] + SEQUENCE[10:23
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     return build_tiny_model(TinyModelSpec(), str(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+@pytest.fixture(scope="module")
+def tol(model_path: str) -> float:
+    """An fp32 engine's logprobs against the fp64 reference: within the bound of two fp32 forwards of the
+    model (tests/tolerances.py `logprob_tol`; the fp64 side carries ~none) over the engines' max_model_len."""
+    return logprob_tol(AutoConfig.from_pretrained(model_path), 256)
 
 
 @pytest.fixture(scope="module")
@@ -88,15 +95,15 @@ def send_weights(engine: RolloutEngine, model: torch.nn.Module) -> None:
     engine.update_weights((name, p.detach().to(torch.float32).clone()) for name, p in model.named_parameters())
 
 
-def test_prompt_logprobs_match_transformers(vllm_engine: RolloutEngine, current: dict) -> None:
+def test_prompt_logprobs_match_transformers(vllm_engine: RolloutEngine, current: dict, tol: float) -> None:
     got = vllm_engine.prompt_logprobs(SEQUENCE)
     assert got[0] is None and len(got) == len(SEQUENCE)
     diff = max_diff(reference_logprobs(current["model"], SEQUENCE), got[1:])
     print(f"\nvLLM prompt_logprobs vs fp64 HF: max diff {diff:.2e}")
-    assert diff < TOL
+    assert diff <= tol
 
 
-def test_weight_sync_reaches_vllm(vllm_engine: RolloutEngine, current: dict) -> None:
+def test_weight_sync_reaches_vllm(vllm_engine: RolloutEngine, current: dict, tol: float) -> None:
     model = current["model"]
     sampling = SamplingConfig(n=4, temperature=1.0, max_tokens=6, seed=11)
     vllm_engine.generate(LONG_PROMPTS, sampling)  # fills the prefix cache with the old weights' KV
@@ -108,18 +115,18 @@ def test_weight_sync_reaches_vllm(vllm_engine: RolloutEngine, current: dict) -> 
     got = vllm_engine.prompt_logprobs(SEQUENCE)[1:]
     diff_new, diff_old = max_diff(new, got), max_diff(old, got)
     print(f"\nafter sync: max diff vs perturbed {diff_new:.2e}, vs old {diff_old:.2e}")
-    assert diff_new < TOL and diff_old > 0.05
+    assert diff_new <= tol and diff_old > 0.05
     # Sampling after the sync must use the new weights too (no stale prefix-cache KV).
-    assert sample_logprob_diff(vllm_engine, model, sampling, LONG_PROMPTS) < TOL
+    assert sample_logprob_diff(vllm_engine, model, sampling, LONG_PROMPTS) <= tol
 
 
-def test_generate_logprobs_match_recomputation(vllm_engine: RolloutEngine, current: dict) -> None:
+def test_generate_logprobs_match_recomputation(vllm_engine: RolloutEngine, current: dict, tol: float) -> None:
     sampling = SamplingConfig(n=5, temperature=1.0, max_tokens=8, seed=3)
     diff = sample_logprob_diff(vllm_engine, current["model"], sampling)
     print(f"\nvLLM sampled-token logprobs vs fp64 HF (T=1): max diff {diff:.2e}")
-    assert diff < TOL
+    assert diff <= tol
     warm = SamplingConfig(n=3, temperature=0.7, max_tokens=8, seed=4)
-    assert sample_logprob_diff(vllm_engine, current["model"], warm) < TOL
+    assert sample_logprob_diff(vllm_engine, current["model"], warm) <= tol
 
 
 def test_seeded_generation_repeats_and_greedy_is_argmax(vllm_engine: RolloutEngine, current: dict) -> None:
@@ -134,7 +141,7 @@ def test_seeded_generation_repeats_and_greedy_is_argmax(vllm_engine: RolloutEngi
     assert ids == logits[len(PROMPTS[0]) - 1 : -1].argmax(-1).tolist()[: len(ids)]
 
 
-def test_seeded_batch_beyond_one_scheduler_step(vllm_engine: RolloutEngine) -> None:
+def test_seeded_batch_beyond_one_scheduler_step(vllm_engine: RolloutEngine, tol: float) -> None:
     # 16 prompts x 8 samples x 40 prompt tokens is more than vLLM schedules in one step: with chunked
     # prefill one prompt was split over two steps and vLLM-CPU crashed rewinding its seeded generator
     # ("CPU Generator does not use offset"). The samples must equal those of two batches that fit a step.
@@ -149,10 +156,12 @@ def test_seeded_batch_beyond_one_scheduler_step(vllm_engine: RolloutEngine) -> N
     assert 8 * 8 * 40 <= budget
     assert len(whole) == 128 and whole.response_ids == halves[0].response_ids + halves[1].response_ids
     pairs = zip(whole.response_logprobs, halves[0].response_logprobs + halves[1].response_logprobs)
-    assert max(abs(a - b) for x, y in pairs for a, b in zip(x, y)) < 1e-6
+    # the same engine over other batches: its kernels block the batch otherwise, two fp32 forwards
+    worst = max(abs(a - b) for x, y in pairs for a, b in zip(x, y))
+    assert worst <= tol, (worst, tol)
 
 
-def test_hf_engine_same_protocol(model_path: str) -> None:
+def test_hf_engine_same_protocol(model_path: str, tol: float) -> None:
     # The keyword set a policy worker passes to either engine.
     engine = build_rollout_engine("hf", model_path, dtype="float32", seed=7, max_model_len=128, device="cpu")
     twin = build_rollout_engine("hf", model_path, dtype="float32", seed=7, max_model_len=128, device="cpu")
@@ -160,12 +169,12 @@ def test_hf_engine_same_protocol(model_path: str) -> None:
     unseeded = SamplingConfig(n=4, max_tokens=8)
     assert engine.generate(PROMPTS, unseeded).response_ids == twin.generate(PROMPTS, unseeded).response_ids
     reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64).eval()
-    assert max_diff(reference_logprobs(reference, SEQUENCE), engine.prompt_logprobs(SEQUENCE)[1:]) < TOL
+    assert max_diff(reference_logprobs(reference, SEQUENCE), engine.prompt_logprobs(SEQUENCE)[1:]) <= tol
     # Prompts of different lengths exercise left padding.
-    assert sample_logprob_diff(engine, reference, SamplingConfig(n=3, temperature=0.8, max_tokens=6, seed=5)) < TOL
+    assert sample_logprob_diff(engine, reference, SamplingConfig(n=3, temperature=0.8, max_tokens=6, seed=5)) <= tol
     perturb_(reference, seed=2)
     send_weights(engine, reference)
-    assert max_diff(reference_logprobs(reference, SEQUENCE), engine.prompt_logprobs(SEQUENCE)[1:]) < TOL
+    assert max_diff(reference_logprobs(reference, SEQUENCE), engine.prompt_logprobs(SEQUENCE)[1:]) <= tol
     with pytest.raises(ValueError, match="unknown parameter 'model.nope'"):
         engine.update_weights([("model.nope", torch.zeros(1))])
     with pytest.raises(ValueError, match="exceeds max_model_len=128"):
