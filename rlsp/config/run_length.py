@@ -8,7 +8,8 @@ on the config carries the number.
 
 Warm-up: `optim.lr_warmup_steps` training steps, or (when it is < 0) `optim.lr_warmup_steps_ratio`
 of the run's training steps, as verl counts them. rlsp's scheduler steps once per optimizer step, so
-the warm-up spans that many training steps' worth of optimizer steps (mini-batches x ppo_epochs).
+the warm-up spans that many training steps' worth of optimizer steps (mini-batches x ppo_epochs); a cosine
+schedule (`optim.lr_scheduler_type`) spans `optim.total_training_steps` (-1: the run's) the same way.
 """
 
 from __future__ import annotations
@@ -67,6 +68,51 @@ def warmup_errors(prefix: str, optim: Any) -> list[str]:
         return [f"{prefix}lr_warmup_steps={steps} and {prefix}lr_warmup_steps_ratio={ratio} both set a warm-up (a "
                 f"warm-up of >= 0 steps wins over the ratio); set lr_warmup_steps=-1 to use the ratio, or ratio 0"]
     return []
+
+
+SCHEDULE_TYPES = ("constant", "cosine")
+
+
+def schedule_type(optim: Any) -> str:
+    """optim.lr_scheduler_type, or verl's deprecated warmup_style when that is set instead."""
+    return str(optim.lr_scheduler_type if optim.warmup_style is None else optim.warmup_style)
+
+
+def schedule_errors(prefix: str, optim: Any) -> list[str]:
+    """The schedule keys of one optimizer: a known type (warmup_style not contradicting it), cosine's settings
+    in range, and none of them set where the constant schedule would not read them."""
+    errors, kind = [], schedule_type(optim)
+    style = optim.warmup_style
+    if style is not None and optim.lr_scheduler_type not in ("constant", style):
+        errors.append(f"{prefix}warmup_style={style!r} (verl's old spelling of lr_scheduler_type) contradicts "
+                      f"{prefix}lr_scheduler_type={optim.lr_scheduler_type!r}; set only lr_scheduler_type")
+    if kind not in SCHEDULE_TYPES:
+        key = "lr_scheduler_type" if style is None else "warmup_style"
+        return errors + [f"{prefix}{key}={kind!r} is not supported; legal values: {list(SCHEDULE_TYPES)}"]
+    if not 0.0 <= optim.min_lr_ratio <= 1.0:
+        errors.append(f"{prefix}min_lr_ratio={optim.min_lr_ratio} must be in [0, 1]")
+    if not optim.num_cycles > 0:
+        errors.append(f"{prefix}num_cycles={optim.num_cycles} must be > 0")
+    steps = optim.total_training_steps
+    if not isinstance(steps, int) or (steps != -1 and steps < 1):
+        errors.append(f"{prefix}total_training_steps={steps} must be -1 (the run's) or an integer >= 1")
+    if kind == "constant":
+        unread = [f"{k}={optim[k]}" for k, off in (("min_lr_ratio", 0.0), ("num_cycles", 0.5),
+                                                    ("zero_indexed_step", True), ("total_training_steps", -1))
+                  if optim[k] != off]
+        if unread:
+            errors.append(f"{prefix}{', '.join(unread)} only shape the cosine schedule and would have no effect with "
+                          f"lr_scheduler_type=constant; set {prefix}lr_scheduler_type=cosine or leave them unset")
+    return errors
+
+
+def schedule_optimizer_steps(cfg: Any, role: str) -> int:
+    """The optimizer steps a cosine schedule of `role` spans: optim.total_training_steps (-1: the run's) training
+    steps' worth."""
+    node = cfg.actor_rollout_ref.actor if role == "actor" else cfg.critic
+    steps = node.optim.total_training_steps
+    steps = cfg.trainer.total_training_steps if steps == -1 else steps
+    return int(steps or 0) * optimizer_steps_per_update(cfg, role)
 
 
 def warmup_training_steps(optim: Any, total_steps: int | None) -> int:

@@ -43,5 +43,11 @@ class OptimConfig:
     betas: list = field(default_factory=lambda: [0.9, 0.999])  # given to the Adam family only (names containing adam), as verl
     lr_warmup_steps: int = -1  # linear learning-rate warm-up over this many training steps; < 0: lr_warmup_steps_ratio decides
     lr_warmup_steps_ratio: float = 0.0  # warm-up over this fraction of trainer.total_training_steps (when lr_warmup_steps < 0)
+    lr_scheduler_type: str = "constant"  # constant (warm-up, then lr) | cosine (warm-up from 0, then half a cosine down to min_lr_ratio x lr; verl's)
+    min_lr_ratio: float = 0.0  # cosine: the floor of the schedule, a fraction of lr in [0, 1]
+    num_cycles: float = 0.5  # cosine: periods over the run after the warm-up (0.5: from lr down to the floor once)
+    zero_indexed_step: bool = True  # cosine: steps counted from 0 (verl's default), false: from 1 (torchtitan's)
+    warmup_style: str | None = None  # verl's deprecated spelling of lr_scheduler_type (constant | cosine)
+    total_training_steps: int = -1  # steps the cosine spans; -1: trainer.total_training_steps (verl fills it the same way)
     grad_clip: float = 1.0  # max global gradient norm; <= 0 disables clipping
     clip_grad: float | None = None  # verl's spelling of grad_clip: mapped onto it when the config is composed

@@ -20,7 +20,7 @@ from rlsp.config.choices import (
     TRUNCATIONS,
     choice_error,
 )
-from rlsp.config.run_length import warmup_errors
+from rlsp.config.run_length import schedule_errors, warmup_errors
 from rlsp.config.validate_verl_runtime import check_verl_runtime_keys
 
 
@@ -135,8 +135,9 @@ def _check_run(cfg: Any, errors: list[str]) -> None:
     if steps is not None and (not isinstance(steps, int) or steps < 1):
         errors.append(f"trainer.total_training_steps={steps} must be an integer >= 1, or null (total_epochs x batches "
                       "per epoch)")
-    errors += warmup_errors("actor_rollout_ref.actor.optim.", cfg.actor_rollout_ref.actor.optim)
-    errors += warmup_errors("critic.optim.", cfg.critic.optim)
+    for prefix, optim in (("actor_rollout_ref.actor.optim.", cfg.actor_rollout_ref.actor.optim),
+                          ("critic.optim.", cfg.critic.optim)):
+        errors += warmup_errors(prefix, optim) + schedule_errors(prefix, optim)
     _check_optim("actor_rollout_ref.actor.optim.", cfg.actor_rollout_ref.actor.optim, errors)
     for role, legal in (("actor", (True, False, "auto")), ("ref", (True, False, "auto", None))):
         value = cfg.actor_rollout_ref[role].use_torch_compile

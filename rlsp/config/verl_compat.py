@@ -19,7 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from rlsp.config.verl_keys import NOT_YET_0_9, UNSUPPORTED_0_9
+from rlsp.config.verl_keys import UNSUPPORTED_0_9
 from rlsp.config.verl_spellings import REWARD_LOOP_KEY, rlsp_key
 
 # verl's spelling -> the rlsp key that carries the setting.
@@ -70,23 +70,9 @@ UNSUPPORTED_KEYS = {
     **UNSUPPORTED_0_9,  # the rest of verl 0.9's key surface (rlsp.config.verl_keys)
 }
 # Keys of features being implemented now: refused by name until the schema declares them.
-_OTB = "the optimal token baseline's sum of squared token probabilities (actor.calculate_sum_pi_squared)"
-NOT_YET_KEYS: dict[str, str] = {
-    **NOT_YET_0_9,  # verl 0.9's keys of features in progress (rlsp.config.verl_keys)
-    "actor_rollout_ref.actor.policy_loss.*": "verl's nested policy-loss block (actor.policy_loss.loss_mode and its keys)",
-    "algorithm.rollout_correction.loss_type": "rollout correction's bypass mode (algorithm.rollout_correction.loss_type)",
-    "algorithm.rollout_correction.bypass_mode": "rollout correction's bypass mode (algorithm.rollout_correction.bypass_mode)",
-    "algorithm.gdpo_reward_keys": "the gdpo estimator's reward components (algorithm.gdpo_reward_keys)",
-    "algorithm.gdpo_reward_weights": "the gdpo estimator's reward components (algorithm.gdpo_reward_weights)",
-    "actor_rollout_ref.actor.calculate_sum_pi_squared": _OTB,
-    "actor_rollout_ref.actor.sum_pi_squared_checkpointing": _OTB,
-}
+NOT_YET_KEYS: dict[str, str] = {}  # none in progress now
 # Values of those features, likewise: (key, value) -> the feature; an unknown-value error names them until then.
-NOT_YET_VALUES: dict[tuple[str, str], str] = {
-    **{("actor_rollout_ref.actor.policy_loss.loss_mode", v): f"the {v} policy loss"
-       for v in ("gspo", "sapo", "geo_mean", "clip_cov", "kl_cov", "dppo_tv", "dppo_kl")},
-    **{("algorithm.adv_estimator", v): f"the {v} advantage estimator" for v in ("remax", "gdpo", "optimal_token_baseline")},
-}
+NOT_YET_VALUES: dict[tuple[str, str], str] = {}  # none in progress now
 
 # Accepted keys whose verl result rlsp reaches its own way (fnmatch patterns -> what rlsp does).
 VERL_NOTES = {

@@ -75,6 +75,8 @@ ACCEPTED_VALUES: dict[str, tuple[tuple[Any, ...], str]] = {
     "data.image_key": (("images",), "verl's default column name; no images are read (text prompts only)"),
     "data.video_key": (("videos",), "verl's default column name; no videos are read (text prompts only)"),
     "data.audio_key": (("audios",), "verl's default column name; no audio is read (text prompts only)"),
+    "critic.model.fsdp_config.use_torch_compile": ((True, False), "the value head computes no entropy, the one part "
+                                                                  "verl compiles: nothing to compile for the critic"),
 }
 
 # Keys of verl 0.9 that rlsp refuses by name (fnmatch patterns over rlsp's spelling of the key -> why, and what to
@@ -233,21 +235,6 @@ UNSUPPORTED_0_9: dict[str, str] = {
     "distillation.teacher_models.*.inference.prompt_length": _TEACHER,
     "distillation.teacher_models.*.inference.response_length": _TEACHER,
     "distillation.teacher_models.*.inference.temperature": _TEACHER,
-}
-
-
-# Keys another change is adding now (the optimizer's settings, torch.compile, ...): refused as "not implemented in rlsp
-# yet" until the schema declares them (merged into rlsp.config.verl_compat.NOT_YET_KEYS).
-NOT_YET_0_9: dict[str, str] = {
-    **{f"{role}.optim.{k}": f"verl's optimizer settings ({role}.optim.{k})" for role in ("actor_rollout_ref.actor",
-                                                                                         "critic")
-       for k in ("optimizer", "optimizer_impl", "total_training_steps", "min_lr_ratio", "num_cycles",
-                 "lr_scheduler_type", "zero_indexed_step", "warmup_style", "override_optimizer_config")},
-    **{k: f"torch.compile of the engine ({k})" for k in (
-        "actor_rollout_ref.actor.use_torch_compile", "actor_rollout_ref.ref.use_torch_compile",
-        "actor_rollout_ref.actor.fsdp_config.use_torch_compile", "actor_rollout_ref.ref.fsdp_config.use_torch_compile",
-        "critic.model.fsdp_config.use_torch_compile")},
-    "data.apply_chat_template_kwargs": "arguments of the tokenizer's apply_chat_template (data.apply_chat_template_kwargs)",
 }
 
 

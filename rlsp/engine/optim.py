@@ -1,5 +1,6 @@
 """Optimizer and learning-rate schedule of a trainable engine: a torch.optim class by verl's name (AdamW by
-default) over the trainable parameters, linear warm-up then constant.
+default) over the trainable parameters, and its learning-rate schedule (rlsp.engine.lr_schedule: verl's constant
+or cosine, with a linear warm-up).
 
 verl's rule for the optimizer's arguments: lr and weight_decay always, betas for the Adam family (a name
 containing "adam"), then `override_optimizer_config` on top (eps, momentum, amsgrad, ...; it wins). Names rlsp
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from rlsp.config.choices import OPTIMIZER_IMPLS, OPTIMIZERS, REFUSED_OPTIMIZERS
+from rlsp.engine.lr_schedule import Schedule, compute_lr_factor
 
 
 @dataclass(frozen=True)
@@ -23,7 +25,7 @@ class OptimSettings:
     lr: float = 1e-6
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = 0.0
-    warmup_steps: int = 0  # linear warm-up over this many optimizer steps
+    schedule: Schedule = field(default_factory=Schedule)  # the factor of lr per optimizer step, warm-up included
     grad_clip: float = 1.0  # max global grad norm; <= 0 disables clipping
     name: str = "AdamW"  # optim.optimizer: a torch.optim class (rlsp.config.choices.OPTIMIZERS)
     impl: str = "torch.optim"  # optim.optimizer_impl
@@ -61,11 +63,10 @@ def optimizer_kwargs(s: OptimSettings) -> dict[str, Any]:
 
 def build_optimizer(module: nn.Module, s: OptimSettings) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     """The optimizer over the parameters that require grad (all of them, or only LoRA adapters: frozen base
-    weights get no optimizer state), and its warm-up schedule."""
+    weights get no optimizer state), and its learning-rate schedule."""
     params = [p for p in module.parameters() if p.requires_grad]
     if not params:
         raise ValueError(f"{type(module).__name__} has no trainable parameters to optimise")
     optimizer = optimizer_class(s.name, s.impl)(params, **optimizer_kwargs(s))
-    warmup = max(1, s.warmup_steps)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: compute_lr_factor(s.schedule, step))
     return optimizer, scheduler

@@ -9,9 +9,10 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from rlsp.config.run_length import warmup_optimizer_steps
+from rlsp.config.run_length import schedule_optimizer_steps, schedule_type, warmup_optimizer_steps
 from rlsp.data.batch import Batch
 from rlsp.engine.fsdp_offload import log_offload
+from rlsp.engine.lr_schedule import Schedule
 from rlsp.engine.optim import OptimSettings
 from rlsp.utils.logging import get_logger, log_once
 
@@ -23,9 +24,12 @@ def optim_settings(cfg: DictConfig, role: str) -> OptimSettings:
     becomes the optimizer steps the engine's scheduler counts."""
     optim = cfg.actor_rollout_ref.actor.optim if role == "actor" else cfg.critic.optim
     overrides = OmegaConf.to_container(optim.override_optimizer_config) if optim.override_optimizer_config else {}
+    schedule = Schedule(kind=schedule_type(optim), warmup=warmup_optimizer_steps(cfg, role),
+                        total=schedule_optimizer_steps(cfg, role), min_lr_ratio=float(optim.min_lr_ratio),
+                        num_cycles=float(optim.num_cycles), zero_indexed_step=bool(optim.zero_indexed_step))
     return OptimSettings(lr=float(optim.lr), betas=tuple(optim.betas), weight_decay=float(optim.weight_decay),
-                         warmup_steps=warmup_optimizer_steps(cfg, role), grad_clip=float(optim.grad_clip),
-                         name=str(optim.optimizer), impl=str(optim.optimizer_impl), overrides=dict(overrides))
+                         schedule=schedule, grad_clip=float(optim.grad_clip), name=str(optim.optimizer),
+                         impl=str(optim.optimizer_impl), overrides=dict(overrides))
 
 
 def torch_compile_enabled(setting: Any, device: torch.device, role: str) -> bool:
