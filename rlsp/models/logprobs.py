@@ -23,9 +23,8 @@ Legend: T tokens, H hidden size, V vocabulary size, C chunk length.
 
 from __future__ import annotations
 
-from typing import Any
-
 import functools
+from typing import Any
 
 import torch
 

@@ -27,13 +27,13 @@ from rlsp.workers.context import RoleContext
 from rlsp.workers.dispatch import Dispatch, register
 from rlsp.workers.ppo_loop import global_counts, run_ppo_epochs
 from rlsp.workers.roles.common import (
-    torch_compile_enabled,
     batch_temperature,
     fsdp_offload,
     note_padding,
     optim_settings,
     role_metrics,
     token_budget,
+    torch_compile_enabled,
 )
 
 
