@@ -2,7 +2,7 @@
 
 * `python -m rlsp.main --config-name ppo` with the critic (and actor) at sp=2 and an adaptive KL
   penalty in the reward: completes, every critic metric is finite on every step, vLLM's logprobs
-  match the trainer's after every weight sync (<= 1e-4), and the trained actor differs from the start;
+  match the trainer's after every weight sync (within test_sequence_layouts_e2e.run_logprob_tol), and the trained actor differs from the start;
 * resumed from its step-2 checkpoint (critic, actor, adaptive KL coefficient), step 3 is bit for bit
   the uninterrupted run's step 3;
 * a critic in its own resource pool with one warm-up step: the warm-up step moves the critic only,
@@ -20,6 +20,7 @@ import ray
 import torch
 from omegaconf import OmegaConf
 from test_grpo_e2e import SMALL, _main
+from test_sequence_layouts_e2e import run_logprob_tol
 
 from rlsp.config.schema import RLSPConfig
 from rlsp.config.validate import validate_config
@@ -51,7 +52,7 @@ def test_ppo_with_critic_sp2_through_the_cli(tmp_path):
             assert isinstance(r[key], float) and math.isfinite(r[key]), (key, r.get(key))
         assert r["critic/vf_loss"] > 0 and r["critic/grad_norm"] > 0
         # Step 1 samples from the initial weights; later steps from weights synced after each update.
-        assert r["rollout/logprob_diff_max"] <= 1e-4, (r["step"], r["rollout/logprob_diff_max"])
+        assert r["rollout/logprob_diff_max"] <= run_logprob_tol(tmp_path / "run"), (r["step"], r["rollout/logprob_diff_max"])
     coeffs = [r["actor/reward_kl_penalty_coeff"] for r in lines]
     assert coeffs[0] == 0.05 and coeffs[1] != coeffs[0]  # the adaptive controller moved beta
     from transformers import AutoModelForCausalLM
