@@ -2,10 +2,11 @@
 
 `python -m rlsp.main` with the word-problem task, two CPU workers forming one sp=2 group (9 query /
 3 KV heads over 2 ranks: an uneven head split), vLLM rollouts in fp32. Checked:
-* the run exits 0 and the sp self-check passes (sp=2 logprobs equal unsharded ones within its 1e-4);
+* the run exits 0 and the sp self-check passes (sp=2 logprobs equal unsharded ones within the bound below);
 * metrics.jsonl has one line per step with finite losses, rewards and timings;
 * on every step the largest per-token gap between vLLM's sampling logprobs and the trainer's
-  (`rollout/logprob_diff_max`) is <= 1e-4: fp32 through 30 layers, two different kernels.
+  (`rollout/logprob_diff_max`) is within tests/tolerances.py's `logprob_tol(..., per_stage=True)`: fp32
+  through 30 layers, two different kernels (~3e-3; a failed weight sync moves logprobs by O(0.1-1)).
 Sizes are small (2 prompts x 4 samples, 16 new tokens) so the test stays near a minute after the
 model is converted (once per test module, into a temporary cache).
 """
@@ -22,13 +23,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from tolerances import logprob_tol
+from transformers import AutoConfig
 
 from rlsp.models.fetch import fetch_model, packaged_gguf_path
 
 pytestmark = pytest.mark.e2e
 
 NAME = "smollm2-135m-instruct"
-LOGPROB_GAP_TOL = 1e-4
 REPO = Path(__file__).resolve().parents[2]
 SELF_CHECK = re.compile(r"sp self-check passed \(actor\): max \|dlogprob\| = ([0-9.eE+-]+) \(sp=2\)")
 FINITE_KEYS = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "rollout/logprob_diff",
@@ -82,7 +84,10 @@ def test_smollm2_grpo_two_steps_sp2(tmp_path: Path, model_path: str) -> None:
 
     found = SELF_CHECK.findall(output)
     assert found, f"no 'sp self-check passed (actor)' line for sp=2 in the output:\n{output[-4000:]}"
-    assert float(found[0]) <= 1e-4, found
+    # two forwards of the model over a sequence (prompt + response)
+    tokens = OVERRIDES["data.max_prompt_length"] + OVERRIDES["data.max_response_length"]
+    tol = logprob_tol(AutoConfig.from_pretrained(model_path), tokens, per_stage=True)
+    assert float(found[0]) <= tol, (found, tol)
 
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2]
@@ -92,4 +97,4 @@ def test_smollm2_grpo_two_steps_sp2(tmp_path: Path, model_path: str) -> None:
         assert 0.0 <= r["reward/mean"] <= 1.0
         assert r["sp/tokens_per_rank"] > 0
         # vLLM's sampling logprobs and the trainer's agree on every sampled token (weights in sync after step 1).
-        assert r["rollout/logprob_diff_max"] <= LOGPROB_GAP_TOL, (r["step"], r["rollout/logprob_diff_max"])
+        assert r["rollout/logprob_diff_max"] <= tol, (r["step"], r["rollout/logprob_diff_max"], tol)
