@@ -9,7 +9,9 @@ the attention function. The function:
 The model's own attention mask is not built: a mask policy registered under the same name returns
 None, and segment boundaries come from the context only.
 
-Inner attention: `flash_attn_varlen_func` on CUDA in fp16/bf16 when flash_attn is installed;
+Sliding-window and soft-capped layers (the layer's `sliding_window` / `softcap` kwargs, e.g. Gemma 2/3) take
+rlsp.models.window_attention's banded kernels; ring attention refuses them. Other layers:
+inner attention: `flash_attn_varlen_func` on CUDA in fp16/bf16 when flash_attn is installed;
 otherwise `scaled_dot_product_attention` with `is_causal=True`: one batched call over the segments
 right-padded to the longest when that costs at most 4x the exact work (many short rollouts: one
 kernel instead of one per sequence; 30 % off a tiny model's backward on CPU), else one call per
@@ -29,6 +31,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from rlsp.models.window_attention import banded_attention, flash_window_kwargs
 from rlsp.parallel.ring import ring_attention
 from rlsp.parallel.ulysses import SPContext, ulysses_heads_to_seq, ulysses_qkv_to_heads
 
@@ -157,8 +160,24 @@ def _ring(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, ctx: SP
     return ring_attention(q_THD, k_THD, v_THD, ctx.ring, scale, None if native else kv_index, stats=ctx.stats)
 
 
+def _windowed(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, ctx: SPContext, scale: float,
+              dropout: float, window: int | None, softcap: float | None) -> torch.Tensor:
+    """A sliding-window and/or soft-capped layer (rlsp.models.window_attention); kv heads expanded to q heads."""
+    if ctx.ring is not None:
+        raise ValueError(f"sliding window={window} / attention soft-capping={softcap} is not supported with ring "
+                         "sequence parallelism; set ring_sequence_parallel_size=1 (Ulysses alone is exact)")
+    kv_index, _ = _kv_plan(ctx, q_THD.device)
+    k_THD, v_THD = k_THD.index_select(1, kv_index), v_THD.index_select(1, kv_index)
+    if _use_flash(q_THD):
+        cu = _cached(ctx, ("cu_seqlens", str(q_THD.device)), lambda: ctx.cu_seqlens.to(q_THD.device))
+        return _flash_varlen(q_THD, k_THD, v_THD, cu, cu, ctx.max_seqlen, ctx.max_seqlen, dropout_p=dropout,
+                             softmax_scale=scale, causal=True, **flash_window_kwargs(window, softcap))
+    return banded_attention(q_THD, k_THD, v_THD, _segment_bounds(ctx), scale, window, softcap, dropout)
+
+
 def _local_attention(
-    q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, ctx: SPContext, scale: float, dropout: float
+    q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, ctx: SPContext, scale: float, dropout: float,
+    window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention within each segment of the stream for this rank's heads -> [Tr, hq, D]
     (the whole stream without a ring; with one, ring attention over its ranks)."""
@@ -168,6 +187,8 @@ def _local_attention(
         # that its backward all-to-all runs in step with the other ranks. Every rank of its ring
         # group has the same (empty) heads, so the ring is skipped by all of them.
         return q_THD * 0.0
+    if window is not None or softcap is not None:
+        return _windowed(q_THD, k_THD, v_THD, ctx, scale, dropout, window, softcap)
     if ctx.ring is not None:
         return _ring(q_THD, k_THD, v_THD, ctx, scale, dropout)
     kv_index, native = _kv_plan(ctx, q_THD.device)
@@ -191,7 +212,9 @@ def _local_attention(
     return _segmented_sdpa(q_THD, k_THD, v_THD, ctx, scale, dropout, gqa=hq != hkv)
 
 
-def _check_call(module: torch.nn.Module, query: torch.Tensor, sp_context: Any, kwargs: dict[str, Any]) -> SPContext:
+def _check_call(module: torch.nn.Module, query: torch.Tensor, sp_context: Any,
+                kwargs: dict[str, Any]) -> tuple[SPContext, int | None, float | None]:
+    """(the SP context, the layer's sliding window or None, its attention soft-cap or None)."""
     if not isinstance(sp_context, SPContext):
         raise RuntimeError(
             f"attn_implementation={ULYSSES_ATTN_IMPL!r} needs the forward kwarg sp_context=SPContext "
@@ -199,16 +222,15 @@ def _check_call(module: torch.nn.Module, query: torch.Tensor, sp_context: Any, k
             "call model(input_ids=..., position_ids=..., sp_context=ctx), or load the model with "
             "attn_implementation='sdpa' for use without sequence parallelism (e.g. generation)"
         )
-    window = getattr(module, "sliding_window", None) or kwargs.get("sliding_window")
-    if window is not None:
-        raise ValueError(
-            f"layer {getattr(module, 'layer_idx', '?')} uses sliding-window attention (window={window}); "
-            f"{ULYSSES_ATTN_IMPL} supports full causal attention only: disable the sliding window in the "
-            "model config (use_sliding_window=False) or pick a model without it"
-        )
+    if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
+        raise ValueError(f"layer {getattr(module, 'layer_idx', '?')} uses attention sinks (s_aux); "
+                         f"{ULYSSES_ATTN_IMPL} does not apply them yet")
+    # transformers passes the layer's window as a kwarg (None on full layers); the module attribute is the
+    # fallback for families that set it there only
+    window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
     if query.dim() != 4 or query.shape[0] != 1:
         raise ValueError(f"query has shape {tuple(query.shape)}; expected [1, H, S, D] (one packed stream)")
-    return sp_context
+    return sp_context, window, kwargs.get("softcap")
 
 
 def ulysses_attention(
@@ -226,12 +248,12 @@ def ulysses_attention(
 
     `attention_mask` is ignored (the mask policy makes it None); segments come from `sp_context`.
     """
-    ctx = _check_call(module, query, sp_context, kwargs)
+    ctx, window, softcap = _check_call(module, query, sp_context, kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q_THD, k_THD, v_THD = ulysses_qkv_to_heads(
         query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), ctx
     )
-    o_THD = _local_attention(q_THD, k_THD, v_THD, ctx, scale, dropout)
+    o_THD = _local_attention(q_THD, k_THD, v_THD, ctx, scale, dropout, window, softcap)
     o_SHD = ulysses_heads_to_seq(o_THD, ctx)
     ctx.stats.attn_calls += 1
     return o_SHD.unsqueeze(0), None

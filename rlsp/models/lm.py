@@ -107,15 +107,16 @@ class TokenLogprobModel(nn.Module):
         lm_head = self.lm.lm_head
         if getattr(lm_head, "bias", None) is not None:
             raise RuntimeError("lm_head has a bias; the vocab-chunked logprobs support a bias-free output layer only")
+        softcap = getattr(self.lm.config, "final_logit_softcapping", None) or None
         head = (hidden_SH, tp_local_param(lm_head.weight, tp), labels_S if tp is None else tp.local_tokens(labels_S))
         if with_sum_pi_squared:  # the old-logprob pass of the optimal token baseline: no gradient, no entropy
             if with_entropy or torch.is_grad_enabled():
                 raise RuntimeError("sum_pi_squared is computed without gradient and without the entropy")
             logprobs_S, sum_sq_S = compute_token_logprobs_sum_pi_squared(*head, temperature=temperature,
-                                                                         chunk_size=self.chunk_size)
+                                                                         chunk_size=self.chunk_size, softcap=softcap)
             return {"logprobs": logprobs_S, "sum_pi_squared": sum_sq_S}
         logprobs_S, entropy_S = compute_token_logprobs(
             *head, temperature=temperature, chunk_size=self.chunk_size, with_entropy=with_entropy,
-            compiled=self.compiled,
+            compiled=self.compiled, softcap=softcap,
         )
         return {"logprobs": logprobs_S} if entropy_S is None else {"logprobs": logprobs_S, "entropy": entropy_S}

@@ -3,8 +3,10 @@
 Supported: decoder-only models whose every layer is full causal softmax attention with standard
 (grouped-query) heads, reached through transformers' attention interface, and a plain linear output
 layer (tied or not). Refused with a clear message: sliding-window layers, linear/hybrid attention
-layers, multi-latent attention, encoder-decoders, logit soft-capping or scaling (the vocab-chunked
-logprobs compute plain `hidden @ lm_head.weight.T`). An architecture that passes these checks but
+layers, multi-latent attention, encoder-decoders, logit scaling (the vocab-chunked logprobs compute
+`hidden @ lm_head.weight.T`, soft-capped by `config.final_logit_softcapping` when set). Sliding-window
+layers named by `config.layer_types` and attention soft-capping run in rlsp.models.window_attention
+(Gemma 2, Gemma 3); ring attention refuses them (`check_ring_support`). An architecture that passes these checks but
 routes some layer around the attention interface is caught at runtime by the layer-count check of
 `rlsp.models.lm.TokenLogprobModel`.
 
@@ -30,8 +32,6 @@ from rlsp.models.attention import ULYSSES_ATTN_IMPL, register_ulysses_attention
 # plain form rlsp computes; value = why.
 _UNSUPPORTED_ATTRS = {
     "kv_lora_rank": "multi-latent attention (compressed kv) is not supported by the Ulysses head split",
-    "final_logit_softcapping": "logit soft-capping is not applied by the vocab-chunked logprobs",
-    "attn_logit_softcapping": "attention logit soft-capping is not supported by rlsp_ulysses",
     "logit_scale": "scaled output logits are not applied by the vocab-chunked logprobs",
 }
 
@@ -96,22 +96,63 @@ def num_heads(config: PretrainedConfig) -> tuple[int, int]:
     return q, kv
 
 
+# Layer types rlsp_ulysses runs (rlsp.models.window_attention for the windowed ones), and the families whose
+# sliding-window layers are verified exact against transformers' own attention (tests/unit/test_window_attention.py,
+# tests/distributed/test_gemma_exact.py); other families' windowed layers stay refused until tested.
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+WINDOWED_FAMILIES = ("gemma2", "gemma3_text")
+
+
 def _check_layers(config: PretrainedConfig) -> None:
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
-        other = sorted({t for t in layer_types if t != "full_attention"})
+        other = sorted({t for t in layer_types if t not in SUPPORTED_LAYER_TYPES})
         if other:
             raise ValueError(
-                f"{config.model_type}: layer types {other} are not supported by {ULYSSES_ATTN_IMPL}; "
-                "every layer must be 'full_attention' (disable sliding windows, e.g. use_sliding_window=False; "
-                "linear/hybrid attention layers cannot be sequence-parallelised this way)"
+                f"{config.model_type}: layer types {other} are not supported by {ULYSSES_ATTN_IMPL} (supported: "
+                f"{list(SUPPORTED_LAYER_TYPES)}); linear/hybrid attention layers cannot be sequence-parallelised this way"
             )
+        if "sliding_attention" in layer_types and config.model_type not in WINDOWED_FAMILIES:
+            raise ValueError(
+                f"{config.model_type}: sliding_attention layers (sliding_window={config.sliding_window}) are verified "
+                f"exact in {ULYSSES_ATTN_IMPL} for {list(WINDOWED_FAMILIES)} only; disable the window "
+                "(use_sliding_window=False) or pick a verified family"
+            )
+        return  # config.layer_types says which layers slide; each passes its window to the attention function
     window = getattr(config, "sliding_window", None)
     if window is not None and getattr(config, "use_sliding_window", True):
         raise ValueError(
-            f"{config.model_type}: sliding_window={window} is enabled; {ULYSSES_ATTN_IMPL} supports full causal "
-            "attention only (set sliding_window=None or use_sliding_window=False)"
+            f"{config.model_type}: sliding_window={window} is enabled without config.layer_types saying which "
+            f"layers slide; {ULYSSES_ATTN_IMPL} supports it per layer only (set sliding_window=None or "
+            "use_sliding_window=False)"
         )
+
+
+def windowed_attention(config: PretrainedConfig) -> str | None:
+    """What makes this model's attention more than plain causal softmax (sliding windows, soft-capping), else None."""
+    parts = []
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        parts.append(f"sliding-window layers (sliding_window={config.sliding_window})")
+    if getattr(config, "attn_logit_softcapping", None):
+        parts.append(f"attention soft-capping (attn_logit_softcapping={config.attn_logit_softcapping})")
+    return " and ".join(parts) or None
+
+
+def check_ring_support(config: PretrainedConfig, ring_size: int) -> None:
+    """Raise ValueError if ring attention (ring_size > 1) is asked for a model whose layers it cannot run exactly."""
+    if ring_size > 1 and (what := windowed_attention(config)):
+        raise ValueError(f"ring_sequence_parallel_size={ring_size}: {config.model_type} has {what}, which ring "
+                         "attention does not apply; legal: 1 (Ulysses alone runs these layers exactly)")
+
+
+def check_tp_windowed(config: PretrainedConfig, tp_size: int) -> None:
+    """Raise ValueError for tensor parallelism (tp_size > 1) on a windowed or soft-capped model: not verified exact."""
+    what = windowed_attention(config)
+    if getattr(config, "final_logit_softcapping", None):
+        what = " and ".join(filter(None, [what, f"final_logit_softcapping={config.final_logit_softcapping}"]))
+    if tp_size > 1 and what:
+        raise ValueError(f"tensor_model_parallel_size={tp_size}: {config.model_type} has {what}; rlsp's tensor "
+                         "parallelism is not verified exact for it; legal: 1 (use Ulysses sequence parallelism)")
 
 
 def check_sp_support(config: PretrainedConfig, sp_size: int) -> None:

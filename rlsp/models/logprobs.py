@@ -29,9 +29,12 @@ from typing import Any
 import torch
 
 
-def _chunk_logits(hidden_CH: torch.Tensor, weight_VH: torch.Tensor, temperature: float) -> torch.Tensor:
+def _chunk_logits(hidden_CH: torch.Tensor, weight_VH: torch.Tensor, temperature: float,
+                  softcap: float | None = None) -> torch.Tensor:
     # the matmul runs in the model dtype; the reductions in at least fp32 (fp64 stays fp64)
     logits_CV = (hidden_CH @ weight_VH.t()).to(torch.promote_types(hidden_CH.dtype, torch.float32))
+    if softcap is not None:  # Gemma 2's final-logit soft-capping, before the temperature (as generate applies it)
+        logits_CV = logits_CV.div_(softcap).tanh_().mul_(softcap)
     return logits_CV if temperature == 1.0 else logits_CV.div_(temperature)
 
 
@@ -78,7 +81,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden_TH: torch.Tensor, weight_VH: torch.Tensor, labels_T: torch.Tensor,
                 temperature: float, chunk_size: int, with_entropy: bool,
-                compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                compiled: bool = False, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         T = hidden_TH.shape[0]
         out_dtype = torch.promote_types(hidden_TH.dtype, torch.float32)
         logprobs_T = hidden_TH.new_empty((T,), dtype=out_dtype)
@@ -86,13 +89,13 @@ class _ChunkedLogprobs(torch.autograd.Function):
         entropy_T = hidden_TH.new_zeros((T if with_entropy else 0,), dtype=out_dtype)
         for start in range(0, T, chunk_size):
             end = min(start + chunk_size, T)
-            logits_CV = _chunk_logits(hidden_TH[start:end], weight_VH, temperature)
+            logits_CV = _chunk_logits(hidden_TH[start:end], weight_VH, temperature, softcap)
             lse_C = _reduce_rows(logits_CV, entropy_T[start:end] if with_entropy else None, compiled)
             lse_T[start:end] = lse_C
             logprobs_T[start:end] = logits_CV.gather(-1, labels_T[start:end, None])[:, 0] - lse_C
             del logits_CV
         ctx.save_for_backward(hidden_TH, weight_VH, labels_T, lse_T, entropy_T)
-        ctx.settings = (temperature, chunk_size, with_entropy)
+        ctx.settings = (temperature, chunk_size, with_entropy, softcap)
         # An output the loss does not use (the entropy when only reported as a metric) then arrives as
         # None in backward instead of zeros, and its part of the logit gradient is skipped.
         ctx.set_materialize_grads(False)
@@ -102,19 +105,22 @@ class _ChunkedLogprobs(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, g_lp_T: torch.Tensor, g_ent_T: torch.Tensor) -> tuple[Any, ...]:
         hidden_TH, weight_VH, labels_T, lse_T, entropy_T = ctx.saved_tensors
-        temperature, chunk_size, with_entropy = ctx.settings
+        temperature, chunk_size, with_entropy, softcap = ctx.settings
         need_h, need_w = ctx.needs_input_grad[:2]
         entropy_grad = with_entropy and g_ent_T is not None
         if g_lp_T is None:
             if not entropy_grad:
-                return None, None, None, None, None, None, None
+                return None, None, None, None, None, None, None, None
             g_lp_T = torch.zeros_like(lse_T)
         grad_h = torch.empty_like(hidden_TH) if need_h else None
         grad_w = torch.zeros_like(weight_VH) if need_w else None
         for start in range(0, hidden_TH.shape[0], chunk_size):
             end = min(start + chunk_size, hidden_TH.shape[0])
             h_CH, g_lp_C = hidden_TH[start:end], g_lp_T[start:end]
-            logp_CV = _chunk_logits(h_CH, weight_VH, temperature).sub_(lse_T[start:end, None])
+            logp_CV = _chunk_logits(h_CH, weight_VH, temperature, softcap)
+            # d(cap * tanh(z / cap))/dz = 1 - tanh^2, tanh = capped logit * temperature / cap
+            dcap_CV = None if softcap is None else (logp_CV * (temperature / softcap)).square_().neg_().add_(1.0)
+            logp_CV.sub_(lse_T[start:end, None])
             if entropy_grad:  # dH/dz = -p * (log p + H): two [C, V] buffers
                 p_CV = logp_CV.exp()
                 coef_CV = logp_CV.add_(entropy_T[start:end, None]).mul_(g_ent_T[start:end, None]).add_(g_lp_C[:, None])
@@ -126,13 +132,16 @@ class _ChunkedLogprobs(torch.autograd.Function):
             grad_z_CV.scatter_add_(-1, labels_T[start:end, None], g_lp_C[:, None].to(grad_z_CV.dtype))
             if temperature != 1.0:
                 grad_z_CV.div_(temperature)
+            if dcap_CV is not None:
+                grad_z_CV.mul_(dcap_CV)
+                del dcap_CV
             grad_z_CV = grad_z_CV.to(hidden_TH.dtype)
             if need_h:
                 torch.mm(grad_z_CV, weight_VH, out=grad_h[start:end])
             if need_w:
                 grad_w.addmm_(grad_z_CV.t(), h_CH)
             del grad_z_CV  # nothing of this chunk stays alive while the next one is computed
-        return grad_h, grad_w, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
 def _check_head_inputs(hidden_TH: torch.Tensor, weight_VH: torch.Tensor, labels_T: torch.Tensor,
@@ -158,15 +167,17 @@ def compute_token_logprobs(
     chunk_size: int = 1024,
     with_entropy: bool = False,
     compiled: bool = False,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(hidden @ weight.T / temperature)[label] per token; entropy of the same
-    distribution when `with_entropy` (else None). Outputs are fp32 (fp64 for fp64 inputs); the
+    distribution when `with_entropy` (else None). `softcap`: the logits are first soft-capped,
+    cap * tanh(logits / cap) (config.final_logit_softcapping; the gradient includes the tanh's derivative). Outputs are fp32 (fp64 for fp64 inputs); the
     matmul runs in the model dtype. Exact: equal to the naive full-logits computation. `compiled`: the
     entropy's per-block reduction through torch.compile (module docstring)."""
     _check_head_inputs(hidden_TH, weight_VH, labels_T, temperature, chunk_size)
     logprobs_T, entropy_T = _ChunkedLogprobs.apply(
         hidden_TH, weight_VH, labels_T.to(torch.int64), float(temperature), int(chunk_size), with_entropy,
-        bool(compiled and with_entropy),
+        bool(compiled and with_entropy), None if softcap is None else float(softcap),
     )
     return logprobs_T, (entropy_T if with_entropy else None)
 
@@ -174,7 +185,7 @@ def compute_token_logprobs(
 @torch.no_grad()
 def compute_token_logprobs_sum_pi_squared(
     hidden_TH: torch.Tensor, weight_VH: torch.Tensor, labels_T: torch.Tensor, *, temperature: float = 1.0,
-    chunk_size: int = 1024,
+    chunk_size: int = 1024, softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprobs_T, sum_pi_squared_T): as `compute_token_logprobs` (no gradient), plus sum_v p_v^2 of the
     same temperature-scaled distribution per token, one [C, V] chunk of logits at a time."""
@@ -186,7 +197,7 @@ def compute_token_logprobs_sum_pi_squared(
     labels_T = labels_T.to(torch.int64)
     for start in range(0, T, chunk_size):
         end = min(start + chunk_size, T)
-        logits_CV = _chunk_logits(hidden_TH[start:end], weight_VH, temperature)
+        logits_CV = _chunk_logits(hidden_TH[start:end], weight_VH, temperature, softcap)
         for r0 in range(0, end - start, _ROWS):  # [128, V] temporaries, as in _reduce_rows
             block_RV = logits_CV[r0:r0 + _ROWS]
             rows = slice(start + r0, start + r0 + block_RV.shape[0])

@@ -19,7 +19,13 @@ from rlsp.config.layout import CRITIC_ESTIMATORS, ParallelLayout
 from rlsp.config.validate import validate_config
 from rlsp.config.validate_agent import agent_loops_enabled
 from rlsp.config.validate_distill import distillation_enabled
-from rlsp.models.loading import check_sp_support, read_model_config, tokenizer_problem
+from rlsp.models.loading import (
+    check_ring_support,
+    check_sp_support,
+    check_tp_windowed,
+    read_model_config,
+    tokenizer_problem,
+)
 from rlsp.parallel.tensor_parallel import check_tp_support
 from rlsp.rewards.loader import load_custom_reward_fn
 from rlsp.rollout.support import check_rollout_support
@@ -80,6 +86,8 @@ def _check_degrees(config: Any, layout: ParallelLayout, errors: list[str]) -> No
             continue
         degrees = layout.role(role)
         for check, key, value in ((check_sp_support, "ulysses_sequence_parallel_size", degrees.ulysses),
+                                  (check_ring_support, "ring_sequence_parallel_size", degrees.ring),
+                                  (check_tp_windowed, "tensor_model_parallel_size", degrees.tp),
                                   (check_tp_support, "tensor_model_parallel_size", degrees.tp)):
             try:
                 check(config, value)
@@ -112,8 +120,13 @@ def _check_tokenizer(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> N
 def _check_model(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None:
     """The model against the run: the degrees of the layout, the rollout engine, the sequence length."""
     layout, device_type, config = ctx.layout, ctx.device_type, ctx.results["model_config"]
-    if layout is not None:  # None: the config's degrees are invalid (validate_config names them)
+    if layout is not None:
         _check_degrees(config, layout, errors)
+    else:  # the config's degrees are invalid (validate_config names them): the family itself, at degree 1
+        try:
+            check_sp_support(config, 1)
+        except ValueError as exc:
+            errors.append(f"actor_rollout_ref.model.path={cfg.actor_rollout_ref.model.path!r}: {exc}")
     rollout_error = check_rollout_support(config, cfg.actor_rollout_ref.rollout.name, device_type,
                                           layout.rollout_tp if layout is not None else 1)
     if rollout_error:

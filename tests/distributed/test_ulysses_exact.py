@@ -19,16 +19,20 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, GPT2Config, Qwen2Config
+from transformers import GPT2Config, Qwen2Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import run_distributed  # noqa: E402
 from tolerances import model_rtol, scalar_tol  # noqa: E402
 
 from rlsp.data.packing import PackedBatch, pack_sequences  # noqa: E402
-from rlsp.models.attention import ULYSSES_ATTN_IMPL, register_ulysses_attention  # noqa: E402
 from rlsp.models.lm import TokenLogprobModel  # noqa: E402
-from rlsp.models.loading import build_causal_lm_from_config, check_sp_support, num_heads  # noqa: E402
+from rlsp.models.loading import (  # noqa: E402
+    build_causal_lm_from_config,
+    check_ring_support,
+    check_sp_support,
+    num_heads,
+)
 from rlsp.parallel.heads import HeadLayout  # noqa: E402
 from rlsp.parallel.ulysses import SPContext, build_sp_context, gather_from_ranks, shard_for_rank  # noqa: E402
 
@@ -221,7 +225,9 @@ def test_missing_context_and_wrong_attention_are_refused() -> None:
         sdpa(packed.input_ids, packed.position_ids, packed.labels, build_sp_context(None, packed, 4, 2))
 
 
-def test_sliding_window_refused_by_attention_and_by_check() -> None:
+def test_sliding_window_refused_outside_verified_families_and_by_ring() -> None:
+    """Windowed layers run in rlsp_ulysses for the verified families (tests/unit/test_window_attention.py,
+    tests/distributed/test_gemma_exact.py); other families' stay refused, and ring refuses them by name."""
     config = Qwen2Config(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -233,15 +239,11 @@ def test_sliding_window_refused_by_attention_and_by_check() -> None:
         sliding_window=4,
         max_window_layers=1,
     )
-    with pytest.raises(ValueError, match="sliding_attention"):
+    with pytest.raises(ValueError, match="qwen2: sliding_attention layers .* verified exact .* for .*gemma2"):
         check_sp_support(config, 2)
-    register_ulysses_attention()
-    lm = AutoModelForCausalLM.from_config(config, attn_implementation=ULYSSES_ATTN_IMPL)
-    packed = pack_sequences(torch.tensor([[3, 4, 5, 6]]), torch.ones(1, 4, dtype=torch.int64))
-    with pytest.raises(ValueError, match="sliding-window"):
-        TokenLogprobModel(lm)(
-            packed.input_ids, packed.position_ids, packed.labels, build_sp_context(None, packed, 4, 2)
-        )
+    with pytest.raises(ValueError, match="ring_sequence_parallel_size=2: qwen2 has sliding-window layers"):
+        check_ring_support(config, 2)
+    check_ring_support(config, 1)
 
 
 def test_check_sp_support_rejects_unsupported_configs() -> None:
@@ -253,9 +255,9 @@ def test_check_sp_support_rejects_unsupported_configs() -> None:
         check_sp_support(GPT2Config(), 2)
     with pytest.raises(ValueError, match="linear_attention"):
         check_sp_support(Qwen2Config(layer_types=["full_attention", "linear_attention"], num_hidden_layers=2), 2)
-    softcap = Qwen2Config()
-    softcap.final_logit_softcapping = 30.0
-    with pytest.raises(ValueError, match="soft-capping"):
-        check_sp_support(softcap, 2)
+    scaled = Qwen2Config()
+    scaled.logit_scale = 0.5
+    with pytest.raises(ValueError, match="scaled output logits"):
+        check_sp_support(scaled, 2)
     with pytest.raises(ValueError, match="sp_size"):
         check_sp_support(ok, 0)
