@@ -23,6 +23,7 @@ from rlsp.algos.distillation import (
 )
 from rlsp.config.validate_distill import TeacherSpec, distillation_enabled, teacher_specs
 from rlsp.data.batch import Batch
+from rlsp.models.loading import check_sp_support
 from rlsp.utils.timing import timed
 from rlsp.workers.roles.teacher import route_rows
 
@@ -35,9 +36,14 @@ def _vocab_problem(spec: TeacherSpec, student_tok: Any) -> str | None:
     where = f"distillation.teacher_models.{spec.name}.model_path={spec.model_path!r}"
     try:
         teacher_tok = AutoTokenizer.from_pretrained(spec.model_path)
-        vocab_size = int(AutoConfig.from_pretrained(spec.model_path).vocab_size)
+        config = AutoConfig.from_pretrained(spec.model_path)
     except (OSError, ValueError) as exc:
         return f"{where} cannot be loaded as a Hugging Face model with a tokenizer: {str(exc).splitlines()[0]}"
+    try:  # the teacher runs the student's packed forward: a family rlsp trains (a multimodal wrapper is refused)
+        check_sp_support(config, 1)
+    except ValueError as exc:
+        return f"{where}: {exc}"
+    vocab_size = int(config.vocab_size)
     student, teacher = student_tok.get_vocab(), teacher_tok.get_vocab()
     if student != teacher:
         differ = sorted(set(student.items()) ^ set(teacher.items()), key=lambda kv: kv[1])[:3]

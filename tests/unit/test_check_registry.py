@@ -58,7 +58,7 @@ def test_stages_and_their_order():
     names = {stage: [c.name for c in checks.registered(stage)] for stage in checks.STAGES}
     # the key gate, verl's spellings, the `auto` keys (fsdp_size is a degree of the layout), then the layout
     assert names["config"][:4] == ["known_keys", "verl_spellings", "auto", "layout"]
-    assert names["preflight"] == ["data_files", "names", "model_dir", "tokenizer", "model", "critic_model",
+    assert names["preflight"] == ["data_files", "ray_launcher", "names", "model_dir", "tokenizer", "model", "critic_model",
                                   "custom_reward", "reward_model", "reward_model_inputs", "teachers", "agent",
                                   "trackers"]
     assert names["resume"] == ["resume"]

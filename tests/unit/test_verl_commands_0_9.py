@@ -20,8 +20,7 @@ directory holds only a config.json of that model_type.
 Per command the test pins the exact set of refusals, each a (key, words of the reason) pair; every other key is
 accepted. Keys and values of features still in progress (rlsp.config.verl_compat NOT_YET_KEYS /
 NOT_YET_VALUES) count as accepted while undeclared. EXPECTED_ACCEPTED lists the commands accepted today and
-ACCEPTED_PER_FAMILY counts them per family. KNOWN_CRASHES pins the commands on which rlsp.check raises instead
-of reporting a problem (a bug to fix: such a command must then be refused by name, pinned in REFUSED).
+ACCEPTED_PER_FAMILY counts them per family. rlsp.check never raises on any of them: every problem is a line.
 """
 
 from __future__ import annotations
@@ -83,6 +82,9 @@ _N = ("actor_rollout_ref.rollout.n=1", "must be >= 2")  # verl's default n=1 wit
 _ROLLOUT_LENGTHS = [(f"actor_rollout_ref.rollout.{k}", "rlsp sizes the rollout engine") for k in
                     ("prompt_length", "response_length")]
 _IMAGES = [("data.image_patch_size", "vision-language inputs are not implemented"), *_ROLLOUT_LENGTHS]
+# What every on-policy distillation script of verl 0.9 sets that rlsp refuses (with a teacher pool's size of its own).
+_DISTILL = [("actor_rollout_ref.rollout.max_model_len", "rlsp sizes the rollout engine"),
+            ("distillation.nnodes=1", "there is no teacher pool"), _N]
 # script -> (key, words of the reason) of every refusal it must get; a command not listed must be accepted.
 REFUSED: dict[str, list[tuple[str, str]]] = {
     "examples/grpo_trainer/run_glm4_1v_9b_fsdp.sh": _wrapper("glm4v", "Glm4vConfig"),
@@ -98,9 +100,9 @@ REFUSED: dict[str, list[tuple[str, str]]] = {
     "examples/grpo_trainer/run_qwen3_5_2b_openr1_fsdp.sh": [*_IMAGES, *_wrapper("qwen3_5", "Qwen3_5Config")],
     "examples/grpo_trainer/run_qwen3_5_2b_video_fsdp.sh": [*_IMAGES, *_wrapper("qwen3_5", "Qwen3_5Config")],
     "examples/grpo_trainer/run_qwen3_5_35b_fsdp.sh": _wrapper("qwen3_5_moe", "Qwen3_5MoeConfig"),
-    # The layout is refused first (16 prompts over 32 workers), which skips the model's degree checks: no
-    # problem names qwen3_next's linear-attention layers.
+    # The layout is refused (16 prompts over 32 workers): the model's family is still checked, at degree 1.
     "examples/grpo_trainer/run_qwen3_next_80b_a3b_fsdp.sh": [
+        ("actor_rollout_ref.model.path", "qwen3_next: layer types ['linear_attention'] are not supported"),
         ("actor_rollout_ref.actor.fsdp_config.model_dtype", "computes in actor_rollout_ref.model.dtype"),
         ("actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype", "per-dtype overrides are not supported"),
         ("data.train_batch_size=16", "must be divisible by the 32 workers"),
@@ -114,21 +116,28 @@ REFUSED: dict[str, list[tuple[str, str]]] = {
         ("distillation.n_gpus_per_node=4", "there is no teacher pool"), ("distillation.nnodes=1",
                                                                          "there is no teacher pool"),
         ("distillation.teacher_models.teacher_model.inference.tensor_model_parallel_size=2", "set it to 1"), _N],
+    "examples/on_policy_distillation_trainer/run_qwen3_5_4b_fsdp.sh": [
+        *_DISTILL, ("distillation.n_gpus_per_node=8", "there is no teacher pool"),
+        ("distillation.teacher_models.teacher_model.inference.expert_parallel_size", "takes rlsp's own settings"),
+        ("distillation.teacher_models.teacher_model.inference.tensor_model_parallel_size=8", "set it to 1"),
+        ("distillation.teacher_models.teacher_model.model_path", "qwen3_5_moe: multimodal wrapper config"),
+        ("actor_rollout_ref.model.path", "qwen3_5: multimodal wrapper config")],
+    "examples/on_policy_distillation_trainer/run_qwen3_8b_mopd_fsdp.sh": [
+        *_DISTILL, ("distillation.n_gpus_per_node=4", "there is no teacher pool"),
+        *[(f"distillation.teacher_models.{t}.{k}", why) for t in ("gsm8k", "geo3k") for k, why in (
+            ("num_replicas=1", "one shard per worker"), ("inference.tensor_model_parallel_size=2", "set it to 1"))],
+        ("distillation.teacher_models.geo3k.model_path", "qwen3_vl: multimodal wrapper config"),
+        ("actor_rollout_ref.model.path", "qwen3_vl: multimodal wrapper config")],
+    "examples/on_policy_distillation_trainer/run_qwen3_vl_8b_fsdp.sh": [
+        *_DISTILL, ("distillation.n_gpus_per_node=4", "there is no teacher pool"),
+        ("distillation.teacher_models.teacher_model.inference.tensor_model_parallel_size=2", "set it to 1"),
+        ("distillation.teacher_models.teacher_model.model_path", "qwen3_vl: multimodal wrapper config"),
+        ("actor_rollout_ref.model.path", "qwen3_vl: multimodal wrapper config")],
     "examples/prefix_grouper/run_qwen3_8b_fsdp.sh": [("actor_rollout_ref.actor.use_prefix_grouper",
                                                       "prefix grouping (one forward over a group's shared prompt)")],
     "examples/rollout_correction/run_qwen2_5_7b_fsdp.sh": [_N],
     "examples/rollout_correction/run_qwen2_5_7b_fsdp_multi_rs.sh": [_N],
 }
-# script -> (exception type, words of its message): rlsp.check raises on these today (a teacher whose config is
-# a vision-language wrapper has no top-level vocab_size: rlsp.trainer.distill._vocab_problem reads it).
-KNOWN_CRASHES = {
-    "examples/on_policy_distillation_trainer/run_qwen3_5_4b_fsdp.sh": (AttributeError, "no attribute 'vocab_size'"),
-    "examples/on_policy_distillation_trainer/run_qwen3_8b_mopd_fsdp.sh": (AttributeError, "no attribute 'vocab_size'"),
-    "examples/on_policy_distillation_trainer/run_qwen3_vl_8b_fsdp.sh": (AttributeError, "no attribute 'vocab_size'"),
-}
-# Unsupported-family commands refused without a problem naming their model type (see REFUSED).
-FAMILY_UNNAMED = {"examples/grpo_trainer/run_qwen3_next_80b_a3b_fsdp.sh"}
-
 
 def _shape(tokens: dict, **extra) -> dict:
     """A supported family's tiny text model: 8 q / 8 kv heads of dim 32 (tensor parallel and Ulysses up to 8)."""
@@ -229,7 +238,7 @@ def outcomes(tmp_path_factory) -> dict[str, tuple[int | BaseException, list[str]
         with contextlib.redirect_stdout(buffer):
             try:
                 rc: int | BaseException = check_main(_localized(command, local))
-            except Exception as exc:  # noqa: BLE001 - pinned in KNOWN_CRASHES, or the test fails naming it
+            except Exception as exc:  # noqa: BLE001 - the test fails naming it
                 rc = exc
         out[command["script"]] = (rc, _problems(buffer.getvalue()))
     return out
@@ -260,11 +269,7 @@ def test_every_0_9_command_is_accepted_or_refused_by_name(outcomes):
             refused[script] = rest
         else:
             accepted.add(script)
-    for script, exc in crashed.items():
-        want = KNOWN_CRASHES.get(script)
-        assert want is not None, (script, repr(exc))
-        assert isinstance(exc, want[0]) and want[1] in str(exc), (script, repr(exc), want)
-    assert sorted(crashed) == sorted(KNOWN_CRASHES), "a pinned crash is fixed: pin its refusal in REFUSED instead"
+    assert not crashed, {script: repr(exc) for script, exc in crashed.items()}  # a problem is a line, never a raise
     for script, problems in refused.items():  # exactly the pinned refusals, one problem each
         expected = REFUSED.get(script, [])
         assert len(problems) == len(expected), (script, problems, expected)
@@ -277,12 +282,12 @@ def test_every_0_9_command_is_accepted_or_refused_by_name(outcomes):
 def test_unsupported_families_are_refused_naming_the_model_type(outcomes):
     for command in COMMANDS:
         family, script = command["family"], command["script"]
-        if family in SUPPORTED or script in KNOWN_CRASHES:
+        if family in SUPPORTED:
             continue
         rc, problems = outcomes[script]
         assert rc == 2, (script, rc)
         names = any(f"{family}:" in p or f"model_type={family!r}" in p for p in problems)
-        assert names != (script in FAMILY_UNNAMED), (script, family, problems)
+        assert names, (script, family, problems)
 
 
 def test_accepted_per_family(outcomes):
