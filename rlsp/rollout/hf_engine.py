@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from rlsp.rollout.base import RolloutOutput, SamplingConfig
 from rlsp.rollout.lean_decoder import LeanDecoder, unsupported_reason
@@ -42,6 +43,13 @@ def _seeded(seed: int | None, device: torch.device) -> Iterator[None]:
         yield
 
 
+def generation_attention(config: Any) -> str | None:
+    """"eager" where transformers' sdpa attention would drop a layer's attention soft-capping (Gemma 2: its
+    sdpa path ignores `softcap`, and sampled tokens would come from another distribution than the trained
+    one), else None (transformers' default)."""
+    return "eager" if getattr(config, "attn_logit_softcapping", None) else None
+
+
 class HFEngine:
     """Rollout engine on one device: a transformers model decoded by rlsp's loop."""
 
@@ -59,7 +67,9 @@ class HFEngine:
         self.seed = seed
         self.max_model_len = max_model_len
         self._calls = 0
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=resolve_dtype(dtype)).to(self.device)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=resolve_dtype(dtype), attn_implementation=generation_attention(AutoConfig.from_pretrained(model_path))
+        ).to(self.device)
         self.model.eval()
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         eos = self.model.generation_config.eos_token_id
