@@ -18,7 +18,8 @@ WINDOW = 4
 def gemma_config(family: str, vocab: int = 50, **extra) -> Gemma2Config | Gemma3TextConfig:
     common = dict(vocab_size=vocab, hidden_size=48, intermediate_size=64, num_hidden_layers=3,
                   num_attention_heads=HEADS[0], num_key_value_heads=HEADS[1], head_dim=8, sliding_window=WINDOW,
-                  initializer_range=0.2, **extra)
+                  initializer_range=0.2)
+    common.update(extra)  # e.g. head_dim=64 for vLLM's CPU kernels
     if family == "gemma2":
         return Gemma2Config(**common, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                             attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
@@ -27,13 +28,14 @@ def gemma_config(family: str, vocab: int = 50, **extra) -> Gemma2Config | Gemma3
     raise ValueError(f"family={family!r}; legal: {FAMILIES}")
 
 
-def write_tiny_gemma(family: str, out_dir: str) -> str:
-    """A loadable model directory (fp32 weights, rlsp's char tokenizer) of the tiny `family` model."""
+def write_tiny_gemma(family: str, out_dir: str, **shape) -> str:
+    """A loadable model directory (fp32 weights, rlsp's char tokenizer) of the tiny `family` model (`shape`
+    overrides config entries)."""
     from rlsp.models.tokenizer import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     config = gemma_config(family, vocab=len(tokenizer), pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
-                          eos_token_id=None)
+                          eos_token_id=None, **shape)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)

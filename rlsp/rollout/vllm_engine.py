@@ -76,6 +76,15 @@ def _with_tied_head(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterat
         yield LM_HEAD_NAME, embed
 
 
+# Families whose vLLM model has no output layer of its own: logits come from the embedding (Gemma), so an
+# `lm_head.weight` (sent by the trainer for tied embeddings) has nowhere to go and is dropped.
+EMBEDDING_HEAD_TYPES = ("gemma", "gemma2")
+
+
+def _without_head(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    return ((name, tensor) for name, tensor in named_tensors if name != LM_HEAD_NAME)
+
+
 SLEEP_TAGS = ("weights", "kv_cache")  # what vLLM's sleep mode releases, by its tags
 
 
@@ -162,6 +171,7 @@ class VLLMEngine(_SleepWake):
             **llm_kwargs,
         )
         self.tie_word_embeddings = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
+        self.model_type = getattr(self.llm.llm_engine.model_config.hf_config, "model_type", None)
         self.max_model_len = max_model_len
         self._asleep = ()
 
@@ -210,7 +220,10 @@ class VLLMEngine(_SleepWake):
         # Multi-stage wake-up (GPU): the KV cache stays released while the weights load, so the incoming
         # tensors never share the device with it; then it is woken. Otherwise everything wakes first.
         self.wake_up(("weights",) if self.multi_stage_wake_up else None)
-        weights = _with_tied_head(named_tensors) if self.tie_word_embeddings else iter(named_tensors)
+        if self.model_type in EMBEDDING_HEAD_TYPES:
+            weights = _without_head(named_tensors)
+        else:
+            weights = _with_tied_head(named_tensors) if self.tie_word_embeddings else iter(named_tensors)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.wake_up()
         # Prefix-cache blocks hold keys/values computed with the old weights.
