@@ -64,7 +64,7 @@ def test_older_spelling_is_mapped_onto_the_new_keys():
 
 @pytest.mark.parametrize("overrides,needle", [
     ({"reward.reward_manager.name": "prime"},
-     "reward.reward_manager.name='prime' is not supported (reward managers other than naive and dapo"),
+     "reward.reward_manager.name='prime' is not supported (reward managers other than naive, dapo and gdpo"),
     ({"reward.reward_manager.name": "fancy"}, "reward.reward_manager.name='fancy' is not supported; legal values: "
                                               "['naive', 'dapo']"),
     ({**DAPO_ON, "reward.reward_manager.name": "naive"},

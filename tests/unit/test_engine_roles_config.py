@@ -116,7 +116,7 @@ def test_reward_model_layout_and_refusals():
     with pytest.raises(ValueError) as err:
         validate_config(make(**on, **{"reward_model.reward_manager": "prime", "reward_model.ulysses_sequence_parallel_size": 3,
                                       "reward_model.model.use_remove_padding": False}))
-    for needle in ("reward.reward_manager.name='prime' is not supported (reward managers other than naive and dapo",
+    for needle in ("reward.reward_manager.name='prime' is not supported (reward managers other than naive, dapo and gdpo",
                    "reward_model.ulysses_sequence_parallel_size=3 must divide the 2 workers per node",
                    "reward_model.model.use_remove_padding=false is not supported"):
         assert needle in str(err.value)
