@@ -66,7 +66,7 @@ def test_older_spelling_is_mapped_onto_the_new_keys():
     ({"reward.reward_manager.name": "prime"},
      "reward.reward_manager.name='prime' is not supported (reward managers other than naive, dapo and gdpo"),
     ({"reward.reward_manager.name": "fancy"}, "reward.reward_manager.name='fancy' is not supported; legal values: "
-                                              "['naive', 'dapo']"),
+                                              "['naive', 'dapo', 'gdpo']"),
     ({**DAPO_ON, "reward.reward_manager.name": "naive"},
      f"{BUF}enable=true needs reward.reward_manager.name=dapo (got 'naive'"),
     ({**DAPO_ON, BUF + "len": 0}, f"{BUF}len=0 must be an integer in [1, 8]"),
