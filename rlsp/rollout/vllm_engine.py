@@ -76,9 +76,10 @@ def _with_tied_head(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterat
         yield LM_HEAD_NAME, embed
 
 
-# Families whose vLLM model has no output layer of its own: logits come from the embedding (Gemma), so an
-# `lm_head.weight` (sent by the trainer for tied embeddings) has nowhere to go and is dropped.
-EMBEDDING_HEAD_TYPES = ("gemma", "gemma2")
+# Families whose vLLM (0.32, CPU) model has no output layer of its own: logits come from the embedding (Gemma 2;
+# its reload_weights refuses `lm_head`), so the `lm_head.weight` the trainer sends for tied embeddings is dropped.
+# Gemma and Gemma 3 keep a repacked output layer on CPU and need it (measured: a 1.5 logprob gap without it).
+EMBEDDING_HEAD_TYPES = ("gemma2",)
 
 
 def _without_head(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
