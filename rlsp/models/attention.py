@@ -31,7 +31,12 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from rlsp.models.window_attention import banded_attention, flash_window_kwargs
+from rlsp.models.window_attention import (
+    banded_attention,
+    flash_window_kwargs,
+    padded_band_attention,
+    padded_max_len,
+)
 from rlsp.parallel.ring import ring_attention
 from rlsp.parallel.ulysses import SPContext, ulysses_heads_to_seq, ulysses_qkv_to_heads
 
@@ -172,6 +177,13 @@ def _windowed(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, ctx
         cu = _cached(ctx, ("cu_seqlens", str(q_THD.device)), lambda: ctx.cu_seqlens.to(q_THD.device))
         return _flash_varlen(q_THD, k_THD, v_THD, cu, cu, ctx.max_seqlen, ctx.max_seqlen, dropout_p=dropout,
                              softmax_scale=scale, causal=True, **flash_window_kwargs(window, softcap))
+    plan = _padded_plan(ctx, q_THD.device)
+    if plan is not None and plan[3] <= padded_max_len():  # many short segments: one call
+        gather, keep, n, lmax = plan
+        q, k, v = (x.index_select(0, gather).view(n, lmax, x.shape[1], x.shape[2]).transpose(1, 2)
+                   for x in (q_THD, k_THD, v_THD))
+        o_NLHD = padded_band_attention(q, k, v, scale, window, softcap, dropout).transpose(1, 2)
+        return o_NLHD.reshape(n * lmax, q_THD.shape[1], q_THD.shape[2]).index_select(0, keep)
     return banded_attention(q_THD, k_THD, v_THD, _segment_bounds(ctx), scale, window, softcap, dropout)
 
 

@@ -12,12 +12,15 @@ score s to cap * tanh(s / cap) before the mask and the softmax (Gemma 2's eager 
 Kernels:
 - CUDA fp16/bf16 with flash_attn installed: `flash_attn_varlen_func` with `window_size=(window - 1, 0)`
   and `softcap` (its own definitions match the two above);
-- otherwise query chunks of at most `_CHUNK` rows against their key band only (the segment's keys from
-  max(segment start, first query - window + 1) to the last query): SDPA with a boolean band mask
-  when there is no soft-capping, an explicit softmax (in at least fp32) when there is (SDPA cannot cap). No T x T mask
-  is built; the work and the memory kept for backward are O(T * (window + chunk)) on windowed layers.
+- otherwise, when every segment is at most `_CHUNK` tokens and padding them to the longest costs at most
+  4x (rlsp.models.attention's padded plan: many short rollouts), one call over the padded segments with an
+  [L, L] band mask; else query chunks of at most `_CHUNK` rows against their key band only (the segment's
+  keys from max(segment start, first query - window + 1) to the last query). Both run SDPA with a boolean
+  mask without soft-capping, and an explicit softmax (in at least fp32) with it (SDPA cannot cap). No T x T
+  mask is built; on windowed layers the chunked path's work and the memory it keeps for backward are
+  O(T * (window + chunk)); on soft-capped full layers (Gemma 2) the explicit path keeps O(T^2 / 2) scores.
 
-Legend: T stream length, H this rank's q heads (kv heads expanded to them), D head dim, C query rows of a
+Legend: N padded segments, L their length, T stream length, H this rank's q heads (kv heads expanded to them), D head dim, C query rows of a
 chunk, K keys of its band.
 """
 
@@ -29,40 +32,59 @@ import torch.nn.functional as F
 _CHUNK = 256  # query rows per block: bounds a block's [H, C, K] scores
 
 
-def _attend_block(q_HCD: torch.Tensor, k_HKD: torch.Tensor, v_HKD: torch.Tensor, keep_CK: torch.Tensor,
+def _attend_block(q_NHCD: torch.Tensor, k_NHKD: torch.Tensor, v_NHKD: torch.Tensor, keep_CK: torch.Tensor,
                   scale: float, softcap: float | None, dropout: float) -> torch.Tensor:
-    """One query block against its key band -> [H, C, D]."""
+    """Query blocks against their keys under the [C, K] mask `keep_CK` -> [N, H, C, D] (4-D inputs: with 3-D ones
+    CPU's SDPA falls back to its math kernel)."""
     if softcap is None:
-        return F.scaled_dot_product_attention(q_HCD[None], k_HKD[None], v_HKD[None], attn_mask=keep_CK,
-                                              dropout_p=dropout, scale=scale)[0]
-    scores_HCK = torch.matmul(q_HCD, k_HKD.transpose(1, 2)) * scale
-    scores_HCK = torch.tanh(scores_HCK / softcap) * softcap
-    scores_HCK = scores_HCK.masked_fill(~keep_CK, float("-inf"))
-    probs_HCK = torch.softmax(scores_HCK, dim=-1, dtype=torch.promote_types(q_HCD.dtype, torch.float32))
-    probs_HCK = probs_HCK.to(q_HCD.dtype)
+        return F.scaled_dot_product_attention(q_NHCD, k_NHKD, v_NHKD, attn_mask=keep_CK, dropout_p=dropout,
+                                              scale=scale)
+    scores_NHCK = torch.matmul(q_NHCD, k_NHKD.transpose(-1, -2)) * scale
+    scores_NHCK = torch.tanh(scores_NHCK / softcap) * softcap
+    scores_NHCK = scores_NHCK.masked_fill(~keep_CK, float("-inf"))
+    probs_NHCK = torch.softmax(scores_NHCK, dim=-1, dtype=torch.promote_types(q_NHCD.dtype, torch.float32))
+    probs_NHCK = probs_NHCK.to(q_NHCD.dtype)
     if dropout > 0.0:
-        probs_HCK = F.dropout(probs_HCK, p=dropout)
-    return torch.matmul(probs_HCK, v_HKD)
+        probs_NHCK = F.dropout(probs_NHCK, p=dropout)
+    return torch.matmul(probs_NHCK, v_NHKD)
+
+
+def _band(first_q: int, end: int, first_k: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[C, K] mask of queries first_q..end-1 over keys first_k..end-1: causal, within `window` when set."""
+    i_C1 = torch.arange(first_q, end, device=device)[:, None]
+    j_1K = torch.arange(first_k, end, device=device)[None, :]
+    keep_CK = j_1K <= i_C1
+    if window is not None:
+        keep_CK &= j_1K > i_C1 - window
+    return keep_CK
+
+
+def padded_band_attention(q_NHLD: torch.Tensor, k_NHLD: torch.Tensor, v_NHLD: torch.Tensor, scale: float,
+                          window: int | None, softcap: float | None, dropout: float = 0.0) -> torch.Tensor:
+    """Short segments right-padded to one length L: one call with the [L, L] causal band. A real query never
+    sees the padding keys after it, so every real token's output is exact -> [N, H, L, D]."""
+    keep_LL = _band(0, q_NHLD.shape[-2], 0, window, q_NHLD.device)
+    return _attend_block(q_NHLD, k_NHLD, v_NHLD, keep_LL, scale, softcap, dropout)
+
+
+def padded_max_len() -> int:
+    """Longest segment the padded path takes (its [L, L] band); longer ones go through `banded_attention`."""
+    return _CHUNK
 
 
 def banded_attention(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor,
                      bounds: list[tuple[int, int]], scale: float, window: int | None, softcap: float | None,
-                     dropout: float = 0.0, chunk: int | None = None) -> torch.Tensor:
+                     dropout: float = 0.0) -> torch.Tensor:
     """Causal attention inside each segment [start, end) of `bounds`, limited to `window` keys per query
     (None: the whole causal prefix) with optional soft-capping; q, k, v with the same heads -> [T, H, D]."""
-    outputs, chunk = [], chunk or _CHUNK
-    device = q_THD.device
+    outputs = []
     for start, end in bounds:
-        for a in range(start, end, chunk):
-            b = min(a + chunk, end)
+        for a in range(start, end, _CHUNK):
+            b = min(a + _CHUNK, end)
             lo = start if window is None else max(start, a - window + 1)
-            i_C1 = torch.arange(a, b, device=device)[:, None]
-            j_1K = torch.arange(lo, b, device=device)[None, :]
-            keep_CK = j_1K <= i_C1
-            if window is not None:
-                keep_CK &= j_1K > i_C1 - window
-            q_HCD, k_HKD, v_HKD = (x.transpose(0, 1) for x in (q_THD[a:b], k_THD[lo:b], v_THD[lo:b]))
-            outputs.append(_attend_block(q_HCD, k_HKD, v_HKD, keep_CK, scale, softcap, dropout).transpose(0, 1))
+            keep_CK = _band(a, b, lo, window, q_THD.device)
+            q, k, v = (x.transpose(0, 1)[None] for x in (q_THD[a:b], k_THD[lo:b], v_THD[lo:b]))
+            outputs.append(_attend_block(q, k, v, keep_CK, scale, softcap, dropout)[0].transpose(0, 1))
     return torch.cat(outputs, dim=0)
 
 

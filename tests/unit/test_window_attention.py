@@ -2,7 +2,8 @@
 
 - rlsp_ulysses (sp=1 context) on a windowed / soft-capped layer equals transformers' own Gemma 2 eager
   attention run per segment with transformers' own sliding-window mask, every element, values and
-  gradients, fp64 inputs (transformers' softmax runs in fp32: fp32's bound); windows shorter and longer than the segments, query chunks smaller than a segment.
+  gradients, fp64 inputs (transformers' softmax runs in fp32: fp32's bound); windows shorter and longer than the segments; the padded path (short segments, one call) and the chunked
+  one (query chunks smaller than a segment).
 - The soft-capped vocab-chunked head equals log_softmax(cap * tanh(logits / cap) / temperature), entropy
   and sum of p^2 included, and its written-out gradient equals autograd's.
 - A tiny Gemma 2 and Gemma 3 (text) model through rlsp's packed forward equal transformers' eager forward of
@@ -23,6 +24,7 @@ from transformers import AutoModelForCausalLM
 from transformers.masking_utils import sliding_window_causal_mask_function
 from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
 
+import rlsp.models.attention as attention
 import rlsp.models.window_attention as window_attention
 from rlsp.data.packing import pack_sequences
 from rlsp.models.attention import ulysses_attention
@@ -60,8 +62,13 @@ def _eager_reference(q, k, v, window, softcap, scale):
 # window 50: longer than every segment; (None, None) is plain causal attention (test_attention_paths.py)
 @pytest.mark.parametrize("window,softcap", [(2, None), (4, None), (50, None), (2, 1.5), (4, 1.5), (50, 1.5),
                                             (None, 1.5)])
-def test_windowed_softcapped_attention_equals_transformers_eager(monkeypatch, window, softcap) -> None:
-    monkeypatch.setattr(window_attention, "_CHUNK", 5)  # query chunks smaller than the longer segments
+@pytest.mark.parametrize("chunk", [5, None])  # 5: query chunks shorter than a segment; None: the padded path
+def test_windowed_softcapped_attention_equals_transformers_eager(monkeypatch, window, softcap, chunk) -> None:
+    if chunk is not None:
+        monkeypatch.setattr(window_attention, "_CHUNK", chunk)
+    padded_calls = []
+    monkeypatch.setattr(attention, "padded_band_attention",
+                        lambda *a, **k: padded_calls.append(1) or window_attention.padded_band_attention(*a, **k))
     width = max(LENS)
     ids = torch.ones(len(LENS), width, dtype=torch.long)
     mask = (torch.arange(width)[None, :] < torch.tensor(LENS)[:, None]).long()
@@ -71,6 +78,7 @@ def test_windowed_softcapped_attention_equals_transformers_eager(monkeypatch, wi
     q, k, v = (torch.randn(T, h, D, generator=gen, dtype=torch.float64, requires_grad=True) for h in (HQ, HKV, HKV))
     out, _ = ulysses_attention(_Layer(), *(x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)), None, scaling=scale,
                                sp_context=ctx, sliding_window=window, softcap=softcap)
+    assert bool(padded_calls) == (chunk is None)
     ref = _eager_reference(q, k, v, window, softcap, scale)
     # transformers' eager attention rounds its softmax to fp32 whatever the inputs' dtype: fp32's bound
     rtol = roundoff_rtol(reduction=max(LENS) * D, stages=3, dtype=torch.float32)
