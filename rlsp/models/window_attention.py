@@ -18,7 +18,8 @@ Kernels:
   keys from max(segment start, first query - window + 1) to the last query). Both run SDPA with a boolean
   mask without soft-capping, and an explicit softmax (in at least fp32) with it (SDPA cannot cap). No T x T
   mask is built; on windowed layers the chunked path's work and the memory it keeps for backward are
-  O(T * (window + chunk)); on soft-capped full layers (Gemma 2) the explicit path keeps O(T^2 / 2) scores.
+  O(T * (window + chunk)); on soft-capped layers the chunked path recomputes each block's scores in backward
+  (activation checkpointing per block) instead of keeping O(T^2 / 2) of them on a full layer.
 
 Legend: N padded segments, L their length, T stream length, H this rank's q heads (kv heads expanded to them), D head dim, C query rows of a
 chunk, K keys of its band.
@@ -26,8 +27,11 @@ chunk, K keys of its band.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 _CHUNK = 256  # query rows per block: bounds a block's [H, C, K] scores
 
@@ -77,14 +81,18 @@ def banded_attention(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tens
                      dropout: float = 0.0) -> torch.Tensor:
     """Causal attention inside each segment [start, end) of `bounds`, limited to `window` keys per query
     (None: the whole causal prefix) with optional soft-capping; q, k, v with the same heads -> [T, H, D]."""
-    outputs = []
+    outputs, attend = [], _attend_block
+    if softcap is not None and torch.is_grad_enabled():
+        # the explicit path would keep each block's [H, C, K] scores and probabilities for backward (O(T^2 / 2) on
+        # a full layer): recompute them per block in backward instead
+        attend = functools.partial(checkpoint, _attend_block, use_reentrant=False)
     for start, end in bounds:
         for a in range(start, end, _CHUNK):
             b = min(a + _CHUNK, end)
             lo = start if window is None else max(start, a - window + 1)
             keep_CK = _band(a, b, lo, window, q_THD.device)
             q, k, v = (x.transpose(0, 1)[None] for x in (q_THD[a:b], k_THD[lo:b], v_THD[lo:b]))
-            outputs.append(_attend_block(q, k, v, keep_CK, scale, softcap, dropout)[0].transpose(0, 1))
+            outputs.append(attend(q, k, v, keep_CK, scale, softcap, dropout)[0].transpose(0, 1))
     return torch.cat(outputs, dim=0)
 
 
