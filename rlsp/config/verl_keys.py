@@ -75,6 +75,10 @@ ACCEPTED_VALUES: dict[str, tuple[tuple[Any, ...], str]] = {
     "data.image_key": (("images",), "verl's default column name; no images are read (text prompts only)"),
     "data.video_key": (("videos",), "verl's default column name; no videos are read (text prompts only)"),
     "data.audio_key": (("audios",), "verl's default column name; no audio is read (text prompts only)"),
+    "actor_rollout_ref.actor.sum_pi_squared_checkpointing": ((True, False), "rlsp computes sum pi^2 inside its "
+                                                                            "vocab-chunked logprob head, a chunk at a "
+                                                                            "time without gradient: no full-vocabulary "
+                                                                            "activation to checkpoint"),
     "critic.model.fsdp_config.use_torch_compile": ((True, False), "the value head computes no entropy, the one part "
                                                                   "verl compiles: nothing to compile for the critic"),
 }

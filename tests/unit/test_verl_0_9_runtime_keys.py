@@ -157,7 +157,7 @@ def _engine(multi_stage: bool, on_gpu: bool = True) -> tuple[VLLMEngine, list]:
     engine = VLLMEngine.__new__(VLLMEngine)  # no vllm.LLM: the GPU path is driven through the fake
     calls: list = []
     engine.llm, engine.on_gpu, engine.multi_stage_wake_up = FakeLLM(calls), on_gpu, multi_stage
-    engine.tie_word_embeddings, engine._asleep = False, ()
+    engine.tie_word_embeddings, engine.model_type, engine._asleep = False, "qwen2", ()
     return engine, calls
 
 

@@ -215,8 +215,8 @@ def test_start_up_notes_of_a_command():
 
 
 def test_in_progress_keys_until_their_section_is_declared():
-    # sum_pi_squared_checkpointing: no section of it is declared, so it is still "not implemented yet"
-    assert refusal("actor_rollout_ref.actor.sum_pi_squared_checkpointing").endswith("not implemented in rlsp yet")
+    # no feature is in progress now: sum_pi_squared_checkpointing has its answer (nothing to checkpoint)
+    assert refusal("actor_rollout_ref.actor.sum_pi_squared_checkpointing").endswith("legal values: True, False")
     # reward.reward_kwargs is declared now: a key under it that the schema lacks is a plain unknown key
     assert refusal("reward.reward_kwargs.overlong_buffer_cfg.lenght") is None
 
