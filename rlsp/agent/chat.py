@@ -156,9 +156,17 @@ class ChatTokens:
                                f"which does not end with {self._show([end, *trailer])}")
         return reply[:len(reply) - len(trailer)]
 
-    def observation_ids(self, messages: list[dict]) -> list[int]:
-        """The ids the template inserts after an assistant turn that ended with its end-of-turn token:
-        `messages` (tool results and/or user turns) up to and including the next generation prompt."""
+    def observation_ids(self, messages: list[dict], calls: list[dict] | None = None,
+                        end_id: int | None = None) -> list[int]:
+        """The ids the template inserts after an assistant turn that ended with `end_id` (default: the
+        end-of-turn token): `messages` (tool results and/or user turns) up to and including the next
+        generation prompt.
+
+        `calls` are the turn's tool calls (OpenAI `tool_calls` entries): the dummy assistant turn carries
+        them, for templates that render a tool result from the call it answers (gpt-oss names the function
+        in the result's header). `end_id` is the token the generation stopped at when a tool-call format
+        ends calling turns with its own token (gpt-oss's <|call|>, GLM's <|observation|>, Gemma 4's
+        <tool_call|>): the observation starts right after that token where the template renders it."""
         if not messages:
             raise ValueError("observation_ids needs at least one message (tool results or a user turn), got none")
         for message in messages:
@@ -166,17 +174,25 @@ class ChatTokens:
                 raise ValueError(f"observation message role {message.get('role')!r} is not allowed; "
                                  f"legal roles: {list(OBSERVATION_ROLES)}")
         layout = self._template_layout()
-        base = layout.dummy_ids
-        cut = len(base) - len(layout.trailer)  # just after the dummy assistant's end-of-turn token
-        full = self._render(_dummy(_DUMMY_REPLIES[0]) + list(messages), True)
-        if full[:cut] != base[:cut]:
-            at = next((i for i, (a, b) in enumerate(zip(full, base[:cut])) if a != b), min(len(full), cut))
+        end = layout.end if end_id is None else end_id
+        reply: dict[str, Any] = {"role": "assistant", "content": _DUMMY_REPLIES[0]}
+        if calls:
+            reply = {"role": "assistant", "content": "", "tool_calls": list(calls)}
+        base = self._render([_DUMMY_USER, reply], False)
+        full = self._render([_DUMMY_USER, reply, *messages], True)
+        self._split_reply(full, layout.prompt, "the conversation with the observation")
+        # The first `end` after the prompt closes the dummy turn; up to it the render must not change
+        # once the observation follows (else generated ids + observation ids != the template's render).
+        at = next((i for i in range(len(layout.prompt), len(full)) if full[i] == end), None)
+        if at is None or full[:at] != base[:at]:
+            first = next((i for i, (a, b) in enumerate(zip(full, base)) if a != b), min(len(full), len(base)))
             raise RuntimeError(
                 "the chat template renders the earlier turns differently once tool/user messages follow (first "
-                f"difference at token {at}: {self._show(full[at:at + 8])} vs {self._show(base[at:at + 8])}), so "
-                "observation ids cannot be appended token-exactly to the generated ids; use a template that "
-                "renders history unchanged")
-        return full[cut:]
+                f"difference at token {first}: {self._show(full[first:first + 8])} vs "
+                f"{self._show(base[first:first + 8])}; the turn's end {self._show([end])} "
+                f"{'is not rendered after it' if at is None else f'is at token {at}'}), so observation ids cannot "
+                "be appended token-exactly to the generated ids; use a template that renders history unchanged")
+        return full[at + 1:]
 
     def tools_rendered(self) -> bool:
         """Whether the template renders tool schemas at all (the render with tools differs from the one

@@ -11,9 +11,10 @@ output together) runs out (`finish_reason="length"`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from rlsp.agent.formats import stop_token_ids
 from rlsp.agent.loop import AgentLoop, AgentLoopOutput, AgentSample, register_agent_loop
 from rlsp.agent.parsing import parse_tool_calls
 from rlsp.agent.server import Generation
@@ -69,8 +70,17 @@ def _assistant_message(content: str, calls: list[ToolCall]) -> dict[str, Any]:
     return message
 
 
+def _call_entry(call: ToolCall) -> dict[str, Any]:
+    """A call as a chat template's `tool_calls` entry (a call that could not be read renders as `{}`)."""
+    return {"type": "function", "function": {"name": call.name or "unknown", "arguments": call.arguments or {}}}
+
+
 @register_agent_loop("tool_agent")
 class ToolAgentLoop(AgentLoop):
+    def __init__(self, env: Any) -> None:
+        super().__init__(env)
+        self._stop_ids = stop_token_ids(env.settings.format, env.tokenizer)
+
     async def run(self, sample: AgentSample) -> AgentLoopOutput:
         s = self.env.settings
         session = ToolSession(self.env.tools, sample.tools_kwargs, timeout_s=s.tool_timeout_s,
@@ -91,12 +101,13 @@ class ToolAgentLoop(AgentLoop):
     async def _turns(self, traj: _Trajectory, log: _Log, session: ToolSession) -> str:
         s, server = self.env.settings, self.env.server
         while (left := traj.left()) > 0:
-            gen = await server.generate(traj.prompt_ids + traj.ids,
-                                        min(left, s.max_tokens_per_turn) if s.max_tokens_per_turn else left)
+            gen = self._at_stop(await server.generate(
+                traj.prompt_ids + traj.ids, min(left, s.max_tokens_per_turn) if s.max_tokens_per_turn else left))
             traj.add_policy(gen)
             log.assistant_turns += 1
-            ended = bool(gen.ids) and gen.ids[-1] in self.env.chat.end_of_turn_ids()
-            content, calls = parse_tool_calls(self._text(gen.ids, ended), s.format)
+            ended = bool(gen.ids) and gen.ids[-1] in self.env.chat.end_of_turn_ids() | self._stops()
+            content, calls = parse_tool_calls(self._text(gen.ids), s.format,
+                                              [tool.tool_schema for tool in self.env.tools.values()])
             log.messages.append(_assistant_message(content, calls))
             log.parse_errors += sum(c.error is not None for c in calls)
             if gen.finish_reason != "stop":
@@ -106,7 +117,9 @@ class ToolAgentLoop(AgentLoop):
             async with server.tool_call():
                 results = await session.call(calls)
             self._record(traj, log, calls, results)
-            observation = self.env.chat.observation_ids(log.messages[-len(results):])
+            # The template renders the results after this turn's calls and the token it ended with.
+            observation = self.env.chat.observation_ids(
+                log.messages[-len(results):], [_call_entry(c) for c in calls], end_id=gen.ids[-1])
             if len(observation) > traj.left():
                 traj.add_observation(observation[: traj.left()])
                 return "length"
@@ -114,8 +127,23 @@ class ToolAgentLoop(AgentLoop):
             log.tool_turns += 1
         return "length"
 
-    def _text(self, ids: list[int], ended: bool) -> str:
-        # Special tokens other than the end-of-turn stay: some formats use added tokens as call markers.
+    def _stops(self) -> set[int]:
+        """The format's stop tokens (gpt-oss's <|call|>, ...): they end a turn like the end-of-turn token."""
+        return self._stop_ids
+
+    def _at_stop(self, gen: Generation) -> Generation:
+        """`gen` cut right after its first stop token: what the engine returns when it stops there (the
+        kept tokens and their logprobs do not depend on what was sampled after them)."""
+        stops = self._stops()
+        cut = next((i + 1 for i, tok in enumerate(gen.ids) if tok in stops), len(gen.ids))
+        if cut == len(gen.ids):
+            return gen
+        return replace(gen, ids=gen.ids[:cut], logprobs=gen.logprobs[:cut], finish_reason="stop")
+
+    def _text(self, ids: list[int]) -> str:
+        # Special tokens other than the end-of-turn stay: some formats use added tokens as call markers
+        # (and a format's stop token, e.g. gpt-oss's <|call|>, tells a finished call from a cut-off one).
+        ended = bool(ids) and ids[-1] in self.env.chat.end_of_turn_ids()
         return self.env.tokenizer.decode(ids[:-1] if ended else ids, skip_special_tokens=False)
 
     def _at_turn_limit(self, log: _Log) -> bool:

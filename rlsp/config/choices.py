@@ -32,7 +32,7 @@ TRUNCATIONS = ("error", "left", "right", "middle")
 # actor_rollout_ref.rollout.mode: verl's serving mode of the rollout engine.
 ROLLOUT_MODES = ("sync", "async")
 # actor_rollout_ref.rollout.multi_turn.format: how tool calls are written in model text (rlsp.agent.parsing).
-TOOL_CALL_FORMATS = ("hermes",)
+TOOL_CALL_FORMATS = ("hermes", "gpt-oss", "qwen3_coder", "glm", "seed", "minimax", "kimi", "deepseek_v4", "gemma4")
 # actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side (verl's values).
 TRUNCATE_SIDES = ("left", "middle", "right")
 # actor_rollout_ref.rollout.agent.default_agent_loop: the built-in agent loops (more via agent_loop_config_path).

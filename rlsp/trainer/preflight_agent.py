@@ -11,6 +11,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from rlsp.agent.chat import ChatTokens
+from rlsp.agent.formats import check_chat_template
 from rlsp.agent.loop import registered_agent_loops
 from rlsp.agent.runner import load_agent_loop_config
 from rlsp.agent.tools.loading import load_tools, tool_schemas
@@ -57,7 +58,7 @@ def _template_errors(cfg: DictConfig, tokenizer: Any, tools: dict[str, Any]) -> 
     try:
         chat = ChatTokens(tokenizer, tool_schemas(tools) or None, chat_template_kwargs(cfg))
         ends = chat.end_of_turn_ids()
-        chat.observation_ids([{"role": "tool", "content": "0"}])
+        check_chat_template(str(cfg.actor_rollout_ref.rollout.multi_turn.format), tokenizer, chat)
     except (ValueError, RuntimeError, TypeError, KeyError) as exc:
         return [f"multi-turn rollouts need a chat template with assistant and tool turns: the tokenizer of {path} "
                 f"gives {type(exc).__name__}: {exc}"]
