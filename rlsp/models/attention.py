@@ -9,8 +9,11 @@ the attention function. The function:
 The model's own attention mask is not built: a mask policy registered under the same name returns
 None, and segment boundaries come from the context only.
 
-Sliding-window and soft-capped layers (the layer's `sliding_window` / `softcap` kwargs, e.g. Gemma 2/3) take
-rlsp.models.window_attention's banded kernels; ring attention refuses them. Other layers:
+Sliding-window and soft-capped layers (the layer's `sliding_window` / `softcap` kwargs, e.g. Gemma 2/3) and layers
+with attention sinks (the `s_aux` kwarg, gpt-oss: sliced to this rank's q heads after the all-to-all) take
+rlsp.models.window_attention's banded kernels; with a ring, ring attention (rlsp.parallel.ring) applies all three. Multi-latent attention (deepseek_v2/v3)
+hands v with a narrower head dim than q/k: the exchanges carry it as is, SDPA takes it, flash_attn gets it zero-padded
+(`_flash_causal`). Other layers:
 inner attention: `flash_attn_varlen_func` on CUDA in fp16/bf16 when flash_attn is installed;
 otherwise `scaled_dot_product_attention` with `is_causal=True`: one batched call over the segments
 right-padded to the longest when that costs at most 4x the exact work (many short rollouts: one
@@ -143,7 +146,7 @@ def _segmented_sdpa(
         q, k, v = (x.index_select(0, gather).view(n, lmax, x.shape[1], x.shape[2]).transpose(1, 2)
                    for x in (q_THD, k_THD, v_THD))
         o_NLHD = _sdpa(q, k, v, scale, dropout, gqa).transpose(1, 2)
-        return o_NLHD.reshape(n * lmax, q_THD.shape[1], q_THD.shape[2]).index_select(0, keep)
+        return o_NLHD.reshape(n * lmax, q_THD.shape[1], v_THD.shape[2]).index_select(0, keep)
     outputs = []
     for start, end in _segment_bounds(ctx):
         q_1HLD, k_1HLD, v_1HLD = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (q_THD, k_THD, v_THD))
@@ -156,24 +159,26 @@ def _use_flash(q_THD: torch.Tensor) -> bool:
 
 
 def _ring(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, ctx: SPContext, scale: float,
-          dropout: float) -> torch.Tensor:
-    """Ring attention over the whole stream for this rank's heads; its ring rank's tokens -> [Tr, hq, D]."""
+          dropout: float, window: int | None = None, softcap: float | None = None,
+          sinks_H: torch.Tensor | None = None) -> torch.Tensor:
+    """Ring attention over the stream for this rank's heads (windows, soft-caps, sinks too) -> [Tr, hq, D]."""
     if dropout > 0.0:
         raise ValueError(f"attention dropout={dropout} is not supported with ring sequence parallelism; set the "
                          "model's attention_dropout to 0 or ring_sequence_parallel_size=1")
     kv_index, native = _kv_plan(ctx, q_THD.device)
-    return ring_attention(q_THD, k_THD, v_THD, ctx.ring, scale, None if native else kv_index, stats=ctx.stats)
+    return ring_attention(q_THD, k_THD, v_THD, ctx.ring, scale, None if native else kv_index, stats=ctx.stats,
+                          window=window, softcap=softcap, sinks_H=sinks_H)
 
 
 def _windowed(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, ctx: SPContext, scale: float,
-              dropout: float, window: int | None, softcap: float | None) -> torch.Tensor:
-    """A sliding-window and/or soft-capped layer (rlsp.models.window_attention); kv heads expanded to q heads."""
-    if ctx.ring is not None:
-        raise ValueError(f"sliding window={window} / attention soft-capping={softcap} is not supported with ring "
-                         "sequence parallelism; set ring_sequence_parallel_size=1 (Ulysses alone is exact)")
+              dropout: float, window: int | None, softcap: float | None,
+              sinks_H: torch.Tensor | None = None) -> torch.Tensor:
+    """A sliding-window, soft-capped and/or sink layer (rlsp.models.window_attention); kv heads expanded to q heads."""
+    if ctx.ring is not None:  # ring attention applies the window and the cap per block, the sinks after its merge
+        return _ring(q_THD, k_THD, v_THD, ctx, scale, dropout, window, softcap, sinks_H)
     kv_index, _ = _kv_plan(ctx, q_THD.device)
     k_THD, v_THD = k_THD.index_select(1, kv_index), v_THD.index_select(1, kv_index)
-    if _use_flash(q_THD):
+    if sinks_H is None and _use_flash(q_THD):  # flash_attn's varlen function has no sinks
         cu = _cached(ctx, ("cu_seqlens", str(q_THD.device)), lambda: ctx.cu_seqlens.to(q_THD.device))
         return _flash_varlen(q_THD, k_THD, v_THD, cu, cu, ctx.max_seqlen, ctx.max_seqlen, dropout_p=dropout,
                              softmax_scale=scale, causal=True, **flash_window_kwargs(window, softcap))
@@ -182,14 +187,31 @@ def _windowed(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, ctx
         gather, keep, n, lmax = plan
         q, k, v = (x.index_select(0, gather).view(n, lmax, x.shape[1], x.shape[2]).transpose(1, 2)
                    for x in (q_THD, k_THD, v_THD))
-        o_NLHD = padded_band_attention(q, k, v, scale, window, softcap, dropout).transpose(1, 2)
-        return o_NLHD.reshape(n * lmax, q_THD.shape[1], q_THD.shape[2]).index_select(0, keep)
-    return banded_attention(q_THD, k_THD, v_THD, _segment_bounds(ctx), scale, window, softcap, dropout)
+        o_NLHD = padded_band_attention(q, k, v, scale, window, softcap, dropout, sinks_H).transpose(1, 2)
+        return o_NLHD.reshape(n * lmax, q_THD.shape[1], v_THD.shape[2]).index_select(0, keep)
+    return banded_attention(q_THD, k_THD, v_THD, _segment_bounds(ctx), scale, window, softcap, dropout, sinks_H)
+
+
+def _flash_causal(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, ctx: SPContext, scale: float,
+                  dropout: float) -> torch.Tensor:
+    """flash_attn_varlen_func over the stream's segments. flash_attn wants one head dim for q, k and v: a
+    narrower v (multi-latent attention, Dv < Dq) is zero-padded to Dq and the output sliced back to Dv; the
+    padded columns of softmax(QK^T) V are zero and the kept ones unchanged, so this is exact."""
+    cu = _cached(ctx, ("cu_seqlens", str(q_THD.device)), lambda: ctx.cu_seqlens.to(q_THD.device))
+    dq, dv = q_THD.shape[2], v_THD.shape[2]
+    if dv > dq:
+        raise ValueError(f"value head dim {dv} > query/key head dim {dq}: flash_attn needs one head dim; "
+                         "legal: v_head_dim <= qk head dim (or run without flash_attn: SDPA)")
+    if dv < dq:
+        v_THD = F.pad(v_THD, (0, dq - dv))
+    o_THD = _flash_varlen(q_THD, k_THD, v_THD, cu, cu, ctx.max_seqlen, ctx.max_seqlen, dropout_p=dropout,
+                          softmax_scale=scale, causal=True)
+    return o_THD[..., :dv] if dv < dq else o_THD
 
 
 def _local_attention(
     q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, ctx: SPContext, scale: float, dropout: float,
-    window: int | None = None, softcap: float | None = None,
+    window: int | None = None, softcap: float | None = None, sinks_H: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention within each segment of the stream for this rank's heads -> [Tr, hq, D]
     (the whole stream without a ring; with one, ring attention over its ranks)."""
@@ -197,10 +219,11 @@ def _local_attention(
     if hq == 0:
         # A rank without heads (q heads < ulysses) still returns a graph-connected empty output so
         # that its backward all-to-all runs in step with the other ranks. Every rank of its ring
-        # group has the same (empty) heads, so the ring is skipped by all of them.
-        return q_THD * 0.0
-    if window is not None or softcap is not None:
-        return _windowed(q_THD, k_THD, v_THD, ctx, scale, dropout, window, softcap)
+        # group has the same (empty) heads, so the ring is skipped by all of them. v's head dim: the
+        # output's on every rank (multi-latent attention: Dv != Dq).
+        return v_THD * 0.0
+    if window is not None or softcap is not None or sinks_H is not None:
+        return _windowed(q_THD, k_THD, v_THD, ctx, scale, dropout, window, softcap, sinks_H)
     if ctx.ring is not None:
         return _ring(q_THD, k_THD, v_THD, ctx, scale, dropout)
     kv_index, native = _kv_plan(ctx, q_THD.device)
@@ -208,25 +231,13 @@ def _local_attention(
         k_THD, v_THD = k_THD.index_select(1, kv_index), v_THD.index_select(1, kv_index)
         hkv = hq
     if _use_flash(q_THD):
-        cu = _cached(ctx, ("cu_seqlens", str(q_THD.device)), lambda: ctx.cu_seqlens.to(q_THD.device))
-        return _flash_varlen(
-            q_THD,
-            k_THD,
-            v_THD,
-            cu,
-            cu,
-            ctx.max_seqlen,
-            ctx.max_seqlen,
-            dropout_p=dropout,
-            softmax_scale=scale,
-            causal=True,
-        )
+        return _flash_causal(q_THD, k_THD, v_THD, ctx, scale, dropout)
     return _segmented_sdpa(q_THD, k_THD, v_THD, ctx, scale, dropout, gqa=hq != hkv)
 
 
 def _check_call(module: torch.nn.Module, query: torch.Tensor, sp_context: Any,
                 kwargs: dict[str, Any]) -> tuple[SPContext, int | None, float | None]:
-    """(the SP context, the layer's sliding window or None, its attention soft-cap or None)."""
+    """(the SP context, the layer's sliding window or None, its attention soft-cap or None); sinks: `_rank_sinks`."""
     if not isinstance(sp_context, SPContext):
         raise RuntimeError(
             f"attn_implementation={ULYSSES_ATTN_IMPL!r} needs the forward kwarg sp_context=SPContext "
@@ -234,15 +245,28 @@ def _check_call(module: torch.nn.Module, query: torch.Tensor, sp_context: Any,
             "call model(input_ids=..., position_ids=..., sp_context=ctx), or load the model with "
             "attn_implementation='sdpa' for use without sequence parallelism (e.g. generation)"
         )
-    if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
-        raise ValueError(f"layer {getattr(module, 'layer_idx', '?')} uses attention sinks (s_aux); "
-                         f"{ULYSSES_ATTN_IMPL} does not apply them yet")
     # transformers passes the layer's window as a kwarg (None on full layers); the module attribute is the
     # fallback for families that set it there only
     window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
     if query.dim() != 4 or query.shape[0] != 1:
         raise ValueError(f"query has shape {tuple(query.shape)}; expected [1, H, S, D] (one packed stream)")
     return sp_context, window, kwargs.get("softcap")
+
+
+def _rank_sinks(module: torch.nn.Module, ctx: SPContext, kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """This rank's q heads' slice of the layer's attention sinks (the `s_aux` kwarg, else `module.sinks`; one logit
+    per q head), or None; slicing keeps the autograd path to the full parameter."""
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = getattr(module, "sinks", None)
+    if sinks is None:
+        return None
+    layout = ctx.layout
+    if tuple(sinks.shape) != (layout.num_q_heads,):
+        raise ValueError(f"layer {getattr(module, 'layer_idx', '?')}: attention sinks of shape {tuple(sinks.shape)}; "
+                         f"{ULYSSES_ATTN_IMPL} applies one sink per q head, shape ({layout.num_q_heads},)")
+    start, end = layout.q_ranges[ctx.ulysses_rank]
+    return sinks[start:end]
 
 
 def ulysses_attention(
@@ -256,16 +280,18 @@ def ulysses_attention(
     sp_context: SPContext | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention function: query [1, Hq, S, D], key/value [1, Hkv, S, D] -> ([1, S, Hq, D], None).
+    """transformers attention function: query/key [1, Hq|Hkv, S, D], value [1, Hkv, S, Dv] -> ([1, S, Hq, Dv], None)
+    (Dv == D except for multi-latent attention, e.g. deepseek_v3).
 
     `attention_mask` is ignored (the mask policy makes it None); segments come from `sp_context`.
     """
     ctx, window, softcap = _check_call(module, query, sp_context, kwargs)
+    sinks_H = _rank_sinks(module, ctx, kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q_THD, k_THD, v_THD = ulysses_qkv_to_heads(
         query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), ctx
     )
-    o_THD = _local_attention(q_THD, k_THD, v_THD, ctx, scale, dropout, window, softcap)
+    o_THD = _local_attention(q_THD, k_THD, v_THD, ctx, scale, dropout, window, softcap, sinks_H)
     o_SHD = ulysses_heads_to_seq(o_THD, ctx)
     ctx.stats.attn_calls += 1
     return o_SHD.unsqueeze(0), None

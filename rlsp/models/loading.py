@@ -2,11 +2,15 @@
 
 Supported: decoder-only models whose every layer is full causal softmax attention with standard
 (grouped-query) heads, reached through transformers' attention interface, and a plain linear output
-layer (tied or not). Refused with a clear message: sliding-window layers, linear/hybrid attention
-layers, multi-latent attention, encoder-decoders, logit scaling (the vocab-chunked logprobs compute
+layer (tied or not). Gated DeltaNet (linear_attention) layers of Qwen3-Next / Qwen3.5 (`LINEAR_FAMILIES`) run
+in rlsp.models.linear_attention (swapped in at load; ring attention and tensor parallelism refuse them). Refused
+with a clear message: sliding-window layers, other linear/hybrid attention layers, multi-latent attention outside
+the verified families (`MLA_FAMILIES`: deepseek_v2, deepseek_v3, whose value head dim differs from the query/key
+one; ring attention and tensor parallelism refuse them), encoder-decoders, logit scaling (the vocab-chunked logprobs
+compute
 `hidden @ lm_head.weight.T`, soft-capped by `config.final_logit_softcapping` when set). Sliding-window
 layers named by `config.layer_types` and attention soft-capping run in rlsp.models.window_attention
-(Gemma 2, Gemma 3); ring attention refuses them (`check_ring_support`). An architecture that passes these checks but
+(Gemma 2, Gemma 3, gpt-oss, whose attention sinks run there too); ring attention runs them too for these families (`check_ring_support`). An architecture that passes these checks but
 routes some layer around the attention interface is caught at runtime by the layer-count check of
 `rlsp.models.lm.TokenLogprobModel`.
 
@@ -27,11 +31,18 @@ import transformers
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from rlsp.models.attention import ULYSSES_ATTN_IMPL, register_ulysses_attention
+from rlsp.models.linear_attention import (
+    LINEAR_FAMILIES,
+    LINEAR_LAYER_TYPE,
+    apply_linear_attention,
+    has_linear_layers,
+)
 
 # Config attributes whose presence (with a truthy value) means the output or attention is not the
 # plain form rlsp computes; value = why.
 _UNSUPPORTED_ATTRS = {
-    "kv_lora_rank": "multi-latent attention (compressed kv) is not supported by the Ulysses head split",
+    "kv_lora_rank": "multi-latent attention (compressed kv) is verified exact in rlsp_ulysses for deepseek_v2 and "
+                    "deepseek_v3 only (tests/distributed/test_deepseek_exact.py)",
     "logit_scale": "scaled output logits are not applied by the vocab-chunked logprobs",
 }
 
@@ -98,19 +109,29 @@ def num_heads(config: PretrainedConfig) -> tuple[int, int]:
 
 # Layer types rlsp_ulysses runs (rlsp.models.window_attention for the windowed ones), and the families whose
 # sliding-window layers are verified exact against transformers' own attention (tests/unit/test_window_attention.py,
-# tests/distributed/test_gemma_exact.py); other families' windowed layers stay refused until tested.
+# tests/unit/test_gpt_oss_attention.py, tests/distributed/test_gemma_exact.py); other families' windowed layers stay
+# refused until tested.
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
-WINDOWED_FAMILIES = ("gemma2", "gemma3_text")
+# Multi-latent attention families verified exact under Ulysses (their attention hands rlsp_ulysses q/k of one head
+# dim and v of another; tests/unit/test_deepseek_mla.py, tests/distributed/test_deepseek_exact.py).
+MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
+WINDOWED_FAMILIES = ("gemma2", "gemma3_text", "gpt_oss")
+# Families whose attention adds a learned sink logit per q head to the softmax's denominator (the `s_aux` kwarg; no
+# config attribute says so): rlsp.models.window_attention applies it (tests/unit/test_gpt_oss_attention.py).
+SINK_FAMILIES = ("gpt_oss",)
 
 
 def _check_layers(config: PretrainedConfig) -> None:
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
-        other = sorted({t for t in layer_types if t not in SUPPORTED_LAYER_TYPES})
+        linear_ok = config.model_type in LINEAR_FAMILIES  # Gated DeltaNet: rlsp.models.linear_attention
+        other = sorted({t for t in layer_types if t not in SUPPORTED_LAYER_TYPES
+                        and not (t == LINEAR_LAYER_TYPE and linear_ok)})
         if other:
             raise ValueError(
                 f"{config.model_type}: layer types {other} are not supported by {ULYSSES_ATTN_IMPL} (supported: "
-                f"{list(SUPPORTED_LAYER_TYPES)}); linear/hybrid attention layers cannot be sequence-parallelised this way"
+                f"{list(SUPPORTED_LAYER_TYPES)}, and {LINEAR_LAYER_TYPE!r} for {list(LINEAR_FAMILIES)}); other linear/hybrid "
+                "attention layers cannot be sequence-parallelised this way"
             )
         if "sliding_attention" in layer_types and config.model_type not in WINDOWED_FAMILIES:
             raise ValueError(
@@ -129,25 +150,52 @@ def _check_layers(config: PretrainedConfig) -> None:
 
 
 def windowed_attention(config: PretrainedConfig) -> str | None:
-    """What makes this model's attention more than plain causal softmax (sliding windows, soft-capping), else None."""
+    """What makes this model's attention more than plain causal softmax (sliding windows, soft-capping, sinks), else
+    None."""
     parts = []
     if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
         parts.append(f"sliding-window layers (sliding_window={config.sliding_window})")
     if getattr(config, "attn_logit_softcapping", None):
         parts.append(f"attention soft-capping (attn_logit_softcapping={config.attn_logit_softcapping})")
+    if config.model_type in SINK_FAMILIES:
+        parts.append("attention sinks (a learned logit per q head in the softmax's denominator)")
     return " and ".join(parts) or None
+
+
+def multi_latent_attention(config: PretrainedConfig) -> str | None:
+    """'multi-latent attention (...head dims...)' for a config with `kv_lora_rank` (DeepSeek-V2/V3, Kimi-K2,
+    Moonlight), else None."""
+    if not getattr(config, "kv_lora_rank", None):
+        return None
+    qk = (getattr(config, "qk_nope_head_dim", 0) or 0) + (getattr(config, "qk_rope_head_dim", 0) or 0)
+    v = getattr(config, "v_head_dim", None)
+    relation = "!=" if v != qk else "="
+    return f"multi-latent attention (kv_lora_rank={config.kv_lora_rank}, v_head_dim={v} {relation} qk head dim {qk})"
 
 
 def check_ring_support(config: PretrainedConfig, ring_size: int) -> None:
     """Raise ValueError if ring attention (ring_size > 1) is asked for a model whose layers it cannot run exactly."""
-    if ring_size > 1 and (what := windowed_attention(config)):
+    if ring_size > 1 and (what := multi_latent_attention(config)):
+        raise ValueError(f"ring_sequence_parallel_size={ring_size}: {config.model_type} has {what}; ring attention is not "
+                         "verified for it (its kernels take one head dim for q, k and v); legal: 1 (Ulysses alone runs "
+                         "it exactly)")
+    if ring_size > 1 and has_linear_layers(config):
+        raise ValueError(f"ring_sequence_parallel_size={ring_size}: {config.model_type} has {LINEAR_LAYER_TYPE} "
+                         "(Gated DeltaNet) layers, which ring attention does not run; legal: 1 (Ulysses alone runs "
+                         "them exactly)")
+    # ring attention applies sliding windows, soft-capping and sinks (rlsp.parallel.ring; tests/unit/test_ring_window.py,
+    # tests/distributed/test_ring_window_exact.py) of the verified families only
+    what = windowed_attention(config)
+    if ring_size > 1 and what and config.model_type not in WINDOWED_FAMILIES:
         raise ValueError(f"ring_sequence_parallel_size={ring_size}: {config.model_type} has {what}, which ring "
-                         "attention does not apply; legal: 1 (Ulysses alone runs these layers exactly)")
+                         f"attention runs verified for {list(WINDOWED_FAMILIES)} only; legal: 1 (or a verified family)")
 
 
 def check_tp_windowed(config: PretrainedConfig, tp_size: int) -> None:
     """Raise ValueError for tensor parallelism (tp_size > 1) on a windowed or soft-capped model: not verified exact."""
     what = windowed_attention(config)
+    if has_linear_layers(config):
+        what = " and ".join(filter(None, [what, f"{LINEAR_LAYER_TYPE} (Gated DeltaNet) layers"]))
     if getattr(config, "final_logit_softcapping", None):
         what = " and ".join(filter(None, [what, f"final_logit_softcapping={config.final_logit_softcapping}"]))
     if tp_size > 1 and what:
@@ -172,7 +220,7 @@ def check_sp_support(config: PretrainedConfig, sp_size: int) -> None:
         )
     num_heads(config)
     for attr, why in _UNSUPPORTED_ATTRS.items():
-        if getattr(config, attr, None):
+        if getattr(config, attr, None) and not (attr == "kv_lora_rank" and config.model_type in MLA_FAMILIES):
             raise ValueError(f"{config.model_type}: {attr}={getattr(config, attr)!r}: {why}")
     _check_layers(config)
 
@@ -188,7 +236,7 @@ def build_causal_lm_from_config(
     config = copy.deepcopy(config)
     _prepare(config, attn_implementation)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
-    return model
+    return _finish(model, attn_implementation)
 
 
 def load_causal_lm(
@@ -197,7 +245,8 @@ def load_causal_lm(
     """Load a causal LM from a local path; registers rlsp_ulysses first and checks the architecture."""
     config = AutoConfig.from_pretrained(path)
     _prepare(config, attn_implementation)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation, **kwargs)
+    return _finish(model, attn_implementation)
 
 
 def load_backbone(
@@ -206,10 +255,18 @@ def load_backbone(
     """Load only the decoder (HF base model, no output layer) of a causal-LM checkpoint: a critic's backbone."""
     config = AutoConfig.from_pretrained(path)
     _prepare(config, attn_implementation)
-    return AutoModel.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    model = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    return _finish(model, attn_implementation)
 
 
 def _prepare(config: PretrainedConfig, attn_implementation: str) -> None:
     if attn_implementation == ULYSSES_ATTN_IMPL:
         register_ulysses_attention()
         check_sp_support(config, 1)
+
+
+def _finish(model: PreTrainedModel, attn_implementation: str) -> PreTrainedModel:
+    """The model rlsp trains: Gated DeltaNet layers swapped for their packed, Ulysses-aware form (same parameters)."""
+    if attn_implementation == ULYSSES_ATTN_IMPL:
+        apply_linear_attention(model)
+    return model

@@ -18,6 +18,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForSequenceClassification, PreTrainedModel
 
 from rlsp.models.attention import ULYSSES_ATTN_IMPL, register_ulysses_attention
+from rlsp.models.linear_attention import apply_linear_attention
 from rlsp.models.lm import check_local_inputs, compute_hidden_states
 from rlsp.models.loading import check_sp_support
 from rlsp.parallel.tensor_parallel import TPInfo
@@ -44,7 +45,10 @@ def load_reward_model(path: str, *, dtype: torch.dtype = torch.float32,
     check_reward_config(config)
     if attn_implementation == ULYSSES_ATTN_IMPL:
         register_ulysses_attention()
-    return AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    if attn_implementation == ULYSSES_ATTN_IMPL:
+        apply_linear_attention(model)  # Gated DeltaNet layers (Qwen3-Next / Qwen3.5): packed, Ulysses-aware form
+    return model
 
 
 class RewardModel(nn.Module):

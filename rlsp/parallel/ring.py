@@ -53,6 +53,19 @@ blockwise attention. The working set is O(rows x heads x D) plus the kernels' ow
 rows x keys scores. A dtype the device's kernel lacks (fp64 on CUDA) takes the explicit path
 (rlsp/parallel/ring_reference.py: fp32/fp64 scores of ROW_CHUNK query rows of a box at a time).
 
+Sliding-window and soft-capped layers (Gemma 2 / 3: `window`, `softcap`). The window is part of each box's
+visibility (rlsp/parallel/ring_plan.py: query p sees key c of its segment when p - window < c <= p), so a box
+holds only rows and keys the window connects, and a step whose visiting block lies wholly outside every
+row's window has no box: it is not computed (`RingPlan.block_counts`; optional stats counters
+ring_blocks_computed / ring_blocks_skipped). Soft-capping maps each scaled score s to cap * tanh(s / cap)
+before the mask and softmax, forward and backward (d/ds = 1 - tanh^2(s / cap)). The fused kernels take
+neither a band nor a cap, so these layers run the explicit path, a row chunk against its key band.
+Sends are UNCHANGED on these layers: every K/V block (and dK/dV accumulator) travels at every step as on a
+plain layer, so the "same program on every rank" rule above holds as it is; only the compute of a skipped
+step is saved. (The plan would let every rank derive which steps no rank needs, but skipping those sends is
+not done: the accumulator of block j must still reach its owner after r-1 hops.)
+Attention sinks (gpt-oss) join the merged rows once, after the last step (rlsp/parallel/ring_sinks.py).
+
 Legend: T stream length, r ring size, Tr = T / r tokens of this rank, Q / K query / key rows of
 one block (its bounding box), H heads (hq for q and o, hkv for k and v), D head dim.
 """
@@ -66,6 +79,7 @@ import torch.distributed as dist
 
 from rlsp.parallel import ring_reference
 from rlsp.parallel.ring_block import fused_forward, fused_supported, native_gqa
+from rlsp.parallel.ring_checks import check_inputs, check_softcap
 from rlsp.parallel.ring_grads import BlockCtx as _Ctx
 from rlsp.parallel.ring_grads import block_grads as _block_grads
 from rlsp.parallel.ring_grads import expand as _expand
@@ -74,6 +88,7 @@ from rlsp.parallel.ring_plan import ROW_CHUNK, RingPlan, StepBlock
 from rlsp.parallel.ring_reference import acc_dtype as _acc_dtype
 from rlsp.parallel.ring_reference import block_attention, block_attention_backward
 from rlsp.parallel.ring_reference import finite as _finite
+from rlsp.parallel.ring_sinks import apply_sinks, check_sinks, sink_grad
 
 __all__ = ["ROW_CHUNK", "block_attention", "block_attention_backward", "ring_attention"]
 
@@ -116,13 +131,22 @@ def _count(stats: Any, suffix: str, nbytes: int) -> None:
         setattr(stats, f"ring_calls_{suffix}", getattr(stats, f"ring_calls_{suffix}") + 1)
 
 
+def _count_blocks(stats: Any, plan: RingPlan, window: int | None) -> None:
+    """Add this call's computed / skipped K/V blocks (steps with / without a visible box) to the stats
+    ring_blocks_computed / ring_blocks_skipped counters (the plan derives them: `RingPlan.block_counts`)."""
+    if stats is not None:
+        computed, skipped = plan.block_counts(window)
+        stats.ring_blocks_computed += computed
+        stats.ring_blocks_skipped += skipped
+
+
 def _attend(q_THD: torch.Tensor, kv_2THD: torch.Tensor, block: StepBlock, ctx: _Ctx, out_THD: torch.Tensor,
             lse_HT: torch.Tensor) -> None:
     """Merge one box's partial (out, lse) into the running (out_THD, lse_HT), tile by tile when fused."""
     if not ctx.fused:
         k_KHD, v_KHD = (_expand(x[block.k0:block.k1], ctx.kv_index) for x in kv_2THD)
         o_QHD, lse_HQ = ring_reference.attend_box(q_THD[block.q0:block.q1], k_KHD, v_KHD, block, ctx.scale,
-                                                  ctx.row_chunk)
+                                                  ctx.row_chunk, ctx.softcap)
         _merge(out_THD[block.q0:block.q1], lse_HT[:, block.q0:block.q1], o_QHD, lse_HQ)
         return
     for tile in block.tiles:
@@ -132,19 +156,23 @@ def _attend(q_THD: torch.Tensor, kv_2THD: torch.Tensor, block: StepBlock, ctx: _
 
 
 def _ring_forward(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, plan: RingPlan,
-                  ctx: _Ctx) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """-> (out [Tr, hq, D] in q's dtype, lse [hq, Tr] fp32/fp64, bytes sent)."""
+                  ctx: _Ctx, sinks_H: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """-> (out [Tr, hq, D] in q's dtype, lse [hq, Tr] fp32/fp64, bytes sent). A step without a visible box
+    (e.g. a block wholly outside every row's window) computes nothing; its block still travels. Sinks join
+    the merged rows once, after the last step (rlsp/parallel/ring_sinks.py)."""
     acc, (Tr, hq, D) = _acc_dtype(q_THD.dtype), q_THD.shape
     out_THD = q_THD.new_zeros((Tr, hq, D), dtype=acc)
     lse_HT = q_THD.new_full((hq, Tr), float("-inf"), dtype=acc)
     kv_2THD, sent = torch.stack([k_THD, v_THD]), 0
-    for step, blocks in enumerate(plan.step_blocks(q_THD.device)):
+    for step, blocks in enumerate(plan.step_blocks(q_THD.device, ctx.window)):
         works, next_2THD, nbytes = _pass_kv(plan, step, kv_2THD)  # pass the block on while computing with it
         sent += nbytes
         for block in blocks:
             _attend(q_THD, kv_2THD, block, ctx, out_THD, lse_HT)
         _wait(works)
         kv_2THD = next_2THD
+    if sinks_H is not None:
+        out_THD, lse_HT = apply_sinks(out_THD, lse_HT, sinks_H)
     return out_THD.to(q_THD.dtype), lse_HT, sent
 
 
@@ -158,7 +186,7 @@ def _ring_backward(do_THD: torch.Tensor, q_THD: torch.Tensor, k_THD: torch.Tenso
     saved = (out_THD, lse_HT, delta_HT, ctx)
     dq_THD = q_THD.new_zeros(q_THD.shape, dtype=acc)
     kv_2THD, sent, own_2THD, dkv_works, dkv_recv = torch.stack([k_THD, v_THD]), 0, None, None, None
-    for step, blocks in enumerate(plan.step_blocks(q_THD.device)):
+    for step, blocks in enumerate(plan.step_blocks(q_THD.device, ctx.window)):
         kv_works, next_2THD, nbytes = _pass_kv(plan, step, kv_2THD)
         sent += nbytes
         dkv_2THD = _block_grads(do_THD, q_THD, kv_2THD, blocks, saved, dq_THD)
@@ -204,52 +232,34 @@ def _grouped_backward(do_THD: torch.Tensor, q_THD: torch.Tensor, k_THD: torch.Te
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(fctx: Any, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, plan: RingPlan,
-                ctx: _Ctx, stats: Any) -> torch.Tensor:
-        out_THD, lse_HT, sent = _ring_forward(q_THD, k_THD, v_THD, plan, ctx)
+    def forward(fctx: Any, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor,
+                sinks_H: torch.Tensor | None, plan: RingPlan, ctx: _Ctx, stats: Any) -> torch.Tensor:
+        out_THD, lse_HT, sent = _ring_forward(q_THD, k_THD, v_THD, plan, ctx, sinks_H)
         _count(stats, "fwd", sent)
-        fctx.save_for_backward(q_THD, k_THD, v_THD, out_THD, lse_HT)
+        _count_blocks(stats, plan, ctx.window)
+        fctx.save_for_backward(q_THD, k_THD, v_THD, out_THD, lse_HT, sinks_H)
         fctx.ring = (plan, ctx, stats)
         return out_THD
 
     @staticmethod
     def backward(fctx: Any, do_THD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         plan, ctx, stats = fctx.ring
-        dq, dk, dv, sent = _grouped_backward(do_THD.contiguous(), *fctx.saved_tensors, plan, ctx)
+        *saved, sinks_H = fctx.saved_tensors
+        do_THD = do_THD.contiguous()
+        dq, dk, dv, sent = _grouped_backward(do_THD, *saved, plan, ctx)  # with the final (sink-merged) out, lse
         _count(stats, "bwd", sent)
-        return dq, dk, dv, None, None, None
-
-
-def _check_inputs(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, plan: RingPlan,
-                  kv_index: torch.Tensor | None) -> None:
-    Tr = plan.local_len
-    if q_THD.dim() != 3 or q_THD.shape[0] != Tr:
-        raise ValueError(
-            f"q has shape {tuple(q_THD.shape)}; expected [Tr={Tr}, hq, D] (T={plan.total_len}, ring={plan.ring_size})"
-        )
-    hq, D = q_THD.shape[1], q_THD.shape[2]
-    for name, x in (("k", k_THD), ("v", v_THD)):
-        if x.dim() != 3 or x.shape[0] != Tr or x.shape[2] != D or x.shape[1] != k_THD.shape[1]:
-            raise ValueError(f"{name} has shape {tuple(x.shape)}; expected [Tr={Tr}, hkv, D={D}] like k")
-        if x.dtype != q_THD.dtype or x.device != q_THD.device:
-            raise ValueError(
-                f"{name} is {x.dtype} on {x.device}, q is {q_THD.dtype} on {q_THD.device}; they must match"
-            )
-    hkv = k_THD.shape[1]
-    if kv_index is None:
-        if hq and (hkv == 0 or hq % hkv != 0):
-            raise ValueError(f"hq={hq} is not a multiple of hkv={hkv}; pass kv_index (the kv head of each q head)")
-        return
-    # values are checked on CPU only: on an accelerator that would be a host sync per layer
-    on_cpu = kv_index.device.type == "cpu" and hq > 0
-    if kv_index.shape != (hq,) or (on_cpu and not 0 <= int(kv_index.min()) <= int(kv_index.max()) < hkv):
-        raise ValueError(f"kv_index={kv_index.tolist()} must hold hq={hq} kv head indices in [0, {hkv})")
+        dsinks = None if sinks_H is None or not fctx.needs_input_grad[3] else sink_grad(do_THD, *saved[3:], sinks_H)
+        return dq, dk, dv, dsinks, None, None, None
 
 
 def ring_attention(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, plan: RingPlan, scale: float,
                    kv_index: torch.Tensor | None = None, stats: object | None = None,
-                   acc_bytes_bound: int = RING_BWD_ACC_BYTES) -> torch.Tensor:
-    """Exact causal varlen attention over the whole stream for this ring group's heads.
+                   acc_bytes_bound: int = RING_BWD_ACC_BYTES, window: int | None = None,
+                   softcap: float | None = None, sinks_H: torch.Tensor | None = None) -> torch.Tensor:
+    """Exact causal varlen attention over the whole stream for this ring group's heads; `window` (query p sees
+    keys p - window < c <= p of its segment) and `softcap` (scores -> softcap * tanh(scores / softcap)) for
+    sliding-window and soft-capped layers (explicit path); `sinks_H` [hq] (gpt-oss: a learned logit per q head
+    in the softmax's denominator, applied once after the merge: rlsp/parallel/ring_sinks.py; gets a gradient).
 
     q [Tr, hq, D], k/v [Tr, hkv, D] (this rank's zigzag tokens) -> o [Tr, hq, D]. `kv_index` (int64
     [hq]) is the local kv head each local q head reads; None means q head h reads h // (hq // hkv).
@@ -257,7 +267,8 @@ def ring_attention(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor
     The backward runs over head groups whose fp32 accumulators fit `acc_bytes_bound` bytes
     (rlsp/parallel/ring_heads.py; one group unless the problem is large, or kv_index is given).
     """
-    _check_inputs(q_THD, k_THD, v_THD, plan, kv_index)
+    check_inputs(q_THD, k_THD, v_THD, plan, kv_index)
+    check_sinks(sinks_H, q_THD.shape[1])
     kv_per_pass = kv_heads_per_pass(plan.local_len, q_THD.shape[1], k_THD.shape[1], q_THD.shape[2],
                                     _acc_dtype(q_THD.dtype).itemsize, acc_bytes_bound, standard=kv_index is None)
     if q_THD.shape[1] == 0:  # no heads on this ring group: nothing to exchange, keep the graph connected
@@ -270,5 +281,7 @@ def ring_attention(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor
     elif kv_index is not None:
         kv_index = kernel_index = kv_index.to(device=device, dtype=torch.int64)
     q_THD, k_THD, v_THD = q_THD.contiguous(), k_THD.contiguous(), v_THD.contiguous()
-    ctx = _Ctx(scale, kv_index, kernel_index, fused_supported(device, q_THD.dtype), kv_per_pass, ROW_CHUNK)
-    return _RingAttention.apply(q_THD, k_THD, v_THD, plan, ctx, stats)
+    check_softcap(softcap)
+    fused = fused_supported(device, q_THD.dtype) and window is None and softcap is None  # kernels: no band, no cap
+    ctx = _Ctx(scale, kv_index, kernel_index, fused, kv_per_pass, ROW_CHUNK, window, softcap)
+    return _RingAttention.apply(q_THD, k_THD, v_THD, sinks_H, plan, ctx, stats)

@@ -27,6 +27,8 @@ class BlockCtx(NamedTuple):
     fused: bool  # fused kernel (else the explicit reference path)
     kv_per_pass: int | None = None  # kv heads per backward pass (rlsp/parallel/ring_heads.py; None: all)
     row_chunk: int = ROW_CHUNK  # query rows per score tile of the explicit path
+    window: int | None = None  # the layer's sliding window (None: plain causal); set: explicit path
+    softcap: float | None = None  # attention soft-cap (scores -> cap * tanh(scores / cap)); set: explicit path
 
 
 def expand(x_KHD: torch.Tensor, kv_index: torch.Tensor | None) -> torch.Tensor:
@@ -76,6 +78,7 @@ def _add_explicit_grads(do_THD: torch.Tensor, q_THD: torch.Tensor, kv_2THD: torc
     rows, keys = slice(block.q0, block.q1), slice(block.k0, block.k1)
     k_KHD, v_KHD = (expand(x[keys], ctx.kv_index) for x in kv_2THD)
     dq_QHD, dk_KHD, dv_KHD = ring_reference.attend_box_backward(
-        do_THD[rows], q_THD[rows], k_KHD, v_KHD, block, ctx.scale, lse_HT[:, rows], delta_HT[:, rows], ctx.row_chunk)
+        do_THD[rows], q_THD[rows], k_KHD, v_KHD, block, ctx.scale, lse_HT[:, rows], delta_HT[:, rows], ctx.row_chunk,
+        ctx.softcap)
     dq_THD[rows] += dq_QHD
     _add_kv_grads(dkv_2THD, keys, dk_KHD, dv_KHD, ctx.kv_index)

@@ -11,6 +11,14 @@ is derived from them, and the box is split on the host into full and square-caus
 kernels (rlsp/parallel/ring_tiles.py). Attention never crosses segments, so a packed stream of many rollouts costs the
 sum of their squares; a step with no visible pair has no box.
 
+Sliding windows (`step_blocks(device, window)`, cached per window): query position p sees key position c of
+its segment when p - window < c <= p. Boxes are cut to the rows that see some key and the keys some row sees
+under that rule, so a step whose visiting block lies wholly outside every row's window has no box and is not
+computed (`block_counts`); windowed boxes carry no tiles (the explicit path masks them, a row chunk against
+its key band only: `StepBlock.key_band`), and a windowed segment gets one box per zigzag chunk of rows, so a
+box's rows are consecutive positions and its bands stay about window + rows wide. `offline_plans` builds
+every rank's plan without process groups (to count what a window skips before launching anything).
+
 Legend: T stream length, r ring size, Tr = T / r tokens of this rank, Q / K query / key rows of a box.
 """
 
@@ -61,12 +69,28 @@ class StepBlock:
     seg_Q: torch.Tensor
     seg_K: torch.Tensor
     tiles: tuple[Tile, ...] = ()  # full and square-causal tiles covering the box (rlsp/parallel/ring_tiles.py)
+    window: int | None = None  # sliding window of the layer (None: plain causal)
+    host_pos: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)  # pos_Q, pos_K on the host
 
-    def mask(self, r0: int = 0, r1: int | None = None) -> torch.Tensor:
-        """bool [rows, K]: key visible to query (same segment, not in its future), rows r0:r1 of the box."""
-        pos_R, seg_R = self.pos_Q[r0:r1], self.seg_Q[r0:r1]
-        return ((seg_R[:, None] == self.segment) & (self.seg_K[None, :] == self.segment)
-                & (self.pos_K[None, :] <= pos_R[:, None]))
+    def mask(self, r0: int = 0, r1: int | None = None, k0: int = 0, k1: int | None = None) -> torch.Tensor:
+        """bool [rows, keys]: key visible to query (same segment, not in its future, within the window), rows
+        r0:r1 and keys k0:k1 of the box."""
+        pos_R, seg_R, pos_C = self.pos_Q[r0:r1], self.seg_Q[r0:r1], self.pos_K[k0:k1]
+        keep = ((seg_R[:, None] == self.segment) & (self.seg_K[None, k0:k1] == self.segment)
+                & (pos_C[None, :] <= pos_R[:, None]))
+        if self.window is not None:
+            keep &= pos_C[None, :] > pos_R[:, None] - self.window
+        return keep
+
+    def key_band(self, r0: int, r1: int) -> tuple[int, int]:
+        """Keys [k0, k1) of the box that rows r0:r1 can see (all of them without a window), from host positions:
+        no device sync. Key positions of a box increase, so the band is one slice."""
+        if self.window is None or self.host_pos is None:
+            return 0, self.k1 - self.k0
+        pos_R, pos_K = self.host_pos[0][r0:r1], self.host_pos[1]
+        lo = int(torch.searchsorted(pos_K, pos_R[0] - self.window, right=True))
+        hi = int(torch.searchsorted(pos_K, pos_R[-1], right=True))
+        return lo, max(lo, hi)
 
     @property
     def mask_QK(self) -> torch.Tensor:
@@ -108,31 +132,65 @@ class RingPlan:
         """Ring rank whose K/V block this rank holds at `step`."""
         return (self.ring_rank - step) % self.ring_size
 
-    def step_blocks(self, device: torch.device) -> list[list[StepBlock]]:
-        """Per step, the visible blocks (none: fully masked, skip). Built once per device, then cached."""
-        key = str(device)
+    def step_blocks(self, device: torch.device, window: int | None = None) -> list[list[StepBlock]]:
+        """Per step, the visible blocks (none: fully masked, skip). Built once per device and window, then cached."""
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"sliding window={window!r}; legal: a positive int (query p sees keys p-window < c <= p) "
+                             "or None (plain causal)")
+        key = str(device) if window is None else f"{device}|window={window}"
         if key not in self.cache:
-            self.cache[key] = [self._build_step(s, device) for s in range(self.ring_size)]
+            self.cache[key] = [self._build_step(s, device, window) for s in range(self.ring_size)]
         return self.cache[key]
 
-    def _build_step(self, step: int, device: torch.device) -> list[StepBlock]:
+    def block_counts(self, window: int | None = None) -> tuple[int, int]:
+        """(steps whose visiting K/V block this rank computes, steps it skips: no visible pair) of one call."""
+        computed = sum(1 for blocks in self.step_blocks(torch.device("cpu"), window) if blocks)
+        return computed, self.ring_size - computed
+
+    def _build_step(self, step: int, device: torch.device, window: int | None = None) -> list[StepBlock]:
         """One box per segment present on both sides: attention never crosses segments, so a packed
         stream of many short sequences costs the sum of their squares, not the square of their sum."""
         pos_q, pos_k = self.positions_RT[self.ring_rank], self.positions_RT[self.source_rank(step)]
         seg_q, seg_k = self.segment_T[pos_q], self.segment_T[pos_k]
         blocks = []
-        for seg in sorted(set(seg_q.tolist()) & set(seg_k.tolist())):
-            in_q, in_k = seg_q == seg, seg_k == seg
-            # rows that see some key (at or after the segment's first key here) and keys some row sees
-            rows = (in_q & (pos_q >= pos_k[in_k].min())).nonzero().flatten()
-            cols = (in_k & (pos_k <= pos_q[in_q].max())).nonzero().flatten()
+        for seg, in_q in self._row_sets(seg_q, seg_k, window):
+            rows, cols = _visible(pos_q, pos_k, in_q, seg_k == seg, window)
             if rows.numel() == 0:
                 continue
             q0, q1, k0, k1 = int(rows[0]), int(rows[-1]) + 1, int(cols[0]), int(cols[-1]) + 1
-            tiles = split_box(pos_q[q0:q1], pos_k[k0:k1], q0, k0)  # on the host: no device sync per layer
+            # on the host: no device sync per layer; a windowed box is masked by the explicit path, no tiles
+            tiles = split_box(pos_q[q0:q1], pos_k[k0:k1], q0, k0) if window is None else ()
             blocks.append(StepBlock(q0, q1, k0, k1, seg, *(t.to(device) for t in (
-                pos_q[q0:q1], pos_k[k0:k1], seg_q[q0:q1], seg_k[k0:k1])), tiles))
+                pos_q[q0:q1], pos_k[k0:k1], seg_q[q0:q1], seg_k[k0:k1])), tiles, window,
+                (pos_q[q0:q1], pos_k[k0:k1])))
         return blocks
+
+
+    def _row_sets(self, seg_q: torch.Tensor, seg_k: torch.Tensor,
+                  window: int | None) -> list[tuple[int, torch.Tensor]]:
+        """(segment, its rows here) per box: one per segment on both sides; with a window, one per zigzag chunk of
+        rows too, so each box's rows are consecutive positions and its row chunks' key bands stay narrow."""
+        halves = [torch.ones_like(seg_q, dtype=torch.bool)]
+        if window is not None and self.ring_size > 1:
+            first = torch.arange(seg_q.numel()) < seg_q.numel() // 2
+            halves = [first, ~first]
+        return [(seg, (seg_q == seg) & half) for seg in sorted(set(seg_q.tolist()) & set(seg_k.tolist()))
+                for half in halves]
+
+
+def _visible(pos_q: torch.Tensor, pos_k: torch.Tensor, in_q: torch.Tensor, in_k: torch.Tensor,
+             window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indices of the rows that see some key of the segment, indices of the keys some row sees): key c is
+    visible to row p iff p - window < c <= p (no lower bound without a window). Positions increase on each
+    side, so counts of keys (rows) in a position range come from binary searches: O(Tr log Tr), no mask."""
+    pq, pk = pos_q[in_q], pos_k[in_k]
+    if pq.numel() == 0 or pk.numel() == 0:
+        return pq.new_empty(0), pq.new_empty(0)
+    w = pq.new_tensor(pos_q.numel() + pos_k.numel() + int(max(pq.max(), pk.max())) + 1 if window is None else window)
+    # keys in (p - w, p] for each row p; rows in [c, c + w) for each key c
+    sees = torch.searchsorted(pk, pos_q, right=True) > torch.searchsorted(pk, pos_q - w, right=True)
+    seen = torch.searchsorted(pq, pos_k + w) > torch.searchsorted(pq, pos_k)
+    return (in_q & sees).nonzero().flatten(), (in_k & seen).nonzero().flatten()
 
 
 def _check_cu_seqlens(cu_seqlens: torch.Tensor, total_len: int) -> list[int]:
@@ -173,3 +231,14 @@ def build_ring_plan(group: dist.ProcessGroup | None, cu_seqlens: torch.Tensor, t
     return RingPlan(group=group, ring_size=ring_size, ring_rank=ring_rank, cu_seqlens=cu_seqlens,
                     total_len=total_len, positions_RT=positions_RT, segment_T=segment_T,
                     next_peer=peers[0], prev_peer=peers[1], dkv_group=dkv_group)
+
+
+def offline_plans(cu_seqlens: torch.Tensor, total_len: int, ring_size: int) -> list[RingPlan]:
+    """The plan of every rank of a ring of `ring_size`, without process groups (metadata only: block counts,
+    boxes; nothing to run a ring with), e.g. to measure what a window skips before launching anything."""
+    cu = _check_cu_seqlens(cu_seqlens, total_len)
+    positions_RT = torch.stack([zigzag_indices(total_len, ring_size, i) for i in range(ring_size)])
+    lengths = torch.tensor([b - a for a, b in zip(cu, cu[1:])], dtype=torch.int64)
+    segment_T = torch.repeat_interleave(torch.arange(len(cu) - 1), lengths)
+    return [RingPlan(group=None, ring_size=ring_size, ring_rank=i, cu_seqlens=cu_seqlens, total_len=total_len,
+                     positions_RT=positions_RT, segment_T=segment_T) for i in range(ring_size)]

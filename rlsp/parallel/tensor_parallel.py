@@ -97,7 +97,13 @@ def legal_tp_sizes(config: Any) -> list[int]:
 
 
 def check_tp_support(config: Any, tp_size: int) -> None:
-    """Raise ValueError unless `tp_size` splits this model's heads and MLP evenly."""
+    """Raise ValueError unless `tp_size` splits this model's heads and MLP evenly (multi-latent attention: never)."""
+    if isinstance(tp_size, int) and tp_size > 1 and getattr(config, "kv_lora_rank", None):  # latents: not split
+        raise ValueError(f"{TP_SIZE_KEY}={tp_size}: {config.model_type} has multi-latent attention (kv_lora_rank="
+                         f"{config.kv_lora_rank}), which rlsp's tensor parallelism does not split; legal: 1")
+    if isinstance(tp_size, int) and tp_size > 1 and "linear_attention" in (getattr(config, "layer_types", None) or ()):
+        raise ValueError(f"{TP_SIZE_KEY}={tp_size}: {config.model_type} has linear_attention (Gated DeltaNet) layers, "
+                         "which rlsp's tensor parallelism does not split; legal: 1 (use Ulysses sequence parallelism)")
     legal = legal_tp_sizes(config)
     if isinstance(tp_size, int) and tp_size in legal:
         return

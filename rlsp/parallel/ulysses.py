@@ -6,6 +6,7 @@ chunks i and 2r-1-i of the stream (`rlsp.parallel.ring.zigzag_indices`; the whol
 and each Ulysses rank a consecutive slice of those Tr = T / ring tokens. Per attention layer:
   1. `ulysses_qkv_to_heads`: ONE all_to_all_single on one contiguous buffer carrying q, k and v turns
      [S, all heads] into [Tr, this rank's heads] (kv heads replicated only where the layout needs it);
+     each of q, k, v travels with its own head dim (multi-latent attention: v's differs from q/k's);
   2. attention for those heads: over the ring rank's Tr tokens when ring == 1 (varlen, from the
      context's cu_seqlens), else ring attention over the whole stream (`rlsp.parallel.ring`);
   3. `ulysses_heads_to_seq`: ONE all_to_all_single back to [S, all q heads].
@@ -14,7 +15,8 @@ global: every function takes the `SPContext`, which carries the groups, the stre
 once per micro-batch (cu_seqlens is never communicated) and per-forward counters.
 
 Legend: T packed stream length (multiple of ulysses x ring, x2 with a ring), Tr = T / ring tokens of a
-ring rank, S = Tr / ulysses local tokens, H heads, D head dim, Hq / Hkv all query / kv heads,
+ring rank, S = Tr / ulysses local tokens, H heads, D head dim (Dq, Dk, Dv: q's, k's, v's), Hq / Hkv all
+query / kv heads,
 hq / hkv this rank's query / kv heads.
 """
 
@@ -49,6 +51,8 @@ class SPStats:
     ring_bytes_fwd: int = 0
     ring_calls_bwd: int = 0
     ring_bytes_bwd: int = 0
+    ring_blocks_computed: int = 0  # ring steps whose visiting K/V block some row sees (windowed layers skip others)
+    ring_blocks_skipped: int = 0
 
     def reset(self) -> None:
         for name in self.__dataclass_fields__:
@@ -180,6 +184,12 @@ class _AllToAll(torch.autograd.Function):
         return grad_send, None, None, None
 
 
+def all_to_all_flat(send: torch.Tensor, send_splits: list[int], recv_splits: list[int], ctx: SPContext) -> torch.Tensor:
+    """Autograd all-to-all of a flat buffer over the Ulysses group (element counts per rank); layers that exchange
+    their own layouts (rlsp.models.linear_attention's head groups) use it, counted in the context's stats."""
+    return _AllToAll.apply(send, send_splits, recv_splits, ctx)
+
+
 def _check_local(name: str, x: torch.Tensor, heads: int, ctx: SPContext) -> None:
     if x.dim() != 3 or x.shape[0] != ctx.local_len or x.shape[1] != heads:
         raise ValueError(
@@ -194,33 +204,39 @@ def ulysses_qkv_to_heads(
     """[S, all heads] -> [Tr, this rank's heads] for q, k and v in one all-to-all.
 
     Returns q_THD with this rank's hq query heads (layout.q_ranges[rank]) and k_THD, v_THD with the
-    hkv kv heads those query heads read (layout.kv_ranges[rank]).
+    hkv kv heads those query heads read (layout.kv_ranges[rank]). q, k and v keep their own head dims
+    (Dq, Dk, Dv): each rank's chunk is [q: S*hq*Dq | k: S*hkv*Dk | v: S*hkv*Dv], so multi-latent
+    attention (Dv != Dq) needs no padding and no second exchange.
     """
     layout = ctx.layout
     _check_local("q", q_SHD, layout.num_q_heads, ctx)
     _check_local("k", k_SHD, layout.num_kv_heads, ctx)
     _check_local("v", v_SHD, layout.num_kv_heads, ctx)
-    if not (q_SHD.dtype == k_SHD.dtype == v_SHD.dtype) or not (q_SHD.shape[2] == k_SHD.shape[2] == v_SHD.shape[2]):
-        raise ValueError("q, k and v must share dtype and head dim for the fused all-to-all")
+    if not (q_SHD.dtype == k_SHD.dtype == v_SHD.dtype):
+        raise ValueError(f"q, k and v must share one dtype for the fused all-to-all; got {q_SHD.dtype}, "
+                         f"{k_SHD.dtype}, {v_SHD.dtype}")
     if ctx.ulysses_size == 1:
         return q_SHD, k_SHD, v_SHD
-    S, D, sp = ctx.local_len, q_SHD.shape[2], ctx.ulysses_size
+    S, sp = ctx.local_len, ctx.ulysses_size
+    Dq, Dk, Dv = q_SHD.shape[2], k_SHD.shape[2], v_SHD.shape[2]
     chunks: list[torch.Tensor] = []
     send_splits: list[int] = []
     for rank in range(sp):
         (qs, qe), (ks, ke) = layout.q_ranges[rank], layout.kv_ranges[rank]
         chunks += [q_SHD[:, qs:qe].reshape(-1), k_SHD[:, ks:ke].reshape(-1), v_SHD[:, ks:ke].reshape(-1)]
-        send_splits.append(S * (qe - qs + 2 * (ke - ks)) * D)
+        send_splits.append(S * ((qe - qs) * Dq + (ke - ks) * (Dk + Dv)))
     hq, hkv = layout.q_count(ctx.ulysses_rank), layout.kv_count(ctx.ulysses_rank)
-    recv = _AllToAll.apply(torch.cat(chunks), send_splits, [S * (hq + 2 * hkv) * D] * sp, ctx)
-    # Each source rank sent [q: S*hq*D | k: S*hkv*D | v: S*hkv*D]; sources are in token order.
-    q_part, k_part, v_part = recv.view(sp, S * (hq + 2 * hkv) * D).split([S * hq * D, S * hkv * D, S * hkv * D], dim=1)
+    widths = [S * hq * Dq, S * hkv * Dk, S * hkv * Dv]
+    recv = _AllToAll.apply(torch.cat(chunks), send_splits, [sum(widths)] * sp, ctx)
+    # Each source rank sent [q | k | v] for its S tokens; sources are in token order.
+    q_part, k_part, v_part = recv.view(sp, sum(widths)).split(widths, dim=1)
     Tr = ctx.heads_len
-    return q_part.reshape(Tr, hq, D), k_part.reshape(Tr, hkv, D), v_part.reshape(Tr, hkv, D)
+    return q_part.reshape(Tr, hq, Dq), k_part.reshape(Tr, hkv, Dk), v_part.reshape(Tr, hkv, Dv)
 
 
 def ulysses_heads_to_seq(o_THD: torch.Tensor, ctx: SPContext) -> torch.Tensor:
-    """[Tr, this rank's q heads] -> [S, all q heads] in one all-to-all (inverse of the q part above)."""
+    """[Tr, this rank's q heads] -> [S, all q heads] in one all-to-all (inverse of the q part above); D is the
+    output's head dim (v's: Dv), the same on every rank."""
     layout = ctx.layout
     hq = layout.q_count(ctx.ulysses_rank)
     if o_THD.dim() != 3 or o_THD.shape[0] != ctx.heads_len or o_THD.shape[1] != hq:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from rlsp.models.loading import SINK_FAMILIES
 from rlsp.rollout.base import RolloutOutput, SamplingConfig
 from rlsp.rollout.lean_decoder import LeanDecoder, unsupported_reason
 from rlsp.rollout.sampling import sample_next
@@ -46,8 +47,11 @@ def _seeded(seed: int | None, device: torch.device) -> Iterator[None]:
 def generation_attention(config: Any) -> str | None:
     """"eager" where transformers' sdpa attention would drop a layer's attention soft-capping (Gemma 2: its
     sdpa path ignores `softcap`, and sampled tokens would come from another distribution than the trained
-    one), else None (transformers' default)."""
-    return "eager" if getattr(config, "attn_logit_softcapping", None) else None
+    one) or where the model has attention sinks (gpt-oss: only its eager and flash paths apply them; said
+    explicitly rather than left to transformers' choice of default), else None (transformers' default)."""
+    if getattr(config, "attn_logit_softcapping", None) or getattr(config, "model_type", None) in SINK_FAMILIES:
+        return "eager"
+    return None
 
 
 class HFEngine:

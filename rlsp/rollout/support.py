@@ -51,6 +51,29 @@ def check_rollout_tp(hf_config: Any, tp: int) -> str | None:
 
 
 
+VLLM_CPU_MOE_ALIGNMENT = 32  # vLLM 0.32's CPU MoE experts (CPUUnquantizedExperts.output_alignment)
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def check_cpu_moe_width(hf_config: Any, tp: int = 1) -> str | None:
+    """Why vLLM's CPU MoE experts cannot take synced weights for this model, else None. vLLM 0.32 pads an expert
+    width that is not a multiple of 32 (per tp rank) and its reload_weights then fails to copy the synced experts into
+    the padded ones (measured on a tiny qwen3_moe, moe_intermediate_size=40: "The size of tensor a (128) must match
+    the size of tensor b (80)"). Widths that are multiples take the sync exactly (tests/e2e/test_moe_vllm_sync.py)."""
+    if not any(isinstance(getattr(hf_config, k, None), int) and getattr(hf_config, k) > 1 for k in EXPERT_COUNT_KEYS):
+        return None
+    key = "moe_intermediate_size" if isinstance(getattr(hf_config, "moe_intermediate_size", None), int) \
+        else "intermediate_size"
+    width = getattr(hf_config, key, None)
+    if not isinstance(width, int) or (width // tp) % VLLM_CPU_MOE_ALIGNMENT == 0:
+        return None
+    return (f"actor_rollout_ref.rollout.name=vllm cannot serve this {getattr(hf_config, 'model_type', '?')} model on "
+            f"cpu: its experts' width {key}={width} ({width // tp} per rollout tp rank) is not a multiple of "
+            f"{VLLM_CPU_MOE_ALIGNMENT}, so vLLM's CPU MoE kernel pads it and its in-place weight sync then fails on the "
+            f"padded experts; use {ALTERNATIVE} (Hugging Face generate) or a model whose {key} per rank is a multiple "
+            f"of {VLLM_CPU_MOE_ALIGNMENT}")
+
+
 def check_rollout_support(hf_config: Any, rollout_name: str, device_type: str, tp: int = 1) -> str | None:
     """An error message when rollout engine `rollout_name` cannot serve the model on `device_type` at tensor
     parallelism `tp`, else None."""
@@ -58,6 +81,30 @@ def check_rollout_support(hf_config: Any, rollout_name: str, device_type: str, t
         return tp_error
     if rollout_name != "vllm" or device_type != "cpu":
         return None
+    if getattr(hf_config, "model_type", None) == "gpt_oss":
+        # vLLM 0.32 (CPU) serves gpt_oss at load (sinks in its CPU attention, swigluoai in its CPU MoE: prompt
+        # logprobs equal transformers' eager forward), but after its reload_weights a sinks-only change left a logprob
+        # gap of 0.11 and an experts-only change one of 3.6-5.0 (tiny model, 0.05 perturbations; other weights: 2e-5)
+        return ("actor_rollout_ref.rollout.name=vllm cannot serve gpt_oss on cpu: vLLM's in-place weight sync "
+                "(reload_weights) does not update its attention sinks nor its CPU MoE experts correctly, so rollouts "
+                f"would sample from other weights than the trained ones; use {ALTERNATIVE} (Hugging Face generate "
+                "with eager attention)")
+    if getattr(hf_config, "kv_lora_rank", None):
+        # vLLM 0.32's CPU MLA backend (v1/attention/backends/mla/cpu_mla.py: decode kernel for a latent of
+        # kv_lora_rank + qk_rope_head_dim = 576 only) loads a tiny deepseek_v3 of that latent, but its prompt
+        # logprobs differed from transformers' by 1.4 (dense layers) to 2.0 (MoE)
+        return (f"actor_rollout_ref.rollout.name=vllm cannot serve {getattr(hf_config, 'model_type', '?')} on cpu: "
+                f"its multi-latent attention (kv_lora_rank={hf_config.kv_lora_rank}) does not match transformers' on "
+                f"vLLM's CPU MLA backend (measured on a tiny deepseek_v3); use {ALTERNATIVE} (Hugging Face generate)")
+    if "linear_attention" in (getattr(hf_config, "layer_types", None) or ()):
+        # vLLM 0.32 (CPU), tried on tiny models: qwen3_next's hybrid state cache ('align' mode) asserts chunked
+        # prefill, which rlsp's CPU engine turns off (seeded sampling crashes with it, rlsp.rollout.vllm_engine);
+        # qwen3_5's model module imports qwen2_vl's image processor, i.e. torchvision, which this wheel set lacks
+        return (f"actor_rollout_ref.rollout.name=vllm cannot serve {getattr(hf_config, 'model_type', '?')} on cpu: "
+                "its linear_attention (Gated DeltaNet) layers need vLLM's chunked prefill, which rlsp's CPU engine "
+                f"disables; use {ALTERNATIVE} (Hugging Face generate, which keeps their recurrent state while decoding)")
+    if moe_error := check_cpu_moe_width(hf_config, tp):
+        return moe_error
     head_dim = model_head_dim(hf_config)
     if head_dim is not None and head_dim not in VLLM_CPU_HEAD_DIMS:
         return (

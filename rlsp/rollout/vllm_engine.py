@@ -18,6 +18,13 @@ CPU specifics: sleep/wake are no-ops (vLLM has no sleep mode on CPU); the KV cac
 `VLLM_CPU_KVCACHE_SPACE` (GiB), set here from `cpu_kvcache_space_gib` unless already set; eager
 mode avoids ~30 s of graph compilation at start-up; chunked prefill is off (seeded sampling needs it,
 see `VLLMEngine.__init__`).
+
+Mixture-of-experts models: the trainer sends transformers' fused expert tensors (`experts.gate_up_proj`), which
+`update_weights` turns into the per-expert checkpoint names vLLM's loaders read (rlsp/rollout/moe_names.py). On CPU,
+vLLM 0.32's reload leaves the experts unpacked (`UnquantizedFusedMoEMethod._setup_kernel` skips the CPU experts'
+prepack on a weight update), so the engine prepacks the expert layers the reload rewrote itself
+(`_prepack_reloaded_cpu_experts`; a vLLM that prepacks on reload would be prepacked twice: the e2e test
+tests/e2e/test_moe_vllm_sync.py fails then, and this step goes).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from typing import Any
 import torch
 
 from rlsp.rollout.base import RolloutOutput, SamplingConfig
+from rlsp.rollout.moe_names import build_checkpoint_names
 
 EMBED_NAME = "model.embed_tokens.weight"
 LM_HEAD_NAME = "lm_head.weight"
@@ -84,6 +92,45 @@ EMBEDDING_HEAD_TYPES = ("gemma2",)
 
 def _without_head(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     return ((name, tensor) for name, tensor in named_tensors if name != LM_HEAD_NAME)
+
+
+def _cpu_moe_layers(worker: Any) -> Iterator[tuple[str, Any, Any]]:
+    """(name, layer, experts) of every unquantized vLLM CPU MoE layer whose experts vLLM prepacks."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts  # noqa: PLC0415
+
+    for name, module in worker.model_runner.model.named_modules():
+        experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts) and not getattr(experts, "_use_zentorch", False):
+            yield name, module, experts
+
+
+def _bits_checksum(tensor_EXY: torch.Tensor) -> int:
+    """An exact checksum of the tensor's bits that changes when its elements move (integer arithmetic mod 2^64:
+    the same bits give the same number whatever the summation order), one expert at a time."""
+    ints = {4: torch.int32, 2: torch.int16, 1: torch.uint8}[tensor_EXY.element_size()]
+    total = 0
+    for e, slab in enumerate(tensor_EXY.detach()):
+        bits_N = slab.contiguous().view(-1).view(ints).to(torch.int64)
+        weights_N = torch.arange(bits_N.numel(), dtype=torch.int64) * 2654435761 + e + 1
+        total += int((bits_N * weights_N).sum())
+    return total
+
+
+def _cpu_expert_checksums(worker: Any) -> dict[str, int]:
+    return {name: _bits_checksum(layer.w13_weight) + 3 * _bits_checksum(layer.w2_weight)
+            for name, layer, _ in _cpu_moe_layers(worker)}
+
+
+def _prepack_reloaded_cpu_experts(worker: Any, before: dict[str, int]) -> list[str]:
+    """Prepack again the CPU MoE layers whose experts a reload rewrote (their checksum moved: vLLM 0.32 copies the
+    loaded, unpacked experts into the packed tensors and skips the prepack on a weight update). A layer the sync did
+    not reach keeps its packed experts and its checksum, and is left alone. Returns the layers prepacked."""
+    packed = []
+    for name, layer, experts in _cpu_moe_layers(worker):
+        if _bits_checksum(layer.w13_weight) + 3 * _bits_checksum(layer.w2_weight) != before[name]:
+            experts.process_weights_after_loading(layer)  # what vLLM runs after the first load: pad, then prepack
+            packed.append(name)
+    return packed
 
 
 SLEEP_TAGS = ("weights", "kv_cache")  # what vLLM's sleep mode releases, by its tags
@@ -173,6 +220,8 @@ class VLLMEngine(_SleepWake):
         )
         self.tie_word_embeddings = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
         self.model_type = getattr(self.llm.llm_engine.model_config.hf_config, "model_type", None)
+        # transformers' fused MoE experts -> vLLM's per-expert checkpoint names (None: the names already match)
+        self.checkpoint_names = build_checkpoint_names(self.llm.llm_engine.model_config.hf_config)
         self.max_model_len = max_model_len
         self._asleep = ()
 
@@ -221,11 +270,18 @@ class VLLMEngine(_SleepWake):
         # Multi-stage wake-up (GPU): the KV cache stays released while the weights load, so the incoming
         # tensors never share the device with it; then it is woken. Otherwise everything wakes first.
         self.wake_up(("weights",) if self.multi_stage_wake_up else None)
+        if self.checkpoint_names is not None:
+            named_tensors = self.checkpoint_names(named_tensors)
         if self.model_type in EMBEDDING_HEAD_TYPES:
             weights = _without_head(named_tensors)
         else:
             weights = _with_tied_head(named_tensors) if self.tie_word_embeddings else iter(named_tensors)
+        # CPU MoE experts: which layers the reload rewrites, to prepack them after it (_prepack_reloaded_cpu_experts).
+        # In-process (V1 multiprocessing off), one worker, this rank's, answers each collective_rpc.
+        (checksums,) = [{}] if self.on_gpu else self.llm.collective_rpc(_cpu_expert_checksums)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if checksums:
+            self.llm.collective_rpc(_prepack_reloaded_cpu_experts, args=(checksums,))
         self.wake_up()
         # Prefix-cache blocks hold keys/values computed with the old weights.
         self.llm.reset_prefix_cache()

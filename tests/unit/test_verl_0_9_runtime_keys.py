@@ -146,8 +146,12 @@ class FakeLLM:
     def wake_up(self, tags: list[str] | None = None) -> None:
         self.calls.append(("wake_up", tags))
 
-    def collective_rpc(self, method: str, kwargs: dict) -> None:
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list | None:
+        if callable(method):  # a function run on the worker (the CPU MoE expert checksums): a dense model has none
+            self.calls.append(("collective_rpc", method.__name__))
+            return [{}]
         self.calls.append(("collective_rpc", method, [name for name, _ in kwargs["weights_iterator"]]))
+        return None
 
     def reset_prefix_cache(self) -> None:
         self.calls.append(("reset_prefix_cache",))
@@ -158,6 +162,7 @@ def _engine(multi_stage: bool, on_gpu: bool = True) -> tuple[VLLMEngine, list]:
     calls: list = []
     engine.llm, engine.on_gpu, engine.multi_stage_wake_up = FakeLLM(calls), on_gpu, multi_stage
     engine.tie_word_embeddings, engine.model_type, engine._asleep = False, "qwen2", ()
+    engine.checkpoint_names = None  # a dense model: the trainer's names are vLLM's
     return engine, calls
 
 
@@ -192,7 +197,8 @@ def test_cpu_engine_has_no_sleep_mode():
     engine, calls = _engine(multi_stage=True, on_gpu=False)
     engine.sleep()
     engine.update_weights([("w", object())])
-    assert calls == [("collective_rpc", "reload_weights", ["w"]), ("reset_prefix_cache",)]
+    assert calls == [("collective_rpc", "_cpu_expert_checksums"), ("collective_rpc", "reload_weights", ["w"]),
+                     ("reset_prefix_cache",)]
 
 
 def test_rollout_role_leaves_the_waking_to_the_vllm_engine():

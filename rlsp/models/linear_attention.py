@@ -1,0 +1,266 @@
+"""Gated DeltaNet (linear attention) layers of Qwen3-Next / Qwen3.5 under Ulysses, exact on packed streams.
+
+transformers' Gated DeltaNet (`Qwen3NextGatedDeltaNet`, `Qwen3_5GatedDeltaNet`) does not go through the attention
+interface: it runs a causal conv1d and the chunked gated delta rule over its whole input, so on rlsp's packed
+stream the conv window and the recurrent state would leak from one row into the next, and under Ulysses a rank
+would see only its shard. `apply_linear_attention(model)` swaps each such module for `UlyssesGatedDeltaNet`, which
+takes over the SAME parameter objects under the same names (state_dict keys, checkpoints and weight sync are
+unchanged; no transformers class is patched). Its forward, given the SP context the decoder layer forwards to it
+(transformers' decoder layers pass their **kwargs, `sp_context` included, to `linear_attn`):
+  1. projects this rank's S tokens locally (q, k, v, b, a per key-head group; z for the gated norm),
+  2. exchanges tokens <-> key-head groups in one all-to-all (rlsp.parallel.ulysses): each rank receives the whole
+     stream for a contiguous range of groups (value head j reads key head j // r, so a group carries its key head
+     and its r value heads; groups are split as evenly as possible, ranks beyond the group count idle),
+  3. runs the causal conv1d and the gated delta rule per packed segment (cu_seqlens of the context): conv window
+     and state start from zero at every row, as transformers' forward of that row alone,
+  4. exchanges the core output back to [S tokens, all value heads] (one all-to-all), then the gated norm and
+     out_proj locally.
+Kernels: on CPU transformers' own torch functions once per segment (exact against transformers' forward of each
+row). On an accelerator the conv is one masked pass over the stream (`masked_segment_conv`, checked against the
+per-segment conv on CPU), and the delta rule flash-linear-attention's varlen `chunk_gated_delta_rule` (cu_seqlens:
+one call for all segments) when installed and computing in bf16/fp16, else transformers' torch function per
+segment. Ring attention and tensor parallelism are
+refused for these layers (rlsp.models.loading). Each forward counts as one attention call in the context's stats,
+so `rlsp.models.lm.compute_hidden_states` still sees every layer.
+
+Legend: S local tokens, T stream length, G key-head groups (= key heads), g this rank's groups, r value heads
+per key head, N value heads (G * r), n this rank's value heads, K key head dim, V value head dim, C conv channels,
+W packed width of one group (q K | k K | v r*V | b r | a r), H hidden size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+from transformers.models.qwen3_next.modeling_qwen3_next import causal_conv1d_fn, torch_chunk_gated_delta_rule
+
+from rlsp.parallel.heads import plan_head_layout
+from rlsp.parallel.ulysses import SPContext, all_to_all_flat
+
+try:  # optional varlen kernel on GPU
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as _fla_rule
+except ImportError:  # pragma: no cover - depends on the installation
+    _fla_rule = None
+
+LINEAR_LAYER_TYPE = "linear_attention"
+# Families whose Gated DeltaNet layers this module reproduces (projection layouts: fused qkvz/ba or separate).
+LINEAR_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+_SHAPE_ATTRS = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "key_dim", "value_dim",
+                "conv_kernel_size", "activation", "layer_idx")
+
+
+def has_linear_layers(config: Any) -> bool:
+    """True when `config.layer_types` names Gated DeltaNet (linear_attention) layers."""
+    return LINEAR_LAYER_TYPE in (getattr(config, "layer_types", None) or ())
+
+
+class UlyssesGatedDeltaNet(nn.Module):
+    """A transformers Gated DeltaNet's parameters (same objects, same names) run per packed segment under Ulysses."""
+
+    def __init__(self, source: nn.Module) -> None:
+        super().__init__()
+        missing = [a for a in (*_SHAPE_ATTRS, "conv1d", "A_log", "dt_bias", "norm", "out_proj") if not hasattr(source, a)]
+        self.fused = hasattr(source, "in_proj_qkvz")  # Qwen3-Next: per-group interleaved qkvz and ba projections
+        if missing or not (self.fused or hasattr(source, "in_proj_qkv")):
+            raise ValueError(f"{type(source).__name__} is not a Gated DeltaNet rlsp knows (missing {missing or 'in_proj'});"
+                             f" supported: the linear_attention layers of {list(LINEAR_FAMILIES)}")
+        for name in _SHAPE_ATTRS:
+            setattr(self, name, getattr(source, name))
+        self.ratio = self.num_v_heads // self.num_k_heads
+        if self.ratio * self.num_k_heads != self.num_v_heads:
+            raise ValueError(f"linear_num_value_heads={self.num_v_heads} is not a multiple of "
+                             f"linear_num_key_heads={self.num_k_heads}")
+        # parameters first, then children, each in the source's order: the same state_dict keys in the same order
+        for name, param in source.named_parameters(recurse=False):
+            self.register_parameter(name, param)
+        for name, child in source.named_children():
+            self.add_module(name, child)
+
+    def _project(self, h_SH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per token: (x_SGW packed per key-head group, z_SNV the gate of the norm)."""
+        S, G, K, V, r = h_SH.shape[0], self.num_k_heads, self.head_k_dim, self.head_v_dim, self.ratio
+        if self.fused:
+            qkvz_SGX = self.in_proj_qkvz(h_SH).view(S, G, 2 * K + 2 * r * V)
+            q, k, v, z = qkvz_SGX.split([K, K, r * V, r * V], dim=-1)
+            b, a = self.in_proj_ba(h_SH).view(S, G, 2 * r).split([r, r], dim=-1)
+        else:
+            q, k, v = self.in_proj_qkv(h_SH).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+            q, k, v = q.view(S, G, K), k.view(S, G, K), v.view(S, G, r * V)
+            z = self.in_proj_z(h_SH)
+            b, a = self.in_proj_b(h_SH).view(S, G, r), self.in_proj_a(h_SH).view(S, G, r)
+        return torch.cat([q, k, v, b, a], dim=-1), z.reshape(S, self.num_v_heads, V)
+
+    def _conv_weight(self, g0: int, g1: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Conv weight [c, kernel] (and bias) of the channels of groups [g0, g1): q, k and v blocks of the layout
+        [q all heads | k all heads | v all heads]."""
+        K, rV, kd = self.head_k_dim, self.ratio * self.head_v_dim, self.key_dim
+        idx = torch.cat([torch.arange(g0 * K, g1 * K), torch.arange(kd + g0 * K, kd + g1 * K),
+                         torch.arange(2 * kd + g0 * rV, 2 * kd + g1 * rV)]).to(self.conv1d.weight.device)
+        bias = None if self.conv1d.bias is None else self.conv1d.bias.index_select(0, idx)
+        return self.conv1d.weight.squeeze(1).index_select(0, idx), bias
+
+    def _mix(self, x_TgW: torch.Tensor, g0: int, g1: int, ctx: SPContext) -> torch.Tensor:
+        """Conv + gated delta rule of groups [g0, g1) over the whole stream, per segment -> core_TnV."""
+        T, g, K, V, r = x_TgW.shape[0], g1 - g0, self.head_k_dim, self.head_v_dim, self.ratio
+        if g == 0:  # an idle rank: its backward must still join the all-to-alls, and FSDP's gradient reduction
+            # needs a (zero) gradient for every parameter, the conv and decay ones included
+            touched = x_TgW.sum() + self.conv1d.weight.sum() + self.A_log.sum() + self.dt_bias.sum()
+            return x_TgW.new_zeros(T, 0, V) + 0 * touched
+        q, k, v, b, a = x_TgW.split([K, K, r * V, r, r], dim=-1)
+        weight, bias = self._conv_weight(g0, g1)
+        x_TC = torch.cat([q.reshape(T, g * K), k.reshape(T, g * K), v.reshape(T, g * r * V)], dim=-1)
+        y_TC = _segment_conv(x_TC, weight, bias, self.activation, ctx)
+        q, k, v = y_TC.split([g * K, g * K, g * r * V], dim=-1)
+        vh = slice(g0 * r, g1 * r)
+        beta_Tn = b.reshape(T, g * r).sigmoid()
+        decay_Tn = -self.A_log[vh].float().exp() * F.softplus(a.reshape(T, g * r).float() + self.dt_bias[vh])
+        q_TnK = q.reshape(T, g, K).repeat_interleave(r, dim=1)
+        k_TnK = k.reshape(T, g, K).repeat_interleave(r, dim=1)
+        return _segment_delta_rule(q_TnK, k_TnK, v.reshape(T, g * r, V), decay_Tn, beta_Tn, ctx)
+
+    def forward(self, hidden_states: torch.Tensor, cache_params: Any = None, attention_mask: Any = None,
+                sp_context: SPContext | None = None, **kwargs: Any) -> torch.Tensor:
+        """[1, S, H] -> [1, S, H]; `attention_mask` is ignored (segments come from `sp_context`)."""
+        ctx = _check_call(hidden_states, cache_params, sp_context)
+        x_SGW, z_SNV = self._project(hidden_states[0])
+        (g0, g1), ranges = _group_ranges(self.num_k_heads, ctx)
+        x_TgW = _groups_to_heads(x_SGW, ranges, ctx)
+        core_TnV = self._mix(x_TgW, g0, g1, ctx)
+        core_SNV = _heads_to_groups(core_TnV, [(s * self.ratio, e * self.ratio) for s, e in ranges], ctx)
+        S, V = core_SNV.shape[0], self.head_v_dim
+        out_SNV = self.norm(core_SNV.reshape(-1, V), z_SNV.reshape(-1, V)).reshape(S, self.value_dim)
+        ctx.stats.attn_calls += 1
+        return self.out_proj(out_SNV).unsqueeze(0)
+
+
+def _check_call(hidden_states: torch.Tensor, cache_params: Any, sp_context: Any) -> SPContext:
+    if not isinstance(sp_context, SPContext):
+        raise RuntimeError(
+            f"UlyssesGatedDeltaNet needs the forward kwarg sp_context=SPContext (got {type(sp_context).__name__}); "
+            "call model(input_ids=..., position_ids=..., sp_context=ctx), or load the model without "
+            "attn_implementation='rlsp_ulysses' for generation (rollout.name=hf does)"
+        )
+    if cache_params is not None:
+        raise RuntimeError("UlyssesGatedDeltaNet trains on packed streams without a cache; pass use_cache=False")
+    if sp_context.ring_size > 1:
+        raise ValueError(f"ring_sequence_parallel_size={sp_context.ring_size}: Gated DeltaNet (linear_attention) "
+                         "layers are not run by ring attention; legal: 1 (Ulysses alone runs them exactly)")
+    if hidden_states.dim() != 3 or hidden_states.shape[0] != 1 or hidden_states.shape[1] != sp_context.local_len:
+        raise ValueError(f"hidden_states has shape {tuple(hidden_states.shape)}; expected [1, S={sp_context.local_len},"
+                         " H] (this rank's shard of one packed stream)")
+    return sp_context
+
+
+def _group_ranges(num_groups: int, ctx: SPContext) -> tuple[tuple[int, int], list[tuple[int, int]]]:
+    """(this rank's key-head group range, every rank's), contiguous and as even as possible."""
+    key = ("linear_groups", num_groups)
+    if key not in ctx.cache:
+        ctx.cache[key] = list(plan_head_layout(num_groups, num_groups, ctx.ulysses_size).q_ranges)
+    ranges = ctx.cache[key]
+    return ranges[ctx.ulysses_rank], ranges
+
+
+def _groups_to_heads(x_SGW: torch.Tensor, ranges: list[tuple[int, int]], ctx: SPContext) -> torch.Tensor:
+    """[S tokens, all groups] -> [T tokens, this rank's groups] in one all-to-all."""
+    if ctx.ulysses_size == 1:
+        return x_SGW
+    S, W = x_SGW.shape[0], x_SGW.shape[2]
+    g0, g1 = ranges[ctx.ulysses_rank]
+    send = torch.cat([x_SGW[:, s:e].reshape(-1) for s, e in ranges])
+    recv = all_to_all_flat(send, [S * (e - s) * W for s, e in ranges], [S * (g1 - g0) * W] * ctx.ulysses_size, ctx)
+    # sources are in token order: source p sent its S tokens of my groups
+    return recv.view(ctx.total_len, g1 - g0, W)
+
+
+def _heads_to_groups(o_TnV: torch.Tensor, v_ranges: list[tuple[int, int]], ctx: SPContext) -> torch.Tensor:
+    """[T tokens, this rank's value heads] -> [S tokens, all value heads] in one all-to-all."""
+    if ctx.ulysses_size == 1:
+        return o_TnV
+    S, n, V = ctx.local_len, o_TnV.shape[1], o_TnV.shape[2]
+    counts = [e - s for s, e in v_ranges]
+    recv_splits = [S * c * V for c in counts]
+    recv = all_to_all_flat(o_TnV.reshape(-1), [S * n * V] * ctx.ulysses_size, recv_splits, ctx)
+    parts = [p.view(S, c, V) for p, c in zip(recv.split(recv_splits), counts)]
+    return torch.cat(parts, dim=1)
+
+
+def _segments(ctx: SPContext) -> list[tuple[int, int]]:
+    if "linear_segments" not in ctx.cache:
+        cu = ctx.cu_seqlens.tolist()
+        ctx.cache["linear_segments"] = [(s, e) for s, e in zip(cu[:-1], cu[1:]) if e > s]
+    return ctx.cache["linear_segments"]
+
+
+def _use_fla(x: torch.Tensor) -> bool:
+    # fla's chunked kernel runs in half precision only (it asserts q is not float32)
+    return _fla_rule is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def _positions_in_segment(ctx: SPContext, device: torch.device) -> torch.Tensor:
+    """[T] offset of every stream token from the start of its segment."""
+    key = ("linear_positions", str(device))
+    if key not in ctx.cache:
+        cu = ctx.cu_seqlens.to(device=device, dtype=torch.long)
+        starts_T = torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1])
+        ctx.cache[key] = torch.arange(ctx.total_len, device=device) - starts_T
+    return ctx.cache[key]
+
+
+def masked_segment_conv(x_TC: torch.Tensor, weight_CK: torch.Tensor, bias_C: torch.Tensor | None,
+                        ctx: SPContext) -> torch.Tensor:
+    """Causal depthwise conv over the whole stream in one pass (no activation): tap j reads token t - j only when
+    it lies in t's segment, i.e. every segment starts from zero padding; [T, C] -> [T, C]."""
+    pos_T1 = _positions_in_segment(ctx, x_TC.device).unsqueeze(1)
+    width = weight_CK.shape[1]
+    out_TC = x_TC * weight_CK[:, width - 1]
+    for j in range(1, width):
+        shifted_TC = F.pad(x_TC[:-j], (0, 0, j, 0)).masked_fill(pos_T1 < j, 0.0)
+        out_TC = out_TC + shifted_TC * weight_CK[:, width - 1 - j]
+    return out_TC if bias_C is None else out_TC + bias_C
+
+
+def _segment_conv(x_TC: torch.Tensor, weight_CK: torch.Tensor, bias_C: torch.Tensor | None, activation: str,
+                  ctx: SPContext) -> torch.Tensor:
+    """Causal depthwise conv1d + activation restarting from zeros at every segment: [T, C] -> [T, C]. On CPU
+    transformers' own function per segment (exact against its forward of each row); elsewhere one masked pass."""
+    if x_TC.device.type != "cpu":
+        y_TC = masked_segment_conv(x_TC.to(weight_CK.dtype), weight_CK, bias_C, ctx)
+        return ACT2FN[activation](y_TC).to(x_TC.dtype)
+    parts = [causal_conv1d_fn(x_TC[s:e].t().unsqueeze(0), weight_CK, bias_C, activation=activation)[0].t()
+             for s, e in _segments(ctx)]
+    return torch.cat(parts, dim=0)
+
+
+def _segment_delta_rule(q_TnK: torch.Tensor, k_TnK: torch.Tensor, v_TnV: torch.Tensor, decay_Tn: torch.Tensor,
+                        beta_Tn: torch.Tensor, ctx: SPContext) -> torch.Tensor:
+    """Chunked gated delta rule (q/k l2-normalised in the kernel) from a zero state at every segment -> [T, n, V]."""
+    if _use_fla(q_TnK):
+        cu = ctx.cu_seqlens.to(device=q_TnK.device, dtype=torch.long)
+        out_1TnV, _ = _fla_rule(q_TnK[None], k_TnK[None], v_TnV[None], g=decay_Tn[None], beta=beta_Tn[None],
+                                initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True,
+                                cu_seqlens=cu)
+        return out_1TnV[0]
+    parts = []
+    for s, e in _segments(ctx):
+        out_1LnV, _ = torch_chunk_gated_delta_rule(q_TnK[None, s:e], k_TnK[None, s:e], v_TnV[None, s:e],
+                                                   g=decay_Tn[None, s:e], beta=beta_Tn[None, s:e],
+                                                   initial_state=None, output_final_state=False,
+                                                   use_qk_l2norm_in_kernel=True)
+        parts.append(out_1LnV[0])
+    return torch.cat(parts, dim=0)
+
+
+def apply_linear_attention(model: nn.Module) -> int:
+    """Swap every transformers Gated DeltaNet (`<layer>.linear_attn`) of `model` for `UlyssesGatedDeltaNet` in place,
+    keeping its parameters; returns how many were swapped (0 for models without linear_attention layers)."""
+    swapped = 0
+    for module in list(model.modules()):
+        child = getattr(module, "linear_attn", None)
+        if isinstance(child, nn.Module) and not isinstance(child, UlyssesGatedDeltaNet):
+            module.linear_attn = UlyssesGatedDeltaNet(child)
+            swapped += 1
+    return swapped
