@@ -52,6 +52,7 @@ from rlsp.config.layout import ParallelLayout
 from rlsp.config.schema_policy_loss import rewrite_policy_loss_overrides
 from rlsp.config.store import register_schema
 from rlsp.config.validate import validate_config
+from rlsp.config.validate_core import group_of_one_note
 from rlsp.config.verl_compat import verl_key_notes
 from rlsp.trainer.checkpoint import finished_step, latest_checkpoint
 from rlsp.trainer.ray_session import RayStart
@@ -196,6 +197,8 @@ def main(cfg: DictConfig) -> None:
     with log_to_run_file(os.path.join(cfg.trainer.default_local_dir, RUN_LOG_NAME)):
         for choice in auto:  # once, at start-up: what rlsp chose where the command left `auto`
             log.info("auto: %s", choice.line())
+        if note := group_of_one_note(cfg):  # rollout.n=1 with a group estimator: said, never silent
+            log.info("%s", note)
         _run_logged(cfg, layout)
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from rlsp.config.layout import ParallelLayout, RoleLayout
 from rlsp.config.run_length import optimizer_steps_per_update, warmup_training_steps
+from rlsp.config.validate_core import group_of_one_note
 
 
 def _nodes(first: int, count: int) -> str:
@@ -90,6 +91,8 @@ def describe_batches(cfg: Any, layout: ParallelLayout) -> list[str]:
                            arr.rollout.log_prob_max_token_len_per_gpu, layout.actor, "old logprobs"),
              "  " + _micro(arr.ref.log_prob_micro_batch_size_per_gpu, arr.ref.log_prob_use_dynamic_bsz,
                            arr.ref.log_prob_max_token_len_per_gpu, layout.ref, "ref logprobs")]
+    if note := group_of_one_note(cfg):
+        lines.insert(1, note)
     if layout.critic is not None:
         c = cfg.critic
         lines += [f"critic update: mini-batches of {c.ppo_mini_batch_size} prompts x ppo_epochs={c.ppo_epochs} = "

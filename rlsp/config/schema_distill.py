@@ -27,7 +27,7 @@ class TeacherInferenceConfig:
 
     name: str = "vllm"  # vllm | sglang | hf: no effect (every value gives the same forward pass)
     dtype: str | None = None  # compute dtype of the teacher; None = actor_rollout_ref.model.dtype
-    tensor_model_parallel_size: int = 1  # must be 1: the teacher runs the reference's layout (Ulysses ok)
+    tensor_model_parallel_size: int = 1  # verl's engine degree (>= 1): places nothing, the teacher runs the reference's layout (Ulysses ok)
     data_parallel_size: int = 1  # must be 1 (the policy workers' dp is the teacher's)
     pipeline_model_parallel_size: int = 1  # must be 1
     max_model_len: int | None = None  # checked: max_prompt_length + max_response_length + 1 must fit
@@ -43,7 +43,7 @@ class TeacherInferenceConfig:
 class TeacherModelConfig:
     key: str | None = None  # value of the rows' `teacher_key` field routed to this teacher
     model_path: str | None = None  # local HF directory (or builtin://tiny-qwen2[...]) of the teacher
-    num_replicas: int = 0  # verl's replica count in the teacher pool; rlsp colocates: must be 0
+    num_replicas: int = 0  # verl's replica count in the teacher pool (>= 0): rlsp colocates, it places nothing
     inference: TeacherInferenceConfig = field(default_factory=TeacherInferenceConfig)
 
 
@@ -70,8 +70,8 @@ class DistillationLossConfig:
 @dataclass
 class DistillationConfig:
     enabled: bool = False  # on-policy distillation: teachers score the student's samples (docs/algorithms.md)
-    n_gpus_per_node: int = 0  # verl's separate teacher pool; rlsp colocates the teachers: must be 0
-    nnodes: int = 0  # must be 0 (colocated)
+    n_gpus_per_node: int = 0  # verl's separate teacher pool (>= 0): rlsp colocates the teachers, it places nothing
+    nnodes: int = 0  # >= 0, likewise (colocated)
     enable_resource_pool: bool = False  # must be false (colocated)
     teacher_key: str = "data_source"  # the row field matched against each teacher's `key`
     teacher_models: dict[str, Any] = field(default_factory=lambda: {DEFAULT_TEACHER: default_teacher_entry()})  # name -> {key, model_path, num_replicas, inference.*}; more: +distillation.teacher_models.<name>.model_path=...

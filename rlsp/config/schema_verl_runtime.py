@@ -80,6 +80,7 @@ class RolloutVerlKeys:
     enable_chunked_prefill: bool = True  # vLLM's chunked prefill (GPU; off on CPU, see VERL_NOTES)
     max_num_batched_tokens: int = 8192  # tokens per vLLM scheduler step
     max_num_seqs: int = 256  # sequences per vLLM scheduler step
+    max_model_len: int | None = None  # verl's engine context cap: null or >= prompt + response (where it never binds)
     data_parallel_size: int = 1  # 1 only: every engine is one tensor-parallel group of policy workers
     expert_parallel_size: int = 1  # 1 only
     # GPU vLLM: a weight sync wakes the weights, loads them, then the KV cache (lower peak memory); CPU: no sleep mode

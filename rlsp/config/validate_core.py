@@ -27,10 +27,27 @@ from rlsp.config.validate_cov import check_cov_settings
 from rlsp.config.validate_policy_loss import check_policy_loss_keys
 from rlsp.utils.divisors import divisors
 
-# Estimators whose baseline or credit comes from the other samples of the same prompt: with
-# rollout.n=1 each group has one sample and they degenerate (grpo_passk refuses such groups outright).
+# Estimators whose baseline or credit comes from the other samples of the same prompt. With rollout.n=1 every
+# group is one sample; verl defines each one's result for such a group (rlsp's estimators compute the same): no
+# baseline, the raw score is the advantage (SINGLETON_ADVANTAGE says how). verl's grpo_passk raises on a group of
+# one, and verl's rloo_vectorized gives it advantage 0 where rlsp's alias runs rloo (raw score): both need n >= 2.
 GROUP_ESTIMATORS = ("grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized", "opo", "gpg", "gdpo",
                     "optimal_token_baseline", "tir_optimal_token_baseline")
+SINGLETON_ADVANTAGE = {
+    "grpo": "its raw score (group mean 0, std 1: score / (1 + eps), or the score with norm_adv_by_std_in_grpo=false)",
+    "grpo_vectorized": "its raw score (group mean 0, std 1: score / (1 + eps))",
+    "rloo": "its raw score (no other sample to leave out: baseline 0)",
+    "opo": "its raw score (baseline 0)",
+    "gpg": "its raw score times the batch factor alpha (group mean 0)",
+    "gdpo": "each reward component's raw value (group mean 0, std 1), summed and whitened over the batch",
+    "optimal_token_baseline": "its raw return to go (baseline 0)",
+    "tir_optimal_token_baseline": "its raw return to go (baseline 0)",
+}
+SINGLETON_REFUSED = {
+    "grpo_passk": "pass@k compares the best sample of a group with the second best (verl raises on a group of one)",
+    "rloo_vectorized": "verl's rloo_vectorized gives a group of one advantage 0 (no signal) while rlsp's alias runs "
+                       "rloo, whose advantage is then the raw score; use algorithm.adv_estimator=rloo for verl's rloo",
+}
 
 
 def _require(cond: bool, msg: str, errors: list[str]) -> None:
@@ -178,8 +195,17 @@ def check_ranges(cfg: Any, errors: list[str]) -> None:
     if rollout.ignore_eos and rollout.name != "vllm":
         errors.append(f"actor_rollout_ref.rollout.ignore_eos=true needs actor_rollout_ref.rollout.name=vllm "
                       f"(got {rollout.name!r}: transformers generate stops at EOS)")
-    if cfg.algorithm.adv_estimator in GROUP_ESTIMATORS and rollout.n < 2:
-        errors.append(
-            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} compares samples of one prompt: "
-            f"actor_rollout_ref.rollout.n={rollout.n} must be >= 2"
-        )
+    estimator = cfg.algorithm.adv_estimator
+    if estimator in SINGLETON_REFUSED and rollout.n < 2:
+        errors.append(f"algorithm.adv_estimator={estimator!r} compares samples of one prompt: "
+                      f"actor_rollout_ref.rollout.n={rollout.n} must be >= 2 ({SINGLETON_REFUSED[estimator]})")
+
+
+def group_of_one_note(cfg: Any) -> str | None:
+    """The note for a group estimator run with rollout.n=1 (accepted, as in verl): what each sample's advantage
+    is then; None otherwise."""
+    estimator, n = cfg.algorithm.adv_estimator, cfg.actor_rollout_ref.rollout.n
+    if n != 1 or estimator not in SINGLETON_ADVANTAGE:
+        return None
+    return (f"note: actor_rollout_ref.rollout.n=1 with algorithm.adv_estimator={estimator!r}: every group is one "
+            f"sample, so its advantage is {SINGLETON_ADVANTAGE[estimator]}, as in verl")

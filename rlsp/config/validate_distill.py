@@ -22,7 +22,11 @@ PREFIX = "distillation"
 TOPK_LOSS_MODES = ("forward_kl_topk", "reverse_kl_topk", "jsd_topk")
 TEACHER_KEYS = ("data_source",)  # row fields a teacher can be routed by (the rows' string metadata)
 INFERENCE_NAMES = ("vllm", "sglang", "hf")
-ONE_ONLY = ("tensor_model_parallel_size", "data_parallel_size", "pipeline_model_parallel_size")
+ONE_ONLY = ("data_parallel_size", "pipeline_model_parallel_size")
+# verl's teacher pool (distillation.n_gpus_per_node x nnodes, each teacher's num_replicas x its inference tensor
+# parallel degree) only places the teachers; rlsp colocates them on the policy workers instead, where they score the
+# same tokens with the same weights: accepted (a note says so, rlsp.config.verl_notes_0_9), and checked as verl does.
+POOL_KEYS = ("n_gpus_per_node", "nnodes")
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,8 @@ def _check_inference(where: str, inf: Any, cfg: Any, errors: list[str]) -> None:
         if int(inf[key]) != 1:
             errors.append(f"{where}.{key}={inf[key]} is not supported: the teacher runs on the policy workers in the "
                           "reference model's layout (its Ulysses degree included); set it to 1")
+    if int(inf.tensor_model_parallel_size) < 1:
+        errors.append(f"{where}.tensor_model_parallel_size={inf.tensor_model_parallel_size} must be >= 1")
     need = int(cfg.data.max_prompt_length) + int(cfg.data.max_response_length) + 1
     if inf.max_model_len is not None and int(inf.max_model_len) < need:
         errors.append(f"{where}.max_model_len={inf.max_model_len} < max_prompt_length + max_response_length + 1 = "
@@ -82,9 +88,9 @@ def _check_teacher(name: str, t: Any, cfg: Any, errors: list[str]) -> None:
     if not t.model_path:
         errors.append(f"{where}.model_path is missing: give the teacher's model directory "
                       f"({where}.model_path=/path/to/teacher)")
-    if int(t.num_replicas) != 0:
-        errors.append(f"{where}.num_replicas={t.num_replicas} is not supported: rlsp colocates each teacher on "
-                      "the policy workers (one shard per worker); leave it at 0")
+    if int(t.num_replicas) < 0:
+        errors.append(f"{where}.num_replicas={t.num_replicas} must be >= 0 (verl's replicas in the teacher pool; "
+                      "rlsp colocates the teacher on the policy workers whatever it says)")
     _check_inference(f"{where}.inference", t.inference, cfg, errors)
 
 
@@ -151,10 +157,10 @@ def check_distillation(cfg: Any, errors: list[str]) -> bool:
 
 def _check_section(cfg: Any, errors: list[str]) -> None:
     d = cfg.distillation
-    for key in ("n_gpus_per_node", "nnodes"):
-        if int(d[key]) != 0:
-            errors.append(f"{PREFIX}.{key}={d[key]} is not supported: rlsp colocates the teachers on the policy "
-                          "workers (like the reference model), so there is no teacher pool; leave it at 0")
+    for key in POOL_KEYS:
+        if int(d[key]) < 0:
+            errors.append(f"{PREFIX}.{key}={d[key]} must be >= 0 (verl's teacher pool; rlsp colocates the teachers "
+                          "on the policy workers whatever it says)")
     if d.enable_resource_pool:
         errors.append(f"{PREFIX}.enable_resource_pool=true is not supported: the teachers share the policy workers")
     if d.teacher_key not in TEACHER_KEYS:
@@ -170,6 +176,29 @@ def _check_section(cfg: Any, errors: list[str]) -> None:
             _check_teacher(name, t, cfg, errors)
     if all(t is not None for t in teachers.values()):
         _check_routes(teachers, errors)
+        _check_pool(d, teachers, errors)
+
+
+def _check_pool(d: Any, teachers: dict[str, Any], errors: list[str]) -> None:
+    """verl's arithmetic of its teacher pool, when one is given (n_gpus_per_node x nnodes > 0): one teacher's
+    tensor-parallel degree divides the pool, several teachers' num_replicas x degree add up to it. rlsp places no
+    pool, but a command verl refuses is refused here too, with verl's reason."""
+    pool = int(d.n_gpus_per_node) * int(d.nnodes)
+    if pool <= 0:
+        return
+    where = f"{PREFIX}.n_gpus_per_node x {PREFIX}.nnodes = {d.n_gpus_per_node} x {d.nnodes} = {pool}"
+    if len(teachers) == 1:
+        ((name, t),) = teachers.items()
+        tp = int(t.inference.tensor_model_parallel_size)
+        if tp > 0 and pool % tp:
+            errors.append(f"{PREFIX}.teacher_models.{name}.inference.tensor_model_parallel_size={tp} does not divide "
+                          f"verl's teacher pool ({where}), which verl refuses; legal sizes divide it")
+        return
+    used = sum(int(t.num_replicas) * int(t.inference.tensor_model_parallel_size) for t in teachers.values())
+    if used != pool:
+        errors.append(f"{PREFIX}.teacher_models: num_replicas x inference.tensor_model_parallel_size add up to {used}, "
+                      f"not verl's teacher pool ({where}), which verl refuses; make them match (rlsp itself "
+                      "colocates the teachers on the policy workers)")
 
 
 def teacher_specs(cfg: Any) -> list[TeacherSpec]:

@@ -3,7 +3,9 @@ arguments the actor passes a loss. No torch import here.
 
 A loss (rlsp/algos, registered by name) receives exactly the keys :data:`POLICY_LOSS_KEYS` lists for it, as
 keyword arguments named by the key's last component (``clip_ratio_low``, ``tau_pos``, ...). Every other key
-of :data:`POLICY_LOSS_KEY_DEFAULTS` must stay at its default for that loss: never silently ignored.
+of :data:`POLICY_LOSS_KEY_DEFAULTS` must stay at its default for that loss: never silently ignored. The exception,
+:data:`VERL_IGNORED_KEYS` (``clip_ratio_c``), is ignored by verl's losses that do not read it too: accepted
+there, and named in the start-up note of rlsp.config.verl_compat.VERL_NOTES.
 ``clip_ratio`` is the fallback of ``clip_ratio_low`` / ``clip_ratio_high`` (None = clip_ratio), so it counts
 as read by every loss that reads either.
 """
@@ -37,6 +39,10 @@ POLICY_LOSS_KEY_DEFAULTS: dict[str, Any] = {
     **{f"policy_loss.{f.name}": f.default for f in dataclasses.fields(PolicyLossConfig) if f.name != "loss_mode"},
 }
 CLIP_FALLBACK = {"clip_ratio_low", "clip_ratio_high"}  # None in the config = clip_ratio
+# Actor keys verl hands every policy loss (its ActorConfig) that verl's losses not reading them ignore: set off their
+# default with such a loss they change nothing in verl either, so rlsp accepts them with the note VERL_NOTES prints
+# (rlsp.config.verl_compat) instead of refusing them. verl's GSPO example sets clip_ratio_c=10.0.
+VERL_IGNORED_KEYS = ("clip_ratio_c",)
 POSITIVE_KEYS = ("policy_loss.tau_pos", "policy_loss.tau_neg")  # sapo's gate temperatures divide (4 / tau)
 
 
@@ -77,7 +83,7 @@ def check_policy_loss_keys(actor: Any, errors: list[str]) -> None:
         return
     for key, default in POLICY_LOSS_KEY_DEFAULTS.items():
         value = _select(actor, key)
-        if not reads(name, key) and not _at_default(key, value):
+        if not reads(name, key) and not _at_default(key, value) and key not in VERL_IGNORED_KEYS:
             errors.append(f"actor_rollout_ref.actor.{key}={value} has no effect with actor_rollout_ref.actor."
                           f"policy_loss.loss_mode={name!r}; leave it at {default} or pick a policy loss that uses "
                           f"it: {policy_loss_users(key)}")

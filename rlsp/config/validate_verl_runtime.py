@@ -54,6 +54,11 @@ def _check_rollout(cfg: Any, errors: list[str]) -> None:
                       f"(data.max_prompt_length + data.max_response_length = {longest}) with {ROLLOUT}."
                       "enable_chunked_prefill=false: vLLM could not schedule a long prompt; raise it or enable "
                       "chunked prefill")
+    cap = r.max_model_len
+    if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < longest):
+        errors.append(f"{ROLLOUT}.max_model_len={cap!r} is smaller than a whole sequence (data.max_prompt_length + "
+                      f"data.max_response_length = {longest}): verl's engine would cut prompts or responses at it, "
+                      f"rlsp's engine holds every whole sequence; legal values: null or an integer >= {longest}")
     for key in ("data_parallel_size", "expert_parallel_size"):
         if r[key] != 1:
             errors.append(f"{ROLLOUT}.{key}={r[key]} is not supported: every rlsp rollout engine is one tensor-parallel "

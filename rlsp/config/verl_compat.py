@@ -20,6 +20,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from rlsp.config.verl_keys import UNSUPPORTED_0_9
+from rlsp.config.verl_notes_0_9 import NOTES_0_9
 from rlsp.config.verl_spellings import REWARD_LOOP_KEY, rlsp_key
 
 # verl's spelling -> the rlsp key that carries the setting.
@@ -216,6 +217,7 @@ VERL_NOTES = {
     "algorithm.filter_groups.*": "verl's dynamic sampling; the run still trains trainer.total_training_steps steps: "
                                  "the prompt stream continues into further epochs when filtered groups used it up "
                                  "(verl's recipe stops at the end of total_epochs instead)",
+    **NOTES_0_9,  # verl 0.9 keys accepted because they change nothing computed (rlsp.config.verl_notes_0_9)
 }
 
 

@@ -56,6 +56,14 @@ _ENGINE_LENGTHS = ("rlsp sizes the rollout engine from data.max_prompt_length an
                    "those")
 _TEACHER = ("a teacher's inference engine takes rlsp's own settings (distillation.teacher_models.<name>.inference keys "
             "that rlsp declares)")
+_PREFIX_GROUPER = ("verl's prefix grouper computes a group's shared prompt once in the actor's forward (one prompt "
+                   "and rollout.n responses per sequence): an optimization with the same logprobs, entropy and "
+                   "gradients as each sample's own forward, which rlsp runs (true or false: the same results). verl "
+                   "v0.9.0's FSDP engine never calls it (its actor forwards each sample whole too); there the flag only "
+                   "makes trainer.balance_batch keep a group's samples on one rank, which rlsp's whole-mini-batch loss "
+                   "does not need. Cost against the grouper: rlsp's forward and backward repeat the prompt's tokens "
+                   "once per sample, (n - 1) x prompt tokens more per group, in compute and in packed tokens per "
+                   "micro-batch")
 
 # Undeclared verl keys whose listed values are what rlsp does anyway: (values, what rlsp does). Other values are
 # refused with the same text.
@@ -81,6 +89,7 @@ ACCEPTED_VALUES: dict[str, tuple[tuple[Any, ...], str]] = {
                                                                             "activation to checkpoint"),
     "critic.model.fsdp_config.use_torch_compile": ((True, False), "the value head computes no entropy, the one part "
                                                                   "verl compiles: nothing to compile for the critic"),
+    "actor_rollout_ref.actor.use_prefix_grouper": ((True, False), _PREFIX_GROUPER),
 }
 
 # Keys of verl 0.9 that rlsp refuses by name (fnmatch patterns over rlsp's spelling of the key -> why, and what to
@@ -116,8 +125,6 @@ UNSUPPORTED_0_9: dict[str, str] = {
                                                     "listed under actor_rollout_ref.actor.policy_loss.loss_mode",
     "actor_rollout_ref.actor.calculate_entropy": "rlsp computes the entropy when actor.entropy_coeff != 0 and logs it "
                                                  "every step; the switch is not needed",
-    "actor_rollout_ref.actor.use_prefix_grouper": "prefix grouping (one forward over a group's shared prompt) is not "
-                                                  "implemented; rlsp packs each sample whole",
     "*.data_loader_seed": "rlsp orders batches from trainer.seed / data.seed",
     "*.checkpoint.strict": "rlsp resumes only from a checkpoint of the same model and layout (always strict)",
     "actor_rollout_ref.actor.use_fused_kernels": "verl's copy of actor_rollout_ref.model.use_fused_kernels; set that",
@@ -133,7 +140,6 @@ UNSUPPORTED_0_9: dict[str, str] = {
                                                   "sampling is seeded (trainer.seed)",
     "actor_rollout_ref.rollout.prompt_length": _ENGINE_LENGTHS,
     "actor_rollout_ref.rollout.response_length": _ENGINE_LENGTHS,
-    "actor_rollout_ref.rollout.max_model_len": _ENGINE_LENGTHS,
     "actor_rollout_ref.rollout.cudagraph_capture_sizes": "rlsp's vLLM engine uses vLLM's CUDA-graph sizes; "
                                                          "rollout.enforce_eager=true turns graphs off",
     "actor_rollout_ref.rollout.pipeline_model_parallel_size": "pipeline parallel rollouts are not implemented: rlsp's "

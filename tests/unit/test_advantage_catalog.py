@@ -189,7 +189,7 @@ def test_unused_settings_are_refused(name: str, setting: dict) -> None:
         get_adv_estimator(name)(AdvantageInputs(rewards, mask, ["a", "a"], **setting))
 
 
-@pytest.mark.parametrize("name", GROUP_ESTIMATORS)
+@pytest.mark.parametrize("name", ["grpo_passk", "rloo_vectorized"])  # the others take n=1 as verl does
 def test_group_estimators_need_two_samples_per_prompt(name: str) -> None:
     cfg = compose_config(overrides=[f"algorithm.adv_estimator={name}", "actor_rollout_ref.rollout.n=1"])
     with pytest.raises(ValueError, match=rf"adv_estimator='{name}' compares samples of one prompt: "

@@ -29,13 +29,10 @@ from rlsp.config.verl_compat import NOT_YET_VALUES, apply_verl_spellings, in_pro
 
 DATA = Path(__file__).resolve().parents[2] / "tests" / "data"
 COMMANDS = json.loads((DATA / "verl_commands_2026.json").read_text())["commands"]
-_N = ("actor_rollout_ref.rollout.n", "must be >= 2")  # verl's default n=1 with a group estimator
 # script -> (key, words of the reason) of every refusal it must get; a command not listed must be accepted.
 REFUSED: dict[str, list[tuple[str, str]]] = {
     "examples/gmpo_trainer/test_dapo_7b_math.sh": [("actor_rollout_ref.model.override_config.max_position_embeddings",
                                                     "overriding entries of the model's config.json is not supported")],
-    "examples/rollout_correction/run_with_rollout_corr.sh": [_N],
-    "examples/rollout_correction/run_with_rollout_corr_multi_rs.sh": [_N],
     "examples/sapo_trainer/run_qwen30b_sapo.sh": [("actor_rollout_ref.rollout.val_kwargs.do_sample",
                                                    "would have no effect"), ("algorithm.lam", "has no effect")],
 }
