@@ -52,3 +52,33 @@ def write_tiny_moe(family: str, out_dir: str, **extra) -> str:
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+# The exactness matrix's shape (tests/distributed/test_moe_exact.py): 6 q / 2 kv heads (Ulysses 4 splits them
+# unevenly), head size 8, and a smaller init than the weight-sync models: with initializer_range 0.2 some tokens'
+# router scores sit within roundoff of a top-k tie, and a routing flip between two layouts moves a gradient by
+# O(1e-2) (tests/tiny_linear.py on conditioning); `router_margin` measures how far every token sits from one.
+EXACT_SHAPE = dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=2, head_dim=8, initializer_range=0.05)
+
+
+def write_exact_moe(family: str, out_dir: str) -> str:
+    """The tiny `family` MoE model of the exactness matrix (EXACT_SHAPE), as `write_tiny_moe` writes it."""
+    return write_tiny_moe(family, out_dir, **EXACT_SHAPE)
+
+
+def router_margin(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[float, float]:
+    """(smallest gap between the k-th and (k+1)-th router logit over the real tokens of every MoE layer, largest
+    |router logit|) of transformers' own forward. Every family here ranks experts by a monotone function of its
+    logits (softmax, or glm4_moe's sigmoid with a zero correction bias and one group), so the gap in logits is the
+    distance to a routing flip."""
+    with torch.no_grad():
+        out = model(input_ids=input_ids, attention_mask=attention_mask, output_router_logits=True)
+    k = model.config.num_experts_per_tok
+    real = attention_mask.reshape(-1).bool()
+    gaps, scale = [], 0.0
+    for logits_NE in out.router_logits:
+        logits_NE = logits_NE.float()[real]
+        top_NK = logits_NE.topk(k + 1, dim=-1).values
+        gaps.append(float((top_NK[:, k - 1] - top_NK[:, k]).min()))
+        scale = max(scale, float(logits_NE.abs().max()))
+    return min(gaps), scale

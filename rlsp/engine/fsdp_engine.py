@@ -40,6 +40,7 @@ from rlsp.data.batch import Batch
 from rlsp.engine.adaptive_plan import quadratic_tokens
 from rlsp.engine.fsdp_offload import build_offload_policy, to_device
 from rlsp.engine.micro import MicroBatch, MicroPlan, merge_reported, plan_micro_batches, plan_rows, prepare_micro_batch
+from rlsp.engine.moe_load import ExpertLoad
 from rlsp.engine.offload import ActivationOffload
 from rlsp.engine.optim import OptimSettings, build_optimizer
 from rlsp.engine.parallelize import all_reduce_gradients, parallelize, replicated
@@ -90,6 +91,8 @@ class FSDPEngine:
         self.replicated = replicated(module, dims, compute_dtype, offload)
         self.module = module if self.replicated else parallelize(module, dims, compute_dtype, offload)
         self.optim = optim
+        # tokens per expert of a trainable MoE model's forwards (actor metrics; rlsp.engine.moe_load)
+        self.expert_load = ExpertLoad(module if optim is not None else None, device)
         self.offload = ActivationOffload(activation_offload, self.module, device)  # rlsp.engine.offload
         if optim is None:
             self.module.requires_grad_(False)
@@ -145,7 +148,8 @@ class FSDPEngine:
         adaptive = False
         for plan, rows in self._micro_batches(batch, micro_size, max_tokens):
             micro = self.prepare(rows, prompt_len, plan.degree)
-            head = self.forward(micro, **head_kwargs)
+            with self.expert_load.recording(micro):
+                head = self.forward(micro, **head_kwargs)
             values = {key: self._to_rows(head[key], micro, last_token) for key in keys}
             adaptive |= plan.degree is not None
             if plan.reports:
@@ -225,7 +229,8 @@ class FSDPEngine:
         for plan, rows in self._micro_batches(batch, micro_size, max_tokens):
             t0 = time.perf_counter()
             micro = self.prepare(rows, prompt_len, plan.degree)
-            with self.offload() as stats:  # the forward only: backward's recomputations keep their tensors
+            # the forward only: backward's recomputations keep their tensors and count no routing again
+            with self.offload() as stats, self.expert_load.recording(micro):
                 loss, metrics = loss_fn(self.forward(micro, **head_kwargs), micro)
             offloaded = max(offloaded, stats.bytes)
             t1 = time.perf_counter()

@@ -106,6 +106,7 @@ class ActorRole:
         also sum_pi_squared [B, R] (sum over the vocabulary of p^2 per token, from the same forward)."""
         r = self.cfg.actor_rollout_ref.rollout
         head = {"with_sum_pi_squared": True} if self.cfg.actor_rollout_ref.actor.calculate_sum_pi_squared else {}
+        self.engine.expert_load.reset()  # counts of a step without an actor update (critic warmup) end here
         out = self.engine.infer_many(batch, self.ctx.prompt_len, r.log_prob_micro_batch_size_per_gpu,
                                      ("logprobs", "sum_pi_squared") if head else ("logprobs",),
                                      token_budget(r.log_prob_use_dynamic_bsz, r.log_prob_max_token_len_per_gpu),
@@ -131,7 +132,8 @@ class ActorRole:
         mini_rows = a.ppo_mini_batch_size * self.cfg.actor_rollout_ref.rollout.n // dims.dp_size
         metrics = run_ppo_epochs(batch, mini_rows, a.ppo_epochs, a.shuffle, self.cfg.trainer.seed, dims.dp_rank,
                                  train_mini)
-        return role_metrics("actor", metrics)
+        # MoE: tokens per expert of this step's old-logprob and training forwards (collective; {} when dense)
+        return role_metrics("actor", {**metrics, **self.engine.expert_load.reduce()})
 
     def _loss_config(self) -> ActorLossConfig:
         a = self.cfg.actor_rollout_ref.actor
