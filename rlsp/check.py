@@ -10,7 +10,9 @@ data.filter_overlong_prompts / data.truncation); the trackers' packages are look
 checks run (once the run length is known). These are the registered start-up checks (rlsp.config.checks),
 stage by stage, the same list `python -m rlsp.main` runs before any worker has the run's config. It prints the layout, the batch split and
 token budgets, the schedule, and what rlsp does with each verl key of the command, then every
-problem found. Exit 0 when there is none, 2 listing all of them.
+problem found. Under "layers" it says, per decoder-layer kind of the model, how the actor's Ulysses /
+ring / tp degrees split its heads and which attention kernel and MLP run it (rlsp.config.layer_report).
+Exit 0 when there is none, 2 listing all of them.
 """
 
 from __future__ import annotations
@@ -71,9 +73,11 @@ def _validate(cfg: DictConfig, report: Report) -> ParallelLayout | None:
             report.add("auto settings (what rlsp chose where the command left auto)", *(c.line() for c in auto))
 
 
-def _model(cfg: DictConfig, report: Report) -> Any:
-    """The model's architecture line and its tokenizer (None when there is none to read)."""
+def _model(cfg: DictConfig, layout: ParallelLayout | None, report: Report) -> Any:
+    """The model's architecture line, its layers and its tokenizer (None when there is none to read)."""
+    from rlsp.config.layer_report import layer_section  # noqa: PLC0415
     from rlsp.models.loading import read_model_config, tokenizer_problem  # noqa: PLC0415
+    from rlsp.parallel.heads import plan_head_layout  # noqa: PLC0415
     from rlsp.trainer.resume_check import arch, describe  # noqa: PLC0415
 
     key, path = "actor_rollout_ref.model.path", cfg.actor_rollout_ref.model.path
@@ -82,6 +86,8 @@ def _model(cfg: DictConfig, report: Report) -> Any:
     except ValueError:
         return None  # preflight_errors names what is missing
     report.add("model", f"{path}: {describe(arch(config))}")
+    if layout is not None:  # per layer kind, what runs where at the actor's degrees
+        report.add(*layer_section(config.to_dict(), layout.actor, plan_head_layout))
     if tokenizer_problem(key, path):
         return None  # likewise
     try:
@@ -213,7 +219,7 @@ def _files(cfg: DictConfig, layout: ParallelLayout | None, report: Report) -> An
     report.problems += preflight_errors(cfg, layout, device, skipped)  # the preflight stage, as rlsp.main runs it
     if blocked := [f"{name} ({why})" for name, why in skipped.items() if why != "not in use"]:
         report.add("checks", f"not checked until the problems below are fixed: {', '.join(blocked)}")
-    return _model(cfg, report)
+    return _model(cfg, layout, report)
 
 
 def _resume(cfg: DictConfig, layout: ParallelLayout | None, report: Report) -> None:

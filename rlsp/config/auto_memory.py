@@ -1,4 +1,5 @@
-"""The `auto` rule of gradient checkpointing (`*.model.enable_gradient_checkpointing`, rlsp.config.auto).
+"""The `auto` rule of gradient checkpointing (`*.model.enable_gradient_checkpointing`, rlsp.config.auto), and the
+per-layer activation terms it shares with the planner (rlsp.plan.memory).
 
 Checkpointing trades a second forward of every layer in backward for keeping only each layer's input.
 It is worth it when the activations a micro-batch saves without it do not fit beside the training
@@ -7,30 +8,127 @@ state: on when
     activations(micro-batch tokens) > (rank memory - training state per rank) / 2
 
 (the other half: the backward's working set, the vocab-chunked logprob head, the allocator's slack).
-`activation_bytes` is the planner's `layer_saved_bytes` (rlsp.plan.memory) for a rank that holds
+`activation_bytes` is the planner's saved bytes of every decoder layer (rlsp.plan.memory) for a rank that holds
 whole sequences and every head (no sequence, tensor or tiled-MLP split; HF's RMSNorm), divided by the
 sequence- and tensor-parallel degrees the role runs with; tests/unit/test_auto_settings.py compares
 the two. Memory unknown here: off (verl's default), said so.
+
+What one layer saves for backward, by kind (rlsp.config.layer_kinds; e the compute dtype's bytes):
+  softmax attention  q, k, v and the output over the rank's heads and its attention tokens, with their own head
+                     dims (multi-latent attention: q/k qk_nope + qk_rope, v v_head_dim, kv heads = q heads), the
+                     fp32 log-sum-exp, o_proj's input; the output gate of gated-q layers; MLA's latent tensors
+                     (q_a and kv_a outputs before and after their norms, kv_b's output).
+  windowed layers    on the torch banded kernel (no flash_attn, rlsp/models/window_attention.py) SDPA keeps each
+                     block's probabilities: window + WINDOW_CHUNK - 1 keys per query at most, O(tokens x window),
+                     not the causal prefix; soft-capped or sink layers recompute each block in backward instead
+                     (its [q, WINDOW_CHUNK, keys] fp32 scores, probabilities and their gradient: `block_bytes`).
+  linear attention   the projections' outputs; per rank (its key-head groups after the exchange) the conv's input
+                     and output and the delta rule's output; the fp32 recurrent state (key_head_dim x
+                     value_head_dim per value head) at every DELTA_CHUNK-token chunk boundary (transformers' chunked
+                     rule); the gated norm's inputs and out_proj's input. No KV cache.
+  MLP                dense: gate, up, activation and product ([tokens, I/tp] each); MoE: the same for each token's
+                     active experts and the shared experts, the fp32 router logits and each token's copy per expert.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+from rlsp.config.layer_kinds import LINEAR, Attention, LayerKind
 from rlsp.config.machine import GIB, Machine
 from rlsp.config.model_shape import ModelShape
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
+WINDOW_CHUNK = 256  # query rows of a block of the torch banded kernel (rlsp/models/window_attention.py _CHUNK)
+DELTA_CHUNK = 64  # tokens per chunk of transformers' torch chunk_gated_delta_rule
 
 
-def activation_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, splits: int = 1) -> float:
+@dataclass(frozen=True)
+class RankSpan:
+    """One rank's share of a layer: `attn` tokens inside attention (its ring share of the stream), `shard` tokens
+    of its sequence shard, `q` / `kv` its heads inside attention, the Ulysses and tp degrees, the longest sequence
+    (0: unknown), whether flash_attn runs windowed / soft-capped layers (CUDA with flash_attn installed), whether
+    o_proj keeps an input of its own (not with ring alone: attention's output is it)."""
+
+    attn: int
+    shard: int
+    q: int
+    kv: int
+    ulysses: int = 1
+    tp: int = 1
+    seq_len: int = 0
+    flash: bool = True
+    o_input: bool = True
+
+
+def _torch_path(a: Attention, s: RankSpan) -> bool:
+    """Whether the layer takes rlsp's torch banded kernel (sinks always: flash_attn has none)."""
+    return a.sinks or (not s.flash and (a.window is not None or a.softcap is not None))
+
+
+def _band_keys(a: Attention, s: RankSpan) -> int:
+    """Keys per query of a block of the torch banded kernel."""
+    limit = s.seq_len or s.attn
+    return min(limit, a.window + WINDOW_CHUNK - 1) if a.window else limit
+
+
+def block_bytes(kind: LayerKind, s: RankSpan) -> float:
+    """A recomputed block's working set in backward (soft-capped / sink layers on the torch path), else 0."""
+    a = kind.attention
+    if a.kind == LINEAR or not _torch_path(a, s) or not (a.softcap or a.sinks):
+        return 0.0
+    return 3 * s.q * min(WINDOW_CHUNK, s.attn) * _band_keys(a, s) * 4
+
+
+def _linear_saved(a: Attention, s: RankSpan, e: int) -> float:
+    kh, vh, kd, vd, _ = a.linear
+    groups = -(-kh // s.ulysses)  # key-head groups on the busiest rank
+    kr, vr = groups, groups * (vh // kh)
+    local = s.shard * (2 * kh * kd + 2 * vh * vd + 2 * vh) * e  # q, k, v, z, b, a before the exchange
+    rank = s.attn * (2 * (2 * kr * kd + vr * vd) + vr * vd) * e  # conv input and output, the rule's output
+    states = -(-s.attn // DELTA_CHUNK) * vr * kd * vd * 4
+    return local + rank + states + s.shard * 3 * vh * vd * e  # gated norm input and z, out_proj's input
+
+
+def attention_saved_bytes(kind: LayerKind, q_heads: int, s: RankSpan, e: int) -> float:
+    """Bytes one layer's attention block saves for backward on a rank (`q_heads`: the model's q heads)."""
+    a = kind.attention
+    if a.kind == LINEAR:
+        return _linear_saved(a, s, e)
+    out = s.attn * (((s.q + s.kv) * a.qk_dim + (s.kv + s.q) * a.v_dim) * e + s.q * 4)
+    heads = q_heads // s.tp
+    out += s.shard * heads * (a.v_dim * s.o_input + a.qk_dim * a.gated_q) * e
+    if a.mla:
+        q_rank, kv_rank, rope = a.latent
+        out += s.shard * (2 * q_rank + 2 * kv_rank + rope + heads * (a.qk_dim - rope + a.v_dim)) * e
+    if _torch_path(a, s) and not (a.softcap or a.sinks):  # SDPA's probabilities of every block, kept
+        out += s.attn * s.q * _band_keys(a, s) * e
+    return out
+
+
+def mlp_width(kind: LayerKind) -> int:
+    """The MLP width one token runs through (MoE: its active experts and the shared ones)."""
+    m = kind.mlp
+    return m.active * m.width + m.shared if m.moe else m.width
+
+
+def mlp_saved_bytes(kind: LayerKind, hidden: int, s: RankSpan, e: int) -> float:
+    m = kind.mlp
+    if not m.moe:
+        return 4 * s.shard * (m.width // s.tp) * e
+    return 4 * s.shard * mlp_width(kind) * e + s.shard * (m.experts * 4 + m.active * (hidden * e + 12))
+
+
+def activation_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, splits: int = 1, flash: bool = True) -> float:
     """Bytes the decoder layers save for backward over `tokens` tokens without checkpointing, on a rank
-    of a role split `splits` ways (sequence x tensor parallel)."""
-    e, h, d, q, kv = dtype_bytes, shape.hidden, shape.head_dim, shape.q_heads, shape.kv_heads
+    of a role split `splits` ways (sequence x tensor parallel); `flash`: flash_attn runs windowed layers."""
+    e, h = dtype_bytes, shape.hidden
     norms = 2 * (h * (4 + e) + 4 + h * e)  # two norms: fp32 upcast, normed value, 1/rms; the normed input
-    attn = (2 * q + 2 * kv) * d * e + q * 4 + q * d * e  # q, k, v, out and lse; o_proj's input
-    mlp = 4 * shape.intermediate * e  # gate, up, act, product
-    return shape.layers * tokens * (norms + attn + mlp) / splits
+    span = RankSpan(tokens, tokens, shape.q_heads, shape.kv_heads, seq_len=tokens, flash=flash)
+    total = sum(tokens * norms + attention_saved_bytes(k, shape.q_heads, span, e) + mlp_saved_bytes(k, h, span, e)
+                for k in shape.layer_list())
+    return total / splits
 
 
 def micro_batch_tokens(section: Any, prompt_len: int, response_len: int) -> int:
@@ -46,7 +144,8 @@ def checkpointing_choice(shape: ModelShape | None, why: str, machine: Machine, m
     of the rank left to training (None: unknown)."""
     if shape is None or memory is None:
         return False, f"{why or machine.source}: off (verl's default)"
-    saved = activation_bytes(shape, tokens, DTYPE_BYTES.get(dtype, 4), splits)
+    # flash_attn runs windowed layers only on cuda (when installed: assumed); cpu takes the torch banded kernel
+    saved = activation_bytes(shape, tokens, DTYPE_BYTES.get(dtype, 4), splits, flash=machine.device == "cuda")
     room = (memory - state) / 2
     text = (f"{tokens} tokens a micro-batch save {saved / GIB:.2f} GiB of activations "
             f"{'>' if saved > room else '<='} half of the {max(0.0, memory - state) / GIB:.1f} GiB the training "

@@ -3,8 +3,12 @@
 Only the numbers that decide memory and communication are kept: layers, hidden size, query / kv
 heads and head dim, MLP width, vocabulary, whether the output layer is tied to the embedding, and the
 longest position the model takes (max_position_embeddings: rlsp's start-up checks refuse longer runs).
-Parameter counts follow the Llama / Qwen2 layer rlsp trains (q/k/v/o projections, a gated MLP of
-three matrices, two RMSNorms per layer; q/k/v biases where the architecture has them).
+Parameter counts follow each layer's kind (rlsp.config.layer_kinds: full / sliding-window / multi-latent / linear
+attention, dense or MoE MLP, the norms and biases of the family; equal to the numel of transformers' model,
+tested on tiny models of every family rlsp trains); shapes built by hand without kinds count the Llama / Qwen2
+layer (q/k/v/o projections, a gated MLP of three matrices, two RMSNorms per layer; q/k/v biases where the
+architecture has them). Multi-latent attention (deepseek_v2/v3): `head_dim` is the q/k head dim
+(qk_nope + qk_rope), `v_head_dim` the value head dim, and kv heads equal q heads (after the latent expansion).
 
 No torch, no transformers: the planner answers in well under a second.
 """
@@ -13,9 +17,11 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from rlsp.config.layer_kinds import LINEAR, LayerKind, layer_kinds, uniform_layers
 
 # Architectures whose q/k/v projections carry a bias even though their config has no attention_bias.
 _QKV_BIAS_TYPES = ("qwen2",)
@@ -37,14 +43,43 @@ class ModelShape:
     qkv_bias: bool = False
     name: str = "model"
     max_positions: int | None = None  # config.json's max_position_embeddings (None: the config sets none)
+    v_head_dim: int = 0  # value head dim where it differs from head_dim (multi-latent attention); 0: head_dim
+    # one per decoder layer, read from config.json (empty: every layer the Llama / Qwen2 layer above)
+    kinds: tuple[LayerKind, ...] = field(default=(), compare=False, repr=False)
+    model_type: str = field(default="", compare=False)
+
+    @property
+    def v_dim(self) -> int:
+        return self.v_head_dim or self.head_dim
 
     @property
     def layer_params(self) -> int:
-        """Parameters of one decoder layer: attention, gated MLP, two norms."""
+        """Parameters of the largest decoder layer (what FSDP2 all-gathers at once): attention, MLP, norms."""
+        if self.kinds:
+            return max(k.params for k in self.kinds)
         h, d = self.hidden, self.head_dim
         attn = h * d * (self.q_heads + 2 * self.kv_heads) + self.q_heads * d * h
         bias = d * (self.q_heads + 2 * self.kv_heads) if self.qkv_bias else 0
         return attn + bias + 3 * h * self.intermediate + 2 * h
+
+    def layer_list(self) -> tuple[LayerKind, ...]:
+        """Every decoder layer's kind (a shape without kinds: the Llama / Qwen2 layer, `layers` times)."""
+        return self.kinds or uniform_layers(self.layers, self.q_heads, self.kv_heads, self.head_dim, self.v_dim,
+                                            self.intermediate, self.layer_params)
+
+    @property
+    def decoder_params(self) -> int:
+        """Parameters of all decoder layers (every expert of MoE layers)."""
+        return sum(k.params for k in self.kinds) if self.kinds else self.layers * self.layer_params
+
+    @property
+    def active_decoder_params(self) -> int:
+        """Decoder parameters one token runs through (MoE: its routed experts only, plus the shared ones)."""
+        return sum(k.active for k in self.kinds) if self.kinds else self.decoder_params
+
+    @property
+    def moe(self) -> bool:
+        return any(k.mlp.moe for k in self.kinds)
 
     @property
     def matrix_params(self) -> int:
@@ -58,7 +93,33 @@ class ModelShape:
 
     @property
     def params(self) -> int:
-        return self.layers * self.layer_params + self.root_params
+        return self.decoder_params + self.root_params
+
+    def kv_cache_bytes(self, tokens: int, dtype_bytes: int) -> int:
+        """Bytes of one sequence's KV cache after `tokens` tokens, as transformers' cache keeps it: k and v per kv
+        head on full layers; the last window - 1 tokens on sliding layers; multi-latent attention's compressed
+        latent (kv_lora_rank + qk_rope_head_dim per token, shared by the heads); none on linear-attention layers
+        (`state_bytes_per_sequence`)."""
+        total = 0
+        for k in self.layer_list():
+            a = k.attention
+            if a.kind == LINEAR:
+                continue
+            kept = min(tokens, a.window - 1) if a.window else tokens
+            per_token = a.latent[1] + a.latent[2] if a.mla else a.kv_heads * (a.qk_dim + a.v_dim)
+            total += kept * per_token * dtype_bytes
+        return total
+
+    def state_bytes_per_sequence(self, dtype_bytes: int) -> int:
+        """Linear-attention layers' decoding state per sequence, as transformers' cache keeps it: the fp32
+        recurrent state (key_head_dim x value_head_dim per value head) and the conv state (the kernel's width of
+        past q/k/v channel inputs, in the model's dtype)."""
+        total = 0
+        for k in self.kinds:
+            if k.attention.kind == LINEAR:
+                kh, vh, kd, vd, conv = k.attention.linear
+                total += vh * kd * vd * 4 + (2 * kh * kd + vh * vd) * conv * dtype_bytes
+        return total
 
     @property
     def critic_root_params(self) -> int:
@@ -73,9 +134,12 @@ class ModelShape:
 
     def describe(self) -> str:
         tie = "tied" if self.tied else "untied"
+        dims = f"dim {self.head_dim}" if self.v_dim == self.head_dim else f"q/k dim {self.head_dim}, v dim {self.v_dim}"
+        active = (f" ({(self.active_decoder_params + self.root_params) / 1e9:.2f} B active per token)"
+                  if self.active_decoder_params != self.decoder_params else "")
         return (f"{self.name}: {self.layers} layers, hidden {self.hidden}, {self.q_heads} q / {self.kv_heads} kv "
-                f"heads of dim {self.head_dim}, intermediate {self.intermediate}, vocab {self.vocab} ({tie}); "
-                f"{self.params / 1e9:.2f} B parameters" +
+                f"heads of {dims}, intermediate {self.intermediate}, vocab {self.vocab} ({tie}); "
+                f"{self.params / 1e9:.2f} B parameters{active}" +
                 (f"; {self.max_positions} positions" if self.max_positions else ""))
 
 
@@ -91,10 +155,20 @@ def shape_from_config(cfg: dict[str, Any], name: str = "model") -> ModelShape:
         raise ValueError(f"{name}: num_attention_heads={q} is not a multiple of num_key_value_heads={kv}")
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // q
     bias = bool(cfg.get("attention_bias", cfg.get("model_type") in _QKV_BIAS_TYPES))
+    try:
+        kinds = tuple(layer_kinds(cfg))
+    except KeyError as exc:
+        raise ValueError(f"{name}: config.json of model_type={cfg.get('model_type')!r} lacks {exc.args[0]!r}, which "
+                         "its layers need (pass the config.json transformers writes for the model)") from None
+    softmax = [k.attention for k in kinds if k.attention.kind != LINEAR]
+    if softmax and softmax[0].mla:  # multi-latent attention: every head its own k and v after the expansion
+        kv, head_dim = q, softmax[0].qk_dim
+    v_dim = softmax[0].v_dim if softmax and softmax[0].v_dim != head_dim else 0
     return ModelShape(layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"], q_heads=q, kv_heads=kv,
                       head_dim=head_dim, intermediate=cfg["intermediate_size"], vocab=cfg["vocab_size"],
                       tied=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=bias, name=name,
-                      max_positions=_max_positions(cfg, name))
+                      max_positions=_max_positions(cfg, name), v_head_dim=v_dim, kinds=kinds,
+                      model_type=str(cfg.get("model_type") or ""))
 
 
 def _max_positions(cfg: dict[str, Any], name: str) -> int | None:

@@ -75,6 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--inter-gbps", type=float, default=40.0, help="GB/s per GPU between nodes")
     p.add_argument("--top", type=int, default=12, help="layouts listed (default 12); --all lists every one")
     p.add_argument("--all", action="store_true")
+    p.add_argument("--no-flash-attn", action="store_true", help="GPUs without flash_attn: windowed and soft-capped "
+                   "layers run rlsp's torch banded kernel, which keeps O(tokens x window) probabilities for backward")
     p.add_argument("--overrides", action="store_true", help="print the recommended plan's Hydra overrides last")
     return p.parse_args(argv)
 
@@ -100,7 +102,7 @@ def build_request(a: argparse.Namespace) -> tuple[Request, RunShape]:
                   speeds=Speeds(a.tflops, a.intra_gbps, a.inter_gbps, a.pcie_gbps),
                   tiled_mlp=schema_has(TILED_KEY), activation_offload=schema_has(OFFLOAD_KEY),
                   reference=not a.no_reference, param_offload=schema_has(PARAM_OFFLOAD_KEY),
-                  lean_norm=schema_has(LEAN_NORM_KEY))
+                  lean_norm=schema_has(LEAN_NORM_KEY), flash=not a.no_flash_attn)
     run = RunShape(a.model, prompt, seq - prompt, 0, 0, a.rollout_n, algo)
     return req, run
 

@@ -113,7 +113,7 @@ def group_locality(layout: RoleLayout) -> dict[str, bool]:
 def plan_comm(shape: ModelShape, w: Workload, split: HeadSplit, e: int, checkpointing: bool) -> Comm:
     """Bytes per rank per micro-batch of one training role on layout `w.layout`."""
     lay, d = w.layout, shape.head_dim
-    fsdp, replicate = _fsdp_bytes(shape.layer_params / lay.tp, lay, e, gathers=2)
+    fsdp, replicate = _fsdp_bytes(shape.decoder_params / shape.layers / lay.tp, lay, e, gathers=2)  # a layer on average
     per_layer = {"ulysses": ulysses_layer_bytes(w, split, d, e, checkpointing),
                  "ring": ring_layer_bytes(w, d, e, checkpointing),
                  "tp": tp_layer_bytes(w, shape.hidden, e, checkpointing), "fsdp": fsdp, "hsdp": replicate}

@@ -5,9 +5,9 @@ Every number is bytes on ONE rank, for one micro-batch stream of `budget x token
   state      trainable role: fp32 master 4 + fp32 gradient 4 + AdamW 8 bytes per parameter; frozen
              reference: e per parameter. Layer weights are split over tp and then over the FSDP shard
              group; the embedding, lm_head and final norm are replicated over tp (rlsp's TP plan) and
-             sharded over the FSDP group.
-  saved      what autograd keeps for backward (per decoder layer, measured op by op on rlsp's
-             forward): two RMSNorms (fp32 upcast of the input, the normalised output and the
+             sharded over the FSDP group. Parameters count every layer by its kind (MoE: every expert).
+  saved      what autograd keeps for backward (per layer, by its kind: rlsp.config.auto_memory; measured op
+             by op on rlsp's forward of the Llama / Qwen2 layer): two RMSNorms (fp32 upcast of the input, the normalised output and the
              projection input: h*(4+e)+4 per token each; with model.lean_rmsnorm only the input and the
              fp32 1/rms, h*e+4; plus h*e per token of the [S] tensor the column-parallel projections read), attention (q, k, v and output for the rank's heads
              over its ring share of the stream, fp32 log-sum-exp, the o_proj input) and the gated MLP
@@ -45,6 +45,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rlsp.config.auto_memory import RankSpan, attention_saved_bytes, block_bytes, mlp_saved_bytes, mlp_width
+from rlsp.config.layer_kinds import LayerKind
 from rlsp.config.layout import RoleLayout
 from rlsp.config.model_shape import ModelShape
 from rlsp.parallel.ring_heads import acc_bytes, kv_heads_per_pass
@@ -65,6 +67,7 @@ class MemoryOptions:
     param_offload: bool = False  # FSDP2 CPUOffloadPolicy: every role's shards, gradients, AdamW state in host memory
     entropy_grad: bool = False  # actor.entropy_coeff != 0: the head's backward forms the entropy's gradient too
     lean_norm: bool = False  # model.lean_rmsnorm: a norm keeps its input and fp32 1/rms per token (rlsp/models/rms_norm.py)
+    flash: bool = True  # flash_attn runs windowed / soft-capped layers (CUDA); False: rlsp's torch banded kernel
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,11 @@ class Workload:
         """Tr: tokens a rank sees inside attention (its ring share of the stream)."""
         return self.stream // self.layout.ring
 
+    def span(self, flash: bool = True) -> RankSpan:
+        """This rank's share of a layer, as rlsp.config.auto_memory's per-kind terms take it."""
+        u, ring, tp = self.layout.ulysses, self.layout.ring, self.layout.tp  # ring alone: o_proj reads attention's output
+        return RankSpan(self.heads_len, self.shard, self.heads.q, self.heads.kv, u, tp, self.seq_len, flash, u > 1 or ring == 1)
+
 
 @dataclass
 class MemoryEstimate:
@@ -122,7 +130,7 @@ class MemoryEstimate:
 def state_bytes(shape: ModelShape, layout: RoleLayout, role: str, e: int) -> tuple[float, float]:
     """(state without gradients, gradients) of one role on one rank."""
     root = shape.critic_root_params if role == "critic" else shape.root_params
-    params = (shape.layers * shape.layer_params / layout.tp + root) / layout.fsdp_shard
+    params = (shape.decoder_params / layout.tp + root) / layout.fsdp_shard
     if role == "ref":
         return params * e, 0.0
     return params * 12.0, params * 4.0  # fp32 master + AdamW moments; fp32 gradients
@@ -134,19 +142,22 @@ def offload_staging_bytes(shape: ModelShape, layout: RoleLayout) -> float:
     return 3 * shape.layer_params / layout.tp / layout.fsdp_shard * 4
 
 
-def layer_saved_bytes(shape: ModelShape, w: Workload, opts: MemoryOptions) -> float:
-    """Bytes one decoder layer saves for backward without checkpointing."""
-    e, h, d, lay = opts.dtype_bytes, shape.hidden, shape.head_dim, w.layout
+def layer_saved_bytes(shape: ModelShape, w: Workload, opts: MemoryOptions, kind: LayerKind | None = None) -> float:
+    """Bytes one decoder layer (`kind`; None: the first) saves for backward without checkpointing."""
+    e, h, kind = opts.dtype_bytes, shape.hidden, kind or shape.layer_list()[0]
     # per block: the norm's own tensors (HF's: the fp32 upcast, the normed value and 1/rms; the lean norm:
     # its input and 1/rms), and the normed input the projections save (under tp with sequence-parallel
     # activations only this rank's [s, h] shard, re-gathered in backward)
     norm = h * e + 4 if opts.lean_norm else h * (4 + e) + 4
     norms = 2 * (w.kept * norm + w.kept * h * e)
-    attn = w.heads_len * ((2 * w.heads.q + 2 * w.heads.kv) * d * e + w.heads.q * 4)
-    if not (lay.ulysses == 1 and lay.ring > 1):  # ring alone: o_proj reads attention's own output
-        attn += w.shard * (shape.q_heads // lay.tp) * d * e
-    mlp = 0 if opts.tiled_mlp_shards else 4 * w.shard * (shape.intermediate // lay.tp) * e
-    return norms + attn + mlp
+    span = w.span(opts.flash)
+    mlp = 0 if opts.tiled_mlp_shards else mlp_saved_bytes(kind, h, span, e)
+    return norms + attention_saved_bytes(kind, shape.q_heads, span, e) + mlp
+
+
+def decoder_saved_bytes(shape: ModelShape, w: Workload, opts: MemoryOptions) -> float:
+    """Bytes all decoder layers save for backward without checkpointing (each by its kind)."""
+    return sum(layer_saved_bytes(shape, w, opts, kind) for kind in shape.layer_list())
 
 
 RING_TILE_TOKENS = 16384  # rows and keys of a ring-attention tile at most (rlsp/parallel/ring_tiles.py MAX_TILE)
@@ -177,17 +188,18 @@ def ring_bytes(w: Workload, head_dim: int, dtype_bytes: int) -> float:
     return accumulators + blocks + tile + 4 * 8 * box * w.layout.ring
 
 
-def _backward_working_set(shape: ModelShape, w: Workload, opts: MemoryOptions) -> float:
+def _backward_working_set(shape: ModelShape, w: Workload, opts: MemoryOptions, kind: LayerKind) -> float:
     """Tensors alive at once in one layer's backward besides its saved ones: the MLP's (or attention's)
-    intermediate gradients, the exchanges' buffers, the residual gradients, ring attention's blocks."""
+    intermediate gradients, the exchanges' buffers, the residual gradients, ring attention's blocks, the
+    torch banded kernel's recomputed block."""
     e, d, h, lay = opts.dtype_bytes, shape.head_dim, shape.hidden, w.layout
-    tiles = opts.tiled_mlp_shards or 1
+    tiles, width = opts.tiled_mlp_shards or 1, mlp_width(kind)
     # the MLP's backward: the gradients of its product, of the activation and of the up projection
     # (the product itself, the down projection's input, is freed by then)
-    mlp = 2 * w.shard / tiles * (shape.intermediate // lay.tp) * e
+    mlp = 2 * w.shard / tiles * (width // (1 if kind.mlp.moe else lay.tp)) * e
     if opts.tiled_mlp_shards:  # the tile recomputed in backward
-        mlp += 4 * w.shard / tiles * shape.intermediate * e
-    attn = 2 * w.heads_len * (w.heads.q + 2 * w.heads.kv) * d * e
+        mlp += 4 * w.shard / tiles * width * e
+    attn = 2 * w.heads_len * (w.heads.q + 2 * w.heads.kv) * d * e + block_bytes(kind, w.span(opts.flash))
     exchange = 2 * w.shard * (shape.q_heads + 2 * shape.kv_heads) // lay.tp * d * e if lay.ulysses > 1 else 0
     # tp with sequence-parallel activations: the block input re-gathered [S, h] for the projections'
     # weight gradients and its full-length gradient before the reduce-scatter
@@ -213,14 +225,15 @@ def activation_terms(shape: ModelShape, w: Workload, role: str, opts: MemoryOpti
     e, h = opts.dtype_bytes, shape.hidden
     final_norm = w.kept * ((2 * h * e if opts.lean_norm else h * (4 + 2 * e)) + 4)  # its backward runs before the layers'
     shared = final_norm + w.shard * (20 + 2 * shape.head_dim * e)  # + token ids, labels, rotary tables
-    layer = layer_saved_bytes(shape, w, opts)
+    kinds = shape.layer_list()
     if opts.checkpointing:
         # offload: backward holds the input of the layer it is in and the next one's, prefetched
         kept = min(2, shape.layers) if opts.activation_offload else shape.layers
-        saved, recompute = kept * w.kept * h * e + shared, layer
+        saved, recompute = kept * w.kept * h * e + shared, max(layer_saved_bytes(shape, w, opts, k) for k in kinds)
     else:
-        saved, recompute = shape.layers * layer + shared, 0.0
-    return {"saved": saved, "final_norm": final_norm, "recompute": recompute, "layer_backward": _backward_working_set(shape, w, opts),
+        saved, recompute = decoder_saved_bytes(shape, w, opts) + shared, 0.0
+    working = max(_backward_working_set(shape, w, opts, k) for k in set(kinds))
+    return {"saved": saved, "final_norm": final_norm, "recompute": recompute, "layer_backward": working,
             "head": _head_bytes(shape, w, role, opts)}
 
 

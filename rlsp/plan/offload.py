@@ -52,5 +52,5 @@ def offload_copy_bytes(shape: ModelShape, layout: RoleLayout, role: str) -> floa
     parameters: fp32 shards in twice (forward, backward) and fp32 gradient shards out once per layer,
     the root unit's shard in once and its gradient out once."""
     root = shape.critic_root_params if role == "critic" else shape.root_params
-    layers = shape.layers * shape.layer_params / layout.tp / layout.fsdp_shard
+    layers = shape.decoder_params / layout.tp / layout.fsdp_shard
     return layers * (2 * 4 + 4) + root / layout.fsdp_shard * (4 + 4)

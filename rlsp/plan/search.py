@@ -86,6 +86,7 @@ class Request:
     reference: bool = True  # a frozen reference model is placed (KL loss or KL in the reward)
     param_offload: bool = True  # whether FSDP parameter offload is enumerated
     lean_norm: bool = False  # whether the schema has model.lean_rmsnorm (enumerated with checkpointing)
+    flash: bool = True  # flash_attn installed: windowed / soft-capped layers run it (else rlsp's torch banded kernel)
 
 
 @dataclass(frozen=True)
@@ -187,7 +188,7 @@ def settings_for(req: Request, layout: RoleLayout) -> Iterator[Settings]:
 def _flops(req: Request, w: Workload, s: Settings) -> float:
     """Matmul and attention FLOPs of one rank for one micro-batch (forward, backward, recomputation)."""
     shape, lay = req.shape, w.layout
-    matmul = 2 * w.shard * (shape.layer_params - 2 * shape.hidden) / lay.tp
+    matmul = 2 * w.shard * (shape.active_decoder_params / shape.layers - 2 * shape.hidden) / lay.tp  # MoE: active experts
     span = min(req.seq_len, w.stream)  # causal pairs of the stream: T * span / 2, 4 D flops per pair and head
     attention = 2 * w.heads.q * shape.head_dim * w.stream * span / lay.ring
     if lay.ring > 1:
@@ -204,7 +205,7 @@ def evaluate(req: Request, layout: RoleLayout, s: Settings, split: HeadSplit) ->
     share = HeadShare(max(split.q_counts), max(split.kv_counts))
     w = Workload(layout, s.budget, req.seq_len, share)
     opts = MemoryOptions(req.dtype_bytes, s.checkpointing, s.tiled_mlp_shards, s.activation_offload, req.logprob_chunk,
-                         param_offload=s.param_offload, lean_norm=s.lean_norm)
+                         param_offload=s.param_offload, lean_norm=s.lean_norm, flash=req.flash)
     memory = plan_memory(req.shape, w, opts, critic=req.critic, ref=req.reference)
     host = host_bytes_per_node(req.shape, w, opts, req.critic, req.reference)
     comm = plan_comm(req.shape, w, split, req.dtype_bytes, s.checkpointing)
