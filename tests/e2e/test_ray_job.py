@@ -162,13 +162,30 @@ def test_job_submit_runs_on_both_nodes(cluster, cache_dir, tmp_path):
     assert node_of[0] == node_of[1] and node_of[2] == node_of[3], node_of
 
 
+# A custom reward that records, in the process that scores, what verl's ray_kwargs.ray_init.runtime_env.env_vars set.
+SEEN_REWARD = """import os
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    with open(os.environ["RLSP_E2E_SEEN"], "a") as f:
+        f.write(os.environ["RLSP_E2E_VALUE"] + "\\n")
+    return 0.0
+"""
+
+
 def test_auto_joins_the_running_cluster(cluster, cache_dir, tmp_path):
+    """Also: ray_kwargs.ray_init.runtime_env.env_vars reach the joined cluster's job (its scoring processes)."""
+    (tmp_path / "reward.py").write_text(SEEN_REWARD)
+    seen = tmp_path / "seen.txt"
     proc = _run([sys.executable, "-m", "rlsp.main", *RUN, "trainer.total_training_steps=1", "trainer.ray_address=auto",
-                 f"trainer.default_local_dir={tmp_path / 'run'}", f"trainer.cache_dir={cache_dir}"], cluster.env,
+                 f"trainer.default_local_dir={tmp_path / 'run'}", f"trainer.cache_dir={cache_dir}",
+                 f"custom_reward_function.path={tmp_path / 'reward.py'}", "custom_reward_function.name=compute_score",
+                 f"+ray_kwargs.ray_init.runtime_env.env_vars.RLSP_E2E_SEEN={seen}",
+                 "+ray_kwargs.ray_init.runtime_env.env_vars.RLSP_E2E_VALUE=from-ray-kwargs"], cluster.env,
                 RUN_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert f"joined the Ray cluster at {cluster.gcs}: 2 nodes" in proc.stderr, proc.stderr[-3000:]
     assert "private local Ray" not in proc.stderr
+    lines = seen.read_text().split()
+    assert lines and set(lines) == {"from-ray-kwargs"}, lines  # every scored sample saw the job's env_vars
 
 
 def test_unset_address_starts_a_private_ray_beside_a_live_cluster(cluster, cache_dir, tmp_path):
