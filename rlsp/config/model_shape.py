@@ -23,6 +23,10 @@ from typing import Any
 
 from rlsp.config.layer_kinds import LINEAR, LayerKind, layer_kinds, uniform_layers
 
+# Multimodal wrappers whose text model rlsp trains (text-only RL) -> their text model_type: AutoModelForCausalLM loads
+# it (config = text_config; `model.language_model.*` read as `model.*`, the vision tower's `model.visual.*` skipped).
+TEXT_WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+
 # Architectures whose q/k/v projections carry a bias even though their config has no attention_bias.
 _QKV_BIAS_TYPES = ("qwen2",)
 _REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
@@ -184,4 +188,7 @@ def read_model_shape(path: str | Path) -> ModelShape:
     file = p / "config.json" if p.is_dir() else p
     if not file.is_file():
         raise ValueError(f"no config.json at {file}: pass a model directory (Hugging Face layout) or its config.json")
-    return shape_from_config(json.loads(file.read_text()), name=p.name if p.is_dir() else p.parent.name)
+    config = json.loads(file.read_text())
+    if config.get("model_type") in TEXT_WRAPPERS and isinstance(config.get("text_config"), dict):
+        config = config["text_config"]  # a Qwen3.5 wrapper checkpoint: rlsp trains its text model alone
+    return shape_from_config(config, name=p.name if p.is_dir() else p.parent.name)

@@ -112,6 +112,11 @@ class ModelConfig:
 
 
 @dataclass
+class RouterReplayConfig:
+    mode: str = "disabled"  # MoE routing replay (verl's): disabled | R2: the update routes each token to the experts the old-logprob pass chose, weights recomputed from the current router (rlsp.engine.router_replay; qwen2_moe, qwen3_moe, olmoe, mixtral, glm4_moe, deepseek_v3, gpt_oss) | R3: the rollout engine's routes, refused (no rollout engine here returns them)
+
+
+@dataclass
 class ActorConfig(verl_keys.ActorVerlKeys):
     strategy: str = "fsdp2"
     ppo_mini_batch_size: int = 16  # prompts per optimizer step (x rollout.n samples), verl semantics
@@ -144,6 +149,7 @@ class ActorConfig(verl_keys.ActorVerlKeys):
     logprob_chunk_size: int = 1024
     use_torch_compile: Any = "auto"  # true | false | auto: the entropy head's per-block reduction through torch.compile (what verl compiles); auto: on cuda only (inductor's compile costs ~30 s at start-up on cpu)
     calculate_sum_pi_squared: bool = False  # the old-logprob pass also returns sum_v p_v^2 per token (optimal token baselines)
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)  # MoE routing replay (R2)
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 

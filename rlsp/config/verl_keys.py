@@ -32,7 +32,13 @@ _OFF = (None, False, 0, 0.0, "", [], {}, "disabled")
 
 _FSDP1 = "verl's FSDP1 setting: rlsp's engine is FSDP2 (fully_shard per decoder layer"
 _MODEL = "rlsp builds the model its config.json names with transformers' own classes"
-_MOE = "MoE routing replay and expert load balancing metrics are not implemented in rlsp"
+_MOE = ("MoE expert load balancing metrics of the rollout engine are not implemented in rlsp (the actor logs actor/moe/* "
+        "from its own forwards); routing replay is actor_rollout_ref.actor.router_replay.mode")
+_R3 = ("routing replay R3 (router_replay.mode=R3, rollout.enable_rollout_routing_replay) needs the rollout engine to "
+       "return each token's experts; neither rlsp engine does (the hf engine's decoding loop keeps no routes, and "
+       "vLLM's CPU backend has no routing capture)")
+_ROUTE_FILES = ("rlsp keeps the routes recorded for R2 in memory, as a column of the step's rows that the update reads; "
+                "no route file is written or read")
 _MTP = "multi-token prediction (MTP) heads are not trained or used for speculative decoding in rlsp"
 _QAT = "quantization-aware training (QAT) is not implemented in rlsp; train in model.dtype (bf16) instead"
 _MEGATRON_LORA = ("verl's Megatron LoRA block (model.lora.*) is not implemented; rlsp's LoRA keys are model.lora_rank, "
@@ -129,8 +135,12 @@ UNSUPPORTED_0_9: dict[str, str] = {
     "*.checkpoint.strict": "rlsp resumes only from a checkpoint of the same model and layout (always strict)",
     "actor_rollout_ref.actor.use_fused_kernels": "verl's copy of actor_rollout_ref.model.use_fused_kernels; set that",
     "actor_rollout_ref.actor.use_remove_padding": "verl's copy of actor_rollout_ref.model.use_remove_padding; set that",
+    "actor_rollout_ref.actor.router_replay.record_file": _ROUTE_FILES,
+    "actor_rollout_ref.actor.router_replay.replay_file": _ROUTE_FILES,
+    "actor_rollout_ref.ref.router_replay.*": "the reference model is frozen: its routing never moves between passes, "
+                                             "so there is nothing to replay",
     "*.router_replay.*": _MOE,
-    "actor_rollout_ref.rollout.enable_rollout_routing_replay": _MOE,
+    "actor_rollout_ref.rollout.enable_rollout_routing_replay": _R3,
     "actor_rollout_ref.rollout.moe_load_balance_metrics_interval": _MOE,
     "actor_rollout_ref.rollout.nnodes": "a rollout pool of its own is rollout.nnodes / rollout.n_gpus_per_node (rlsp's "
                                         "async_training keys); the colocated engine runs on the training workers",

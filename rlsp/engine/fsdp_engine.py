@@ -45,6 +45,7 @@ from rlsp.engine.offload import ActivationOffload
 from rlsp.engine.optim import OptimSettings, build_optimizer
 from rlsp.engine.parallelize import all_reduce_gradients, parallelize, replicated
 from rlsp.engine.reference import meta_skeleton, run_skeleton
+from rlsp.engine.router_replay import ROUTE_DTYPE, ROUTES_KEY, RouterReplay, recording_routes, replaying_rows
 from rlsp.engine.stream import stream_to_last_token, stream_to_response
 from rlsp.models.loading import num_heads
 from rlsp.parallel.mesh import ParallelDims
@@ -70,8 +71,10 @@ class FSDPEngine:
 
     def __init__(self, module: nn.Module, dims: ParallelDims, device: torch.device, *,
                  compute_dtype: torch.dtype = torch.float32, optim: OptimSettings | None = None,
-                 activation_offload: bool = False, param_offload: bool = False) -> None:
-        """`param_offload`: FSDP2's CPUOffloadPolicy (shards, gradients, optimizer state in host memory)."""
+                 activation_offload: bool = False, param_offload: bool = False, router_replay: bool = False) -> None:
+        """`param_offload`: FSDP2's CPUOffloadPolicy (shards, gradients, optimizer state in host memory);
+        `router_replay`: MoE routing replay R2 (rlsp.engine.router_replay: `infer_many(record_routes=True)`
+        returns the routes, `backward_batch` replays the rows' `router_routes`)."""
         self.dims, self.device, self.compute_dtype = dims, device, compute_dtype
         config = module.decoder.config
         self.config = config
@@ -93,6 +96,7 @@ class FSDPEngine:
         self.optim = optim
         # tokens per expert of a trainable MoE model's forwards (actor metrics; rlsp.engine.moe_load)
         self.expert_load = ExpertLoad(module if optim is not None else None, device)
+        self.router_replay = RouterReplay(module, getattr(config, "model_type", "")) if router_replay else None
         self.offload = ActivationOffload(activation_offload, self.module, device)  # rlsp.engine.offload
         if optim is None:
             self.module.requires_grad_(False)
@@ -139,25 +143,31 @@ class FSDPEngine:
 
     @torch.no_grad()
     def infer_many(self, batch: Batch, prompt_len: int, micro_size: int, keys: tuple[str, ...],
-                   max_tokens: int | None = None, *, last_token: bool = False,
+                   max_tokens: int | None = None, *, last_token: bool = False, record_routes: bool = False,
                    **head_kwargs: Any) -> dict[str, torch.Tensor]:
-        """`infer` for several head outputs of the same forward passes: {key: [B, R] (or [B])}."""
+        """`infer` for several head outputs of the same forward passes: {key: [B, R] (or [B])}; with
+        `record_routes` also the MoE routes under ROUTES_KEY, [B, P+R, L, K] (rlsp.engine.router_replay)."""
         self.module.eval()
         width = 1 if last_token else batch["input_ids"].shape[1] - prompt_len
         outs = {key: torch.zeros(len(batch), width) for key in keys}
         adaptive = False
         for plan, rows in self._micro_batches(batch, micro_size, max_tokens):
             micro = self.prepare(rows, prompt_len, plan.degree)
-            with self.expert_load.recording(micro):
+            with self.expert_load.recording(micro), recording_routes(self.router_replay, record_routes):
                 head = self.forward(micro, **head_kwargs)
             values = {key: self._to_rows(head[key], micro, last_token) for key in keys}
+            if record_routes:  # int32 rows: merge_reported sums them
+                values[ROUTES_KEY] = self.router_replay.recorded_rows(micro).to(torch.int32)
+                outs.setdefault(ROUTES_KEY, values[ROUTES_KEY].new_zeros((len(batch), *values[ROUTES_KEY].shape[1:])))
             adaptive |= plan.degree is not None
             if plan.reports:
-                for key in keys:
+                for key in values:
                     outs[key][plan.rows] = values[key]
         if adaptive:
             merge_reported(outs, self.dims)
-        return {key: out[:, 0] if last_token else out for key, out in outs.items()}
+        if record_routes:
+            outs[ROUTES_KEY] = outs[ROUTES_KEY].to(ROUTE_DTYPE)
+        return {key: out[:, 0] if last_token and key != ROUTES_KEY else out for key, out in outs.items()}
 
     @torch.no_grad()
     def sp_self_check(self, rows: Batch, prompt_len: int, key: str, last_token: bool = False,
@@ -230,11 +240,12 @@ class FSDPEngine:
             t0 = time.perf_counter()
             micro = self.prepare(rows, prompt_len, plan.degree)
             # the forward only: backward's recomputations keep their tensors and count no routing again
-            with self.offload() as stats, self.expert_load.recording(micro):
-                loss, metrics = loss_fn(self.forward(micro, **head_kwargs), micro)
-            offloaded = max(offloaded, stats.bytes)
-            t1 = time.perf_counter()
-            loss.backward()
+            with replaying_rows(self.router_replay, micro):  # R2: the recorded routes, recomputations in backward included
+                with self.offload() as stats, self.expert_load.recording(micro):
+                    loss, metrics = loss_fn(self.forward(micro, **head_kwargs), micro)
+                offloaded = max(offloaded, stats.bytes)
+                t1 = time.perf_counter()
+                loss.backward()
             timing["time_forward_s_max"] += t1 - t0
             timing["time_backward_s_max"] += time.perf_counter() - t1
             for key, val in metrics.items():

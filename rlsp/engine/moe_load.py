@@ -5,8 +5,9 @@
 OlmoeTopKRouter, Glm4MoeTopkRouter, GptOssTopKRouter, ...). Those routers return (router_logits, scores,
 top-k indices); the hook counts the indices of the real tokens of the micro-batch (`recording(micro)`, the
 stream's padding tail left out) and only inside that context, so a gradient-checkpointed layer's recomputation in
-backward counts nothing. A router that returns no indices (DeepSeek-V3's returns its logits only and the MoE block
-picks the experts) counts nothing, and layers without a count are left out of the metrics. Dense models have no
+backward counts nothing. A router that returns no indices counts nothing, and layers without a count are left
+out of the metrics (every family rlsp accepts returns them: qwen2_moe, qwen3_moe, mixtral, olmoe, glm4_moe,
+deepseek_v3's grouped top-k router, gpt_oss). Dense models have no
 router: `enabled` is False and `reduce` reports nothing.
 
 `reduce` sums the counts over every rank of the world (collective): each rank routes its own shard of the stream

@@ -261,6 +261,8 @@ def _rank_sinks(module: torch.nn.Module, ctx: SPContext, kwargs: dict[str, Any])
         sinks = getattr(module, "sinks", None)
     if sinks is None:
         return None
+    if hasattr(sinks, "to_local"):  # tensor parallel: a DTensor Shard(0), this tp rank's q heads' sinks
+        sinks = sinks.to_local()
     layout = ctx.layout
     if tuple(sinks.shape) != (layout.num_q_heads,):
         raise ValueError(f"layer {getattr(module, 'layer_idx', '?')}: attention sinks of shape {tuple(sinks.shape)}; "

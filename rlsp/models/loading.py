@@ -12,7 +12,7 @@ compute
 layers named by `config.layer_types` and attention soft-capping run in rlsp.models.window_attention
 (Gemma 2, Gemma 3, gpt-oss, whose attention sinks run there too); ring attention runs them too for these families (`check_ring_support`). An architecture that passes these checks but
 routes some layer around the attention interface is caught at runtime by the layer-count check of
-`rlsp.models.lm.TokenLogprobModel`.
+`rlsp.models.lm.TokenLogprobModel`. Qwen3.5 vision-language wrapper checkpoints (`TEXT_WRAPPERS`) train as their text model.
 
 `read_model_config(key, path)` and `tokenizer_problem(key, path)` check a model directory named by a config
 key before anything loads it (preflight and rlsp.check): one message naming the key, the path and what
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 from typing import Any
 
@@ -30,6 +31,7 @@ import torch
 import transformers
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from rlsp.config.model_shape import TEXT_WRAPPERS
 from rlsp.models.attention import ULYSSES_ATTN_IMPL, register_ulysses_attention
 from rlsp.models.linear_attention import (
     LINEAR_FAMILIES,
@@ -37,6 +39,9 @@ from rlsp.models.linear_attention import (
     apply_linear_attention,
     has_linear_layers,
 )
+
+log = logging.getLogger(__name__)
+
 
 # Config attributes whose presence (with a truthy value) means the output or attention is not the
 # plain form rlsp computes; value = why.
@@ -76,9 +81,14 @@ def read_model_config(key: str, path: str) -> PretrainedConfig:
                          f"{transformers.__version__} does not know (rlsp loads models without remote code); legal: "
                          "a model type transformers knows (e.g. llama, qwen2, qwen3, mistral)")
     try:
-        return AutoConfig.from_pretrained(path)
+        return text_model_config(AutoConfig.from_pretrained(path))
     except (OSError, ValueError) as exc:
         raise ValueError(f"{where}: its config.json is unreadable ({exc})") from None
+
+
+def text_model_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The text model's config of a `TEXT_WRAPPERS` checkpoint (what AutoModelForCausalLM builds), else `config`."""
+    return config.text_config if getattr(config, "model_type", None) in TEXT_WRAPPERS else config
 
 
 def tokenizer_problem(key: str, path: str) -> str | None:
@@ -175,6 +185,7 @@ def multi_latent_attention(config: PretrainedConfig) -> str | None:
 
 def check_ring_support(config: PretrainedConfig, ring_size: int) -> None:
     """Raise ValueError if ring attention (ring_size > 1) is asked for a model whose layers it cannot run exactly."""
+    config = text_model_config(config)
     if ring_size > 1 and (what := multi_latent_attention(config)):
         raise ValueError(f"ring_sequence_parallel_size={ring_size}: {config.model_type} has {what}; ring attention is not "
                          "verified for it (its kernels take one head dim for q, k and v); legal: 1 (Ulysses alone runs "
@@ -192,11 +203,13 @@ def check_ring_support(config: PretrainedConfig, ring_size: int) -> None:
 
 
 def check_tp_windowed(config: PretrainedConfig, tp_size: int) -> None:
-    """Raise ValueError for tensor parallelism (tp_size > 1) on a windowed or soft-capped model: not verified exact."""
-    what = windowed_attention(config)
+    """Raise ValueError for tensor parallelism (tp_size > 1) on a windowed or soft-capped model: verified exact for
+    WINDOWED_FAMILIES only (tests/distributed/test_tp_window_exact.py; gpt-oss's experts replicated over tp)."""
+    config = text_model_config(config)
+    what = "" if config.model_type in WINDOWED_FAMILIES else windowed_attention(config)
     if has_linear_layers(config):
         what = " and ".join(filter(None, [what, f"{LINEAR_LAYER_TYPE} (Gated DeltaNet) layers"]))
-    if getattr(config, "final_logit_softcapping", None):
+    if getattr(config, "final_logit_softcapping", None) and config.model_type not in WINDOWED_FAMILIES:
         what = " and ".join(filter(None, [what, f"final_logit_softcapping={config.final_logit_softcapping}"]))
     if tp_size > 1 and what:
         raise ValueError(f"tensor_model_parallel_size={tp_size}: {config.model_type} has {what}; rlsp's tensor "
@@ -211,12 +224,13 @@ def check_sp_support(config: PretrainedConfig, sp_size: int) -> None:
     """
     if not isinstance(sp_size, int) or sp_size < 1:
         raise ValueError(f"sp_size={sp_size!r}; it must be an integer >= 1")
+    config = text_model_config(config)  # qwen3_5 / qwen3_5_moe: their text model, trained text-only
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"{config.model_type}: encoder-decoder models are not supported; use a decoder-only LM")
     if hasattr(config, "text_config") and not hasattr(config, "num_attention_heads"):
         raise ValueError(
             f"{config.model_type}: multimodal wrapper config; rlsp trains decoder-only text models "
-            "(pass the text model config/checkpoint)"
+            f"(pass the text model config/checkpoint; the text model of {list(TEXT_WRAPPERS)} checkpoints is trained)"
         )
     num_heads(config)
     for attr, why in _UNSUPPORTED_ATTRS.items():
@@ -245,6 +259,7 @@ def load_causal_lm(
     """Load a causal LM from a local path; registers rlsp_ulysses first and checks the architecture."""
     config = AutoConfig.from_pretrained(path)
     _prepare(config, attn_implementation)
+    _log_text_only(config, path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation, **kwargs)
     return _finish(model, attn_implementation)
 
@@ -255,8 +270,19 @@ def load_backbone(
     """Load only the decoder (HF base model, no output layer) of a causal-LM checkpoint: a critic's backbone."""
     config = AutoConfig.from_pretrained(path)
     _prepare(config, attn_implementation)
+    if config.model_type in TEXT_WRAPPERS:  # AutoModel would build the vision-language model: the text LM's decoder
+        _log_text_only(config, path)
+        lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+        return _finish(lm.model, attn_implementation)
     model = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
     return _finish(model, attn_implementation)
+
+
+def _log_text_only(config: PretrainedConfig, path: str) -> None:
+    if config.model_type in TEXT_WRAPPERS:
+        log.info("%s: a %s (vision-language) checkpoint: rlsp trains its text model only; the vision tower (model.visual.*) "
+                 "is not loaded, and the HF export (actor_hf) is the text causal LM alone (model_type %s, model.* names)",
+                 path, config.model_type, TEXT_WRAPPERS[config.model_type])
 
 
 def _prepare(config: PretrainedConfig, attn_implementation: str) -> None:

@@ -120,15 +120,16 @@ class TiledMLP(nn.Module):
         return f"num_shards={self.num_shards}"
 
 
-def _check_gated_mlp(mlp: nn.Module, index: int) -> None:
-    """`mlp` must be exactly a gated MLP: those children, no tensors of its own."""
+def _check_gated_mlp(mlp: nn.Module, index: int, family: str) -> None:
+    """`mlp` must be exactly a gated MLP: those children, no tensors of its own (an MoE block is refused,
+    naming the model family; rlsp.models.feature_support refuses it before workers start)."""
     children = sorted(name for name, _ in mlp.named_children())
     own = [n for n, _ in [*mlp.named_parameters(recurse=False), *mlp.named_buffers(recurse=False)]]
     if children != sorted(GATED_MLP_CHILDREN) or own:
         raise ValueError(
-            f"decoder layer {index}: mlp {type(mlp).__name__} has children {children} and own tensors {own}; "
+            f"{family}: decoder layer {index}: mlp {type(mlp).__name__} has children {children} and own tensors {own}; "
             f"tiled MLP supports gated MLPs with exactly the children {list(GATED_MLP_CHILDREN)} "
-            "(Llama / Qwen2 / Mistral-style): set tiled_mlp.enabled=false for this model"
+            "(Llama / Qwen2 / Mistral / Gemma-style; not an MoE block): set tiled_mlp.enabled=false for this model"
         )
 
 
@@ -155,11 +156,12 @@ def apply_tiled_mlp(decoder: nn.Module, num_shards: int) -> None:
     layers = getattr(decoder, "layers", None)
     if layers is None:
         raise ValueError(f"{type(decoder).__name__} has no `layers`; tiled MLP needs a HF decoder (model.model)")
+    family = getattr(getattr(decoder, "config", None), "model_type", type(decoder).__name__)
     for index, layer in enumerate(layers):
         mlp = layer.mlp
         if isinstance(mlp, TiledMLP):
             raise RuntimeError(f"decoder layer {index}: the MLP is already tiled; apply tiled MLP once")
-        _check_gated_mlp(mlp, index)
+        _check_gated_mlp(mlp, index, family)
         tiled = TiledMLP(mlp, num_shards)
         _check_same_function(mlp, tiled, index)
         layer.mlp = tiled

@@ -16,6 +16,8 @@ row-parallel projections, and every tp rank computes the same full [S] output.
 
 Everything else (embedding, norms, rotary buffers, `lm.lm_head`, the critic's value head) is
 replicated over tp as Replicate DTensors; rotary embeddings are computed from the full position ids.
+Gemma 2/3's extra norms are replicated like the others; Gemma 3's per-head q/k norms, gpt-oss's sinks
+(sharded like the q heads) and experts (replicated): rlsp.parallel.tp_families.
 The heads read their weights through `tp_local_param`, which declares how the local gradient relates
 to the replicated one: under sequence parallelism each tp rank's gradient is a Partial sum over its
 own tokens (DTensor computes the same Partial gradients for the embedding and the norms); without it
@@ -42,10 +44,18 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from rlsp.parallel.tp_families import (
+    HEAD_NORM_FAMILIES,
+    REPLICATED_MOE_FAMILIES,
+    SEQ_DIM,
+    HeadShardedNorm,
+    LocalReplicatedMoE,
+    shard_sinks,
+)
 from rlsp.parallel.tp_sp import ShardedInputSaver
 
 TP_SIZE_KEY = "tensor_model_parallel_size"
-SEQ_DIM = 1  # activations inside the decoder are [1, tokens, hidden]
+EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")  # a MoE config's expert count, by family
 
 
 @dataclass(frozen=True)
@@ -104,6 +114,11 @@ def check_tp_support(config: Any, tp_size: int) -> None:
     if isinstance(tp_size, int) and tp_size > 1 and "linear_attention" in (getattr(config, "layer_types", None) or ()):
         raise ValueError(f"{TP_SIZE_KEY}={tp_size}: {config.model_type} has linear_attention (Gated DeltaNet) layers, "
                          "which rlsp's tensor parallelism does not split; legal: 1 (use Ulysses sequence parallelism)")
+    experts = next((f"{k}={getattr(config, k)}" for k in EXPERT_KEYS if getattr(config, k, None)), None)
+    if isinstance(tp_size, int) and tp_size > 1 and experts and config.model_type not in REPLICATED_MOE_FAMILIES:
+        raise ValueError(f"{TP_SIZE_KEY}={tp_size}: {config.model_type} has mixture-of-experts layers ({experts}); "
+                         f"rlsp's tensor parallelism runs them for {list(REPLICATED_MOE_FAMILIES)} only (experts "
+                         "replicated over tp); legal: 1 (use Ulysses sequence parallelism)")
     legal = legal_tp_sizes(config)
     if isinstance(tp_size, int) and tp_size in legal:
         return
@@ -186,9 +201,9 @@ class _BlockInput(ParallelStyle):
         return module
 
 
-def _layer_plan(seq: Placement) -> dict[str, ParallelStyle]:
-    """TP plan of one Llama/Qwen2-style decoder layer; `seq` is the residual stream's layout."""
-    return {
+def _layer_plan(seq: Placement, layer: nn.Module, model_type: str) -> dict[str, ParallelStyle]:
+    """TP plan of one decoder layer (Llama/Qwen2-style plus the tp_families extras); `seq`: the residual's layout."""
+    plan: dict[str, ParallelStyle] = {
         "input_layernorm": _ReplicateParallel(seq, seq),
         "self_attn": _BlockInput(("q_proj", "k_proj", "v_proj"), "hidden_states"),  # HF passes it by keyword
         "self_attn.q_proj": ColwiseParallel(),
@@ -196,11 +211,17 @@ def _layer_plan(seq: Placement) -> dict[str, ParallelStyle]:
         "self_attn.v_proj": ColwiseParallel(),
         "self_attn.o_proj": RowwiseParallel(output_layouts=seq, use_local_output=False),
         "post_attention_layernorm": _ReplicateParallel(seq, seq),
-        "mlp": _BlockInput(("gate_proj", "up_proj")),
-        "mlp.gate_proj": ColwiseParallel(),
-        "mlp.up_proj": ColwiseParallel(),
-        "mlp.down_proj": RowwiseParallel(output_layouts=seq, use_local_output=False),
     }
+    for norm in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):  # Gemma 2 / 3: on the residual
+        plan.update({norm: _ReplicateParallel(seq, seq)} if hasattr(layer, norm) else {})
+    if model_type in HEAD_NORM_FAMILIES:
+        plan.update({"self_attn.q_norm": HeadShardedNorm(), "self_attn.k_norm": HeadShardedNorm()})
+    if model_type in REPLICATED_MOE_FAMILIES:
+        plan["mlp"] = LocalReplicatedMoE(seq)
+        return plan
+    return {**plan, "mlp": _BlockInput(("gate_proj", "up_proj")), "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=seq, use_local_output=False)}
 
 
 def _check_layout(module: nn.Module, what: str, names: list[str]) -> None:
@@ -263,9 +284,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     outer = {"embed_tokens": _ReplicateParallel(Replicate(), seq), "norm": _ReplicateParallel(seq, seq)}
     _check_layout(decoder, "the decoder", [*outer, "layers"])
     for index, layer in enumerate(decoder.layers):
-        plan = _layer_plan(seq)
+        plan = _layer_plan(seq, layer, decoder.config.model_type)
         _check_layout(layer, f"decoder layer {index}", list(plan))
         parallelize_module(layer, tp_mesh, plan)
+        shard_sinks(layer.self_attn, tp_mesh)
         _check_all_distributed(layer, index)
     parallelize_module(decoder, tp_mesh, outer)
     _replicate_rest(model, tp_mesh, owners)

@@ -23,7 +23,7 @@ from rlsp.algos.distillation import (
 )
 from rlsp.config.validate_distill import TeacherSpec, distillation_enabled, teacher_specs
 from rlsp.data.batch import Batch
-from rlsp.models.loading import check_sp_support
+from rlsp.models.loading import check_sp_support, text_model_config
 from rlsp.utils.timing import timed
 from rlsp.workers.roles.teacher import route_rows
 
@@ -36,7 +36,7 @@ def _vocab_problem(spec: TeacherSpec, student_tok: Any) -> str | None:
     where = f"distillation.teacher_models.{spec.name}.model_path={spec.model_path!r}"
     try:
         teacher_tok = AutoTokenizer.from_pretrained(spec.model_path)
-        config = AutoConfig.from_pretrained(spec.model_path)
+        config = text_model_config(AutoConfig.from_pretrained(spec.model_path))  # qwen3_5(_moe): its text model
     except (OSError, ValueError) as exc:
         return f"{where} cannot be loaded as a Hugging Face model with a tokenizer: {str(exc).splitlines()[0]}"
     try:  # the teacher runs the student's packed forward: a family rlsp trains (a multimodal wrapper is refused)

@@ -8,6 +8,7 @@ runs the same stage (`resolve_assets`, then `preflight_errors`) to collect them 
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -19,7 +20,10 @@ from rlsp.config.layout import CRITIC_ESTIMATORS, ParallelLayout
 from rlsp.config.validate import validate_config
 from rlsp.config.validate_agent import agent_loops_enabled
 from rlsp.config.validate_distill import distillation_enabled
+from rlsp.engine.router_replay import router_replay_errors
+from rlsp.models.feature_support import run_feature_errors
 from rlsp.models.loading import (
+    TEXT_WRAPPERS,
     check_ring_support,
     check_sp_support,
     check_tp_windowed,
@@ -131,6 +135,8 @@ def _check_model(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None:
                                           layout.rollout_tp if layout is not None else 1)
     if rollout_error:
         errors.append(rollout_error)
+    _check_text_only_data(cfg, errors)
+    errors += run_feature_errors(cfg, config)
     need = cfg.data.max_prompt_length + cfg.data.max_response_length
     limit = getattr(config, "max_position_embeddings", None)
     if limit is not None and need > limit:
@@ -154,6 +160,34 @@ def _check_critic(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None
         read_model_config("critic.model.path", path)
     except ValueError as exc:
         errors.append(str(exc))
+
+
+def _check_text_only_data(cfg: DictConfig, errors: list[str]) -> None:
+    """A vision-language checkpoint rlsp trains text-only (qwen3_5 / qwen3_5_moe): rows with images or videos would
+    be trained on their text alone, so they are refused (part of the `model` check)."""
+    import pyarrow.parquet as pq  # noqa: PLC0415 -- only this check reads columns
+
+    path = cfg.actor_rollout_ref.model.path
+    with open(os.path.join(path, "config.json")) as f:
+        family = json.load(f).get("model_type")
+    if family not in TEXT_WRAPPERS:
+        return
+    for file in list(cfg.data.train_files) + list(cfg.data.val_files or []):
+        names = pq.ParquetFile(file).schema_arrow.names if file.endswith(".parquet") and os.path.isfile(file) else []
+        for key, column in (("data.image_key", "images"), ("data.video_key", "videos")):
+            if column in names and any(v is not None and len(v) for v in pq.read_table(file, columns=[column])
+                                       .column(column).to_pylist()):
+                errors.append(f"{key}={column!r}: rows of {file!r} carry {column}, and actor_rollout_ref.model.path="
+                              f"{path!r} is a {family} (vision-language) checkpoint that rlsp trains text-only (its "
+                              "text model; vision-language inputs are not implemented); legal: a dataset without "
+                              f"{column} in its rows")
+
+
+@register("router_replay", "preflight", needs=("model_dir",))
+def _check_router_replay(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None:
+    """MoE routing replay: R2 on a family whose router output rlsp reproduces; R3 is refused (rlsp.engine.router_replay)."""
+    a = cfg.actor_rollout_ref.actor
+    errors += router_replay_errors(a.router_replay.mode, ctx.results["model_config"], a.tensor_model_parallel_size)
 
 
 def resolve_assets(cfg: DictConfig) -> None:

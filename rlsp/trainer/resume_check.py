@@ -31,6 +31,7 @@ from rlsp.config.checks import CheckContext, register, run_checks
 from rlsp.config.layout import CRITIC_ESTIMATORS, ParallelLayout
 from rlsp.config.lora_keys import lora_enabled
 from rlsp.config.schema import RLSPConfig
+from rlsp.models.loading import text_model_config
 from rlsp.trainer.checkpoint import STEP_DIR, TrainerState, complete_steps, damaged_file, resolve_resume, step_dir
 from rlsp.utils.dicts import flatten
 from rlsp.utils.logging import get_logger
@@ -242,8 +243,8 @@ def _recorded_model(path: str, saved: dict[str, Any]) -> PretrainedConfig | None
 def _read_config(path: str | None) -> PretrainedConfig | None:
     if not path or not os.path.exists(os.path.join(path, "config.json")):
         return None
-    try:
-        return AutoConfig.from_pretrained(path)
+    try:  # a qwen3_5(_moe) wrapper as its text model: what the checkpoint's actor/huggingface/config.json records
+        return text_model_config(AutoConfig.from_pretrained(path))
     except (OSError, ValueError):
         return None
 

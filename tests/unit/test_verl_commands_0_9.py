@@ -11,8 +11,9 @@ Each family's tiny model is written once per module from transformers' own confi
 config.json, generation_config.json and the char tokenizer of rlsp.models.tokenizer (rlsp.check reads the
 config and the tokenizer, never the weights, so none are written). The text families rlsp trains (qwen2,
 qwen3, qwen3_moe, mistral, seed_oss) get 8 query and 8 kv heads of dim 32, so every Ulysses and rollout
-tensor-parallel degree of the commands (up to 8) fits. qwen3_next (trained since rlsp.models.linear_attention)
-and the families rlsp does not support yet (qwen3_5, qwen3_5_moe and the vision-language ones) are 2 layers of
+tensor-parallel degree of the commands (up to 8) fits. qwen3_next (trained since rlsp.models.linear_attention),
+qwen3_5 and qwen3_5_moe (multimodal wrapper configs whose text model rlsp trains text-only, loaded as transformers'
+causal LM of the wrapper type) and the families rlsp does not support yet (the vision-language ones) are 2 layers of
 hidden size 64 (8 heads of dim 32; the hybrid ones one linear-attention layer and one attention layer); the
 commands of the unsupported ones must be refused by a problem that names the model type. minicpmo has no class in transformers (its model ships remote code): its
 directory holds only a config.json of that model_type.
@@ -42,8 +43,10 @@ from rlsp.config.validate_keys import schema_keys
 DATA = Path(__file__).resolve().parents[2] / "tests" / "data"
 COMMANDS = [c for c in json.loads((DATA / "verl_commands_0_9.json").read_text())["commands"] if c["rollout"] == "vllm"]
 # The families rlsp trains; qwen3_next since its Gated DeltaNet layers run in rlsp.models.linear_attention (its tiny
-# model here stays the small hybrid one: one linear-attention layer, one attention layer).
-SUPPORTED = ("qwen2", "qwen3", "qwen3_moe", "mistral", "seed_oss", "qwen3_next")
+# model here stays the small hybrid one: one linear-attention layer, one attention layer); qwen3_5 and qwen3_5_moe
+# (wrapper configs) since their text model is trained text-only (rlsp.models.loading.TEXT_WRAPPERS). All 4 are refused
+# here only for vLLM on this CPU machine (and the vision-language scripts for their image keys).
+SUPPORTED = ("qwen2", "qwen3", "qwen3_moe", "mistral", "seed_oss", "qwen3_next", "qwen3_5", "qwen3_5_moe")
 MAX_POSITIONS = 32768  # the longest prompt + response of the commands: 22528 (Qwen3-Next)
 TEACHERS = {"Qwen/Qwen3-32B": "qwen3", "Qwen/Qwen3-VL-32B-Instruct": "qwen3_vl",
             "Qwen/Qwen3.5-35B-A3B": "qwen3_5_moe"}  # the distillation teachers' families
@@ -80,7 +83,7 @@ ACCEPTED_PER_FAMILY = {"qwen3": (15, 15), "qwen3_moe": (2, 2), "qwen2": (4, 4), 
 
 
 def _wrapper(family: str, cls: str) -> list[tuple[str, str]]:
-    """A vision-language (or Qwen3.5) config: refused for the actor's and the reference's degrees."""
+    """A vision-language config: refused for the actor's and the reference's degrees."""
     return [(f"actor_rollout_ref.{role}.{key}", words) for role in ("actor", "ref") for key, words in (
         ("ulysses_sequence_parallel_size", f"{family}: multimodal wrapper config"),
         ("tensor_model_parallel_size", f"config {cls} needs integer num_attention_heads"))]
@@ -89,6 +92,13 @@ def _wrapper(family: str, cls: str) -> list[tuple[str, str]]:
 _ROLLOUT_LENGTHS = [(f"actor_rollout_ref.rollout.{k}", "rlsp sizes the rollout engine") for k in
                     ("prompt_length", "response_length")]
 _IMAGES = [("data.image_patch_size", "vision-language inputs are not implemented"), *_ROLLOUT_LENGTHS]
+
+
+def _vllm_linear(text_family: str) -> tuple[str, str]:
+    """A Qwen3.5 wrapper's text model (Gated DeltaNet layers) is trained, but not served by vLLM on this CPU machine."""
+    return ("actor_rollout_ref.rollout.name=vllm", f"cannot serve {text_family} on cpu: its linear_attention")
+
+
 # script -> (key, words of the reason) of every refusal it must get; a command not listed must be accepted.
 REFUSED: dict[str, list[tuple[str, str]]] = {
     "examples/grpo_trainer/run_glm4_1v_9b_fsdp.sh": _wrapper("glm4v", "Glm4vConfig"),
@@ -100,10 +110,10 @@ REFUSED: dict[str, list[tuple[str, str]]] = {
         ("actor_rollout_ref.rollout.free_cache_engine=false", "always frees the rollout engine's KV cache"),
         ("actor_rollout_ref.model.path", "model_type='minicpmo', which transformers 5.19.0 does not know")],
     "examples/grpo_trainer/run_qwen2_5_vl_7b_fsdp.sh": _wrapper("qwen2_5_vl", "Qwen2_5_VLConfig"),
-    "examples/grpo_trainer/run_qwen3_5_27b_fsdp.sh": _wrapper("qwen3_5", "Qwen3_5Config"),
-    "examples/grpo_trainer/run_qwen3_5_2b_openr1_fsdp.sh": [*_IMAGES, *_wrapper("qwen3_5", "Qwen3_5Config")],
-    "examples/grpo_trainer/run_qwen3_5_2b_video_fsdp.sh": [*_IMAGES, *_wrapper("qwen3_5", "Qwen3_5Config")],
-    "examples/grpo_trainer/run_qwen3_5_35b_fsdp.sh": _wrapper("qwen3_5_moe", "Qwen3_5MoeConfig"),
+    "examples/grpo_trainer/run_qwen3_5_27b_fsdp.sh": [_vllm_linear("qwen3_5_text")],
+    "examples/grpo_trainer/run_qwen3_5_2b_openr1_fsdp.sh": [*_IMAGES, _vllm_linear("qwen3_5_text")],
+    "examples/grpo_trainer/run_qwen3_5_2b_video_fsdp.sh": [*_IMAGES, _vllm_linear("qwen3_5_text")],
+    "examples/grpo_trainer/run_qwen3_5_35b_fsdp.sh": [_vllm_linear("qwen3_5_moe_text")],
     # The layout is refused (16 prompts over 32 workers); the model itself is trained (linear attention), but not
     # served by vLLM on this CPU machine.
     "examples/grpo_trainer/run_qwen3_next_80b_a3b_fsdp.sh": [
@@ -114,12 +124,11 @@ REFUSED: dict[str, list[tuple[str, str]]] = {
         ("actor_rollout_ref.ref.fsdp_config.optimizer_offload=true", "this role is frozen")],
     "examples/grpo_trainer/run_qwen3_vl_30b_a3b_fsdp.sh": _wrapper("qwen3_vl_moe", "Qwen3VLMoeConfig"),
     "examples/grpo_trainer/run_qwen3_vl_8b_fsdp.sh": _wrapper("qwen3_vl", "Qwen3VLConfig"),
-    # The teacher pool's sizes, its tensor-parallel degrees and rollout.n=1 are accepted: the families are left (the
-    # config stage passes now, so the layout's checks name the wrapper configs, as for the grpo scripts above).
+    # The teacher pool's sizes, its tensor-parallel degrees and rollout.n=1 are accepted, and so are the student
+    # (qwen3_5) and the teacher (qwen3_5_moe): their text models; left are vLLM on cpu and the expert-parallel degree.
     "examples/on_policy_distillation_trainer/run_qwen3_5_4b_fsdp.sh": [
-        *_wrapper("qwen3_5", "Qwen3_5Config"),
-        ("distillation.teacher_models.teacher_model.inference.expert_parallel_size", "takes rlsp's own settings"),
-        ("distillation.teacher_models.teacher_model.model_path", "qwen3_5_moe: multimodal wrapper config")],
+        _vllm_linear("qwen3_5_text"),
+        ("distillation.teacher_models.teacher_model.inference.expert_parallel_size", "takes rlsp's own settings")],
     "examples/on_policy_distillation_trainer/run_qwen3_8b_mopd_fsdp.sh": [
         *_wrapper("qwen3_vl", "Qwen3VLConfig"),
         ("distillation.teacher_models.geo3k.model_path", "qwen3_vl: multimodal wrapper config")],

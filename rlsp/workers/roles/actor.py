@@ -15,6 +15,7 @@ from rlsp.config.validate_bypass import actor_policy_loss
 from rlsp.data.batch import Batch
 from rlsp.engine.checkpoint import load_engine, save_engine
 from rlsp.engine.fsdp_engine import FSDPEngine
+from rlsp.engine.router_replay import ROUTES_KEY
 from rlsp.models.lm import TokenLogprobModel
 from rlsp.models.loading import load_causal_lm
 from rlsp.models.lora import LORA_ADAPTER_DIR, LoraAdapters, LoraSettings, apply_lora
@@ -71,7 +72,8 @@ def build_policy_engine(ctx: RoleContext, trainable: bool,
     engine = FSDPEngine(module, ctx.dims(role), ctx.device,
                         compute_dtype=compute, optim=optim,
                         activation_offload=trainable and arr.model.enable_activation_offload,
-                        param_offload=fsdp_offload(arr[role].fsdp_config, role, ctx.device))
+                        param_offload=fsdp_offload(arr[role].fsdp_config, role, ctx.device),
+                        router_replay=trainable and arr.actor.router_replay.mode == "R2")
     return engine, adapters
 
 
@@ -99,23 +101,26 @@ class ActorRole:
         named = [(name, t.detach().to("cpu", copy=True)) for name, t in self.rollout_weights(resolve_dtype(dtype))]
         return named if self.ctx.rank == 0 else None
 
-    @register(Dispatch.BY_DP, reads=(*MODEL_INPUTS, "rollout_logprobs"), writes=("old_logprobs", "sum_pi_squared"),
+    @register(Dispatch.BY_DP, reads=(*MODEL_INPUTS, "rollout_logprobs"),
+              writes=("old_logprobs", "sum_pi_squared", ROUTES_KEY),
               reports=("logprob_diff_sum", "logprob_diff_max"))
     def compute_log_prob(self, batch: Batch) -> Batch:
         """Old logprobs [B, R] of the sampled tokens under the current policy; with actor.calculate_sum_pi_squared
-        also sum_pi_squared [B, R] (sum over the vocabulary of p^2 per token, from the same forward)."""
+        also sum_pi_squared [B, R] (sum over the vocabulary of p^2 per token, from the same forward); with
+        actor.router_replay.mode=R2 the MoE routes [B, P+R, L, K] the update replays (rlsp.engine.router_replay)."""
         r = self.cfg.actor_rollout_ref.rollout
         head = {"with_sum_pi_squared": True} if self.cfg.actor_rollout_ref.actor.calculate_sum_pi_squared else {}
         self.engine.expert_load.reset()  # counts of a step without an actor update (critic warmup) end here
         out = self.engine.infer_many(batch, self.ctx.prompt_len, r.log_prob_micro_batch_size_per_gpu,
                                      ("logprobs", "sum_pi_squared") if head else ("logprobs",),
                                      token_budget(r.log_prob_use_dynamic_bsz, r.log_prob_max_token_len_per_gpu),
-                                     temperature=batch_temperature(batch, self.cfg), **head)
+                                     temperature=batch_temperature(batch, self.cfg),
+                                     record_routes=self.engine.router_replay is not None, **head)
         out["old_logprobs"] = out.pop("logprobs")
         return Batch.from_dict(out)
 
     @register(Dispatch.BY_DP, reads=(*MODEL_INPUTS, "advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs",
-                                     "rollout_is_weights"))
+                                     "rollout_is_weights", ROUTES_KEY))
     def update_actor(self, batch: Batch) -> dict[str, float]:
         """PPO epochs over mini-batches of this dp shard; metrics averaged over optimizer steps."""
         a = self.cfg.actor_rollout_ref.actor
