@@ -13,7 +13,6 @@ in rlsp/parallel/ring.py.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ from _launch import run_distributed  # noqa: E402
 
 from rlsp.parallel.ring import ring_attention  # noqa: E402
 from rlsp.parallel.ring_plan import build_ring_plan, zigzag_indices  # noqa: E402
+from rlsp.parallel.ulysses import SPStats  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -38,14 +38,6 @@ CASES = [  # (dtype, hq, hkv, kv_index, segment lengths)
       for hq, hkv, idx in ((4, 2, None), (3, 3, None), (3, 2, [0, 0, 1]))),
     (torch.float64, 4, 2, None, (40,)),
 ]
-
-
-@dataclass
-class Stats:
-    ring_bytes_fwd: int = 0
-    ring_bytes_bwd: int = 0
-    ring_calls_fwd: int = 0
-    ring_calls_bwd: int = 0
 
 
 def _cu(lens: tuple[int, ...]) -> torch.Tensor:
@@ -74,7 +66,7 @@ def _ring_worker(rank: int, world_size: int, groups: list[list[int]] | None) -> 
         rows = zigzag_indices(plan.total_len, plan.ring_size, plan.ring_rank)
         q, k, v, do = (x[rows].clone() for x in _stream(case, seed + n))
         q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
-        stats = Stats()
+        stats = SPStats()  # the counters rlsp's attention passes to the ring
         index = torch.tensor(kv_index) if kv_index is not None else None
         out = ring_attention(q, k, v, plan, SCALE, index, stats)
         out.backward(do)

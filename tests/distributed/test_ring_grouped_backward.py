@@ -24,6 +24,7 @@ from _launch import layout_dims, run_distributed  # noqa: E402
 from rlsp.parallel.ring import ring_attention  # noqa: E402
 from rlsp.parallel.ring_heads import acc_bytes  # noqa: E402
 from rlsp.parallel.ring_plan import build_ring_plan, zigzag_indices  # noqa: E402
+from rlsp.parallel.ulysses import SPStats  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -58,8 +59,7 @@ def _worker(rank: int, world_size: int) -> list[dict[str, Any]]:
         rows = zigzag_indices(plan.total_len, plan.ring_size, plan.ring_rank)
         q, k, v, do = (x[rows].to(dtype) for x in _stream(hq, hkv, n))
         q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
-        stats = type("Stats", (), {"ring_bytes_fwd": 0, "ring_bytes_bwd": 0, "ring_calls_fwd": 0,
-                                   "ring_calls_bwd": 0})()
+        stats = SPStats()  # the counters rlsp's attention passes to the ring
         acc = 8 if dtype == torch.float64 else 4
         bound = acc_bytes(plan.local_len, per_pass * hq // hkv, per_pass, D, acc)  # per_pass kv heads fit
         out = ring_attention(q, k, v, plan, D**-0.5, stats=stats, acc_bytes_bound=bound)
