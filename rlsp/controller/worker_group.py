@@ -9,6 +9,7 @@ other processes hold straight from them, and what it returns stays with it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,17 +35,48 @@ class WorkerDiedError(RuntimeError):
     """A worker process ended (killed, out of memory, crashed) while the driver waited on it."""
 
 
+# After a task failed: how long to look for a process that died in the same call. Its peers fail in their collectives
+# ("Connection reset by peer") and may answer before Ray reports the death itself; the death is the cause to name.
+PEER_DEATH_GRACE_S = 10.0
+
+
+def _died(index: int, exc: Exception, name_of: Callable[[int], str]) -> WorkerDiedError:
+    cause = str(exc).strip().splitlines()
+    return WorkerDiedError(f"{name_of(index)} died: {' '.join(cause[:3])[:600]}")
+
+
+def _dead_peer(refs: list[Any], pending: list[Any], name_of: Callable[[int], str]) -> WorkerDiedError | None:
+    """A process among `pending` that died within PEER_DEATH_GRACE_S, named; None when none did (then the failed
+    task's own error is the cause)."""
+    deadline = time.monotonic() + PEER_DEATH_GRACE_S
+    while pending and (left := deadline - time.monotonic()) > 0:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+        if not ready:
+            return None
+        try:
+            ray.get(ready[0])
+        except ray.exceptions.RayActorError as exc:
+            return _died(refs.index(ready[0]), exc, name_of)
+        except ray.exceptions.RayTaskError:
+            continue  # another peer's failure: keep looking for the death behind it
+    return None
+
+
 def gather_or_name(refs: list[Any], name_of: Callable[[int], str]) -> list[Any]:
     """Results of one call per process (`refs` in order). Fails as soon as any process dies, naming it
-    (`name_of(index)`): the others may be blocked in a collective with it and would never return."""
+    (`name_of(index)`): the others may be blocked in a collective with it and would never return. A task that
+    fails while a peer dies (its collective broke) reports the death, not its own broken connection."""
     pending = list(refs)
     while pending:
         ready, pending = ray.wait(pending, num_returns=1)
         try:
             ray.get(ready[0])
         except ray.exceptions.RayActorError as exc:
-            cause = str(exc).strip().splitlines()
-            raise WorkerDiedError(f"{name_of(refs.index(ready[0]))} died: {' '.join(cause[:3])[:600]}") from None
+            raise _died(refs.index(ready[0]), exc, name_of) from None
+        except ray.exceptions.RayTaskError:
+            if (death := _dead_peer(refs, pending, name_of)) is not None:
+                raise death from None
+            raise
     return ray.get(refs)
 
 

@@ -13,7 +13,7 @@ from rlsp.data.packing import pack_sequences
 from rlsp.models.attention import ulysses_attention
 from rlsp.parallel.ring import block_attention, block_attention_backward, ring_attention
 from rlsp.parallel.ring_plan import RingPlan, build_ring_plan, zigzag_indices
-from rlsp.parallel.ulysses import build_sp_context
+from rlsp.parallel.ulysses import SPStats, build_sp_context
 
 LENS = (7, 13, 1, 5, 10, 4)  # 40 tokens, the last segment stands for the padding tail
 
@@ -147,7 +147,7 @@ def test_ring_size_one_matches_dense_reference(dtype: torch.dtype, hq: int, hkv:
     ref = dense_attention(qr, kr, vr, dense_mask(cu, total), scale, index)
     ref.backward(do.double())
     qt, kt, vt = (x.clone().requires_grad_() for x in (q, k, v))
-    stats = type("Stats", (), {"ring_bytes_fwd": 0, "ring_bytes_bwd": 0, "ring_calls_fwd": 0, "ring_calls_bwd": 0})()
+    stats = SPStats()  # the counters rlsp's attention passes to the ring
     kv_arg = torch.tensor(kv_index) if kv_index is not None else None
     out = ring_attention(qt, kt, vt, build_ring_plan(None, cu, total), scale, kv_arg, stats)
     out.backward(do)
