@@ -48,11 +48,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlsp.config.auto import AutoChoice
 from rlsp.config.compose import CONFIG_DIR, DEFAULT_CONFIG, refused_overrides, verl_argv
+from rlsp.config.describe import group_of_one_note
 from rlsp.config.layout import ParallelLayout
 from rlsp.config.schema_policy_loss import rewrite_policy_loss_overrides
 from rlsp.config.store import register_schema
 from rlsp.config.validate import validate_config
-from rlsp.config.validate_core import group_of_one_note
 from rlsp.config.verl_compat import verl_key_notes
 from rlsp.trainer.checkpoint import finished_step, latest_checkpoint
 from rlsp.trainer.ray_session import RayStart

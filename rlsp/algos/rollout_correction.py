@@ -18,7 +18,7 @@ import torch
 from rlsp.algos.aggregation import masked_mean, masked_sum
 from rlsp.algos.rollout_is import SAFETY_BOUND, compute_rollout_is_weights
 from rlsp.algos.rollout_rs import compute_rollout_rs_mask
-from rlsp.config.validate_bypass import BYPASS_LOSS_TYPES
+from rlsp.config.choices import BYPASS_LOSS_TYPES
 
 __all__ = ["BYPASS_LOSS_TYPES", "RolloutCorrection", "compute_offpolicy_metrics", "compute_rollout_correction"]
 

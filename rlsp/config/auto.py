@@ -47,8 +47,8 @@ from rlsp.config.layout import CRITIC_ESTIMATORS
 from rlsp.config.layout_build import has_reference
 from rlsp.config.machine import GIB, Machine, machine_facts
 from rlsp.config.model_shape import ModelShape, read_model_shape
+from rlsp.config.run_spec import rollout_pool_enabled
 from rlsp.config.schema import ActorConfig
-from rlsp.config.validate_async import rollout_pool_enabled
 
 AUTO = "auto"
 REPLICATE_SHARE = 4  # the rest of a rank's memory: activations, the reference's forward, buffers

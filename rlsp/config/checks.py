@@ -32,6 +32,7 @@ from rlsp.config.layout import ParallelLayout
 from rlsp.config.layout_build import build_layout
 from rlsp.config.validate_agent import check_multi_turn
 from rlsp.config.validate_async import check_off_policy
+from rlsp.config.validate_bypass import check_bypass_mode
 from rlsp.config.validate_core import (
     check_adaptive,
     check_algorithm,
@@ -172,6 +173,7 @@ _values("algorithm", check_algorithm)
 _values("choices", check_choices)
 _values("ranges", check_ranges)
 _values("off_policy", check_off_policy)
+_values("bypass_mode", check_bypass_mode)
 _placed("gpu_memory", check_gpu_memory)
 _placed("offload", check_offload)
 _placed("lora", check_lora)

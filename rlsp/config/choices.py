@@ -16,6 +16,7 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # (algorithm.kl_penalty): verl's names and their k1/k2/k3 aliases. rlsp.algos.kl implements them.
 KL_ESTIMATOR_NAMES = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
 KL_CTRL_TYPES = ("fixed", "adaptive")
+BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")  # algorithm.rollout_correction.loss_type (verl's names)
 # trainer.logger entries; rlsp/trainer/trackers.py holds one adapter per name (and asserts the match).
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 # Rollout engines (actor_rollout_ref.rollout.name); rlsp.rollout.base builds them.

@@ -11,7 +11,17 @@ from typing import Any
 
 from rlsp.config.layout import ParallelLayout, RoleLayout
 from rlsp.config.run_length import optimizer_steps_per_update, warmup_training_steps
-from rlsp.config.validate_core import group_of_one_note
+from rlsp.config.validate_core import SINGLETON_ADVANTAGE
+
+
+def group_of_one_note(cfg: Any) -> str | None:
+    """The note for a group estimator run with rollout.n=1 (accepted, as in verl): what each sample's advantage
+    is then; None otherwise."""
+    estimator, n = cfg.algorithm.adv_estimator, cfg.actor_rollout_ref.rollout.n
+    if n != 1 or estimator not in SINGLETON_ADVANTAGE:
+        return None
+    return (f"note: actor_rollout_ref.rollout.n=1 with algorithm.adv_estimator={estimator!r}: every group is one "
+            f"sample, so its advantage is {SINGLETON_ADVANTAGE[estimator]}, as in verl")
 
 
 def _nodes(first: int, count: int) -> str:

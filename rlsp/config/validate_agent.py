@@ -11,17 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 from rlsp.config.choices import TOOL_CALL_FORMATS, TRUNCATE_SIDES, choice_error
+from rlsp.config.run_spec import agent_loops_enabled
 
 MT = "actor_rollout_ref.rollout.multi_turn."
 AGENT = "actor_rollout_ref.rollout.agent."
 SANITY_MODES = ("strict", "ignore_strippable", "disable")
-
-
-def agent_loops_enabled(cfg: Any) -> bool:
-    """Whether rows run through agent loops (see the module docstring)."""
-    r = cfg.actor_rollout_ref.rollout
-    return bool(r.multi_turn.enable or r.agent.default_agent_loop != "single_turn_agent"
-                or r.agent.agent_loop_config_path)
 
 
 def _positive(key: str, value: Any, errors: list[str], *, optional: bool = False, real: bool = False) -> None:

@@ -8,13 +8,10 @@ from __future__ import annotations
 from typing import Any
 
 from rlsp.config.layout import World
+from rlsp.config.run_spec import rollout_pool_enabled
 
 ASYNC = "async_training."
 ROLLOUT_IS_LEVELS = (None, "token", "sequence")
-
-
-def rollout_pool_enabled(cfg: Any) -> bool:
-    return int(cfg.rollout.n_gpus_per_node) > 0
 
 
 def check_off_policy(cfg: Any, errors: list[str]) -> None:

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlsp.config.validate_policy_loss import POLICY_LOSS_KEY_DEFAULTS, _at_default, policy_loss_kwargs
+from rlsp.config.choices import BYPASS_LOSS_TYPES
+from rlsp.config.validate_policy_loss import POLICY_LOSS_KEY_DEFAULTS, _at_default
 
 RC = "algorithm.rollout_correction."
-BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")  # verl's names
 CLIP_KEYS = ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c")  # vanilla's, which reinforce does not read
 
 
@@ -49,21 +49,3 @@ def check_bypass_mode(cfg: Any, errors: list[str]) -> None:
                 errors.append(f"actor_rollout_ref.actor.{key}={actor[key]} has no effect with {RC}loss_type='reinforce' "
                               f"(no ratio clip); leave it at {POLICY_LOSS_KEY_DEFAULTS[key]} or use loss_type=ppo_clip")
 
-
-def actor_policy_loss(cfg: Any) -> tuple[str, dict[str, Any]]:
-    """(registered policy loss, its keyword arguments) the actor runs: `policy_loss.loss_mode` with its keys,
-    or under bypass_mode the "bypass_mode" loss with the PPO clip keys and the rollout-correction settings."""
-    actor, rc = cfg.actor_rollout_ref.actor, cfg.algorithm.rollout_correction
-    kwargs = policy_loss_kwargs(actor)
-    if not rc.bypass_mode:
-        return actor.policy_loss.loss_mode, kwargs
-    kwargs.update(loss_type=str(rc.loss_type), rollout_is=rc.rollout_is, rollout_is_threshold=float(rc.rollout_is_threshold),
-                  rollout_is_batch_normalize=bool(rc.rollout_is_batch_normalize), rollout_rs=rc.rollout_rs,
-                  rollout_rs_threshold=rs_threshold(rc))
-    return "bypass_mode", kwargs
-
-
-def rs_threshold(rc: Any) -> str | float | None:
-    """`rollout_rs_threshold` as the rejection parser takes it: a number, None, or its string form."""
-    threshold = rc.rollout_rs_threshold
-    return threshold if isinstance(threshold, (int, float, type(None))) else str(threshold)

@@ -200,12 +200,3 @@ def check_ranges(cfg: Any, errors: list[str]) -> None:
         errors.append(f"algorithm.adv_estimator={estimator!r} compares samples of one prompt: "
                       f"actor_rollout_ref.rollout.n={rollout.n} must be >= 2 ({SINGLETON_REFUSED[estimator]})")
 
-
-def group_of_one_note(cfg: Any) -> str | None:
-    """The note for a group estimator run with rollout.n=1 (accepted, as in verl): what each sample's advantage
-    is then; None otherwise."""
-    estimator, n = cfg.algorithm.adv_estimator, cfg.actor_rollout_ref.rollout.n
-    if n != 1 or estimator not in SINGLETON_ADVANTAGE:
-        return None
-    return (f"note: actor_rollout_ref.rollout.n=1 with algorithm.adv_estimator={estimator!r}: every group is one "
-            f"sample, so its advantage is {SINGLETON_ADVANTAGE[estimator]}, as in verl")

@@ -17,7 +17,7 @@ import math
 from typing import Any
 
 from rlsp.config.choices import FILTER_GROUP_METRICS, REWARD_MANAGERS, choice_error
-from rlsp.config.validate_async import rollout_pool_enabled
+from rlsp.config.run_spec import resolved_max_resp_len, rollout_pool_enabled
 
 BUF = "reward.reward_kwargs.overlong_buffer_cfg."
 MAX_LEN = "reward.reward_kwargs.max_resp_len"
@@ -26,12 +26,6 @@ FG = "algorithm.filter_groups."
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def resolved_max_resp_len(cfg: Any) -> int:
-    """The shaping's hard limit: reward.reward_kwargs.max_resp_len, or data.max_response_length when null."""
-    value = cfg.reward.reward_kwargs.max_resp_len
-    return int(cfg.data.max_response_length if value is None else value)
 
 
 def _check_max_resp_len(cfg: Any, errors: list[str]) -> None:

@@ -1,5 +1,5 @@
-"""Start-up checks of on-policy distillation (`distillation.*`, rlsp.config.schema_distill) and the teacher
-table the trainer and the teacher role read.
+"""Start-up checks of on-policy distillation (`distillation.*`, rlsp.config.schema_distill); the teacher table
+the trainer and the teacher role read is resolved in rlsp.config.run_spec.
 
 Arithmetic on config values only (no torch, no files): called by `validate_config`, which collects every
 message into one error. The checks that need files (teacher/student vocabularies, the data_source values
@@ -8,13 +8,13 @@ of the data) run in rlsp.trainer.distill before any worker has the run's config.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from rlsp.config.choices import DTYPE_NAMES, KL_ESTIMATOR_NAMES
-from rlsp.config.schema_distill import DEFAULT_TEACHER, TeacherInferenceConfig, TeacherModelConfig
+from rlsp.config.run_spec import configured_teachers, distillation_enabled
+from rlsp.config.schema_distill import TeacherInferenceConfig, TeacherModelConfig
 
 PREFIX = "distillation"
 # verl's loss modes that need the teachers' top-k distributions (an inference server's prompt logprobs);
@@ -29,20 +29,6 @@ ONE_ONLY = ("data_parallel_size", "pipeline_model_parallel_size")
 POOL_KEYS = ("n_gpus_per_node", "nnodes")
 
 
-@dataclass(frozen=True)
-class TeacherSpec:
-    """One teacher: its entry name, routing key (None: scores every row), model directory, compute dtype."""
-
-    name: str
-    key: str | None
-    model_path: str
-    dtype: str
-
-
-def distillation_enabled(cfg: Any) -> bool:
-    return bool(getattr(cfg, "distillation", None) is not None and cfg.distillation.enabled)
-
-
 def _entry(name: str, raw: Any, errors: list[str]) -> Any | None:
     """`raw` merged onto the TeacherModelConfig schema (unknown keys and bad types named), or None."""
     base = OmegaConf.structured(TeacherModelConfig)
@@ -53,16 +39,6 @@ def _entry(name: str, raw: Any, errors: list[str]) -> Any | None:
         first = str(exc).splitlines()[0]
         errors.append(f"{PREFIX}.teacher_models.{name}: {first}; legal keys of a teacher: {legal}")
         return None
-
-
-def _configured(teachers: dict[str, Any]) -> dict[str, Any]:
-    """verl's rule, kept: with several entries the default `teacher_model` entry is dropped — but only when
-    it is unconfigured (rlsp keeps a configured one instead of silently losing it)."""
-    if len(teachers) > 1 and DEFAULT_TEACHER in teachers:
-        default = teachers[DEFAULT_TEACHER]
-        if default is not None and default.model_path is None and default.key is None:
-            return {n: t for n, t in teachers.items() if n != DEFAULT_TEACHER}
-    return teachers
 
 
 def _check_inference(where: str, inf: Any, cfg: Any, errors: list[str]) -> None:
@@ -168,7 +144,7 @@ def _check_section(cfg: Any, errors: list[str]) -> None:
                       f"{', '.join(TEACHER_KEYS)}")
     _check_loss(cfg, errors)
     entries = {str(n): _entry(str(n), raw, errors) for n, raw in d.teacher_models.items()}
-    teachers = _configured(entries)
+    teachers = configured_teachers(entries)
     if not teachers:
         errors.append(f"{PREFIX}.teacher_models is empty: give at least one teacher (model_path)")
     for name, t in teachers.items():
@@ -200,12 +176,3 @@ def _check_pool(d: Any, teachers: dict[str, Any], errors: list[str]) -> None:
                       f"not verl's teacher pool ({where}), which verl refuses; make them match (rlsp itself "
                       "colocates the teachers on the policy workers)")
 
-
-def teacher_specs(cfg: Any) -> list[TeacherSpec]:
-    """The configured teachers, in entry order (call after `validate_config` has accepted the config)."""
-    d = cfg.distillation
-    entries = {str(n): OmegaConf.merge(OmegaConf.structured(TeacherModelConfig), raw)
-               for n, raw in d.teacher_models.items()}
-    student = str(cfg.actor_rollout_ref.model.dtype)
-    return [TeacherSpec(name, t.key, str(t.model_path), str(t.inference.dtype or student))
-            for name, t in _configured(entries).items()]

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from rlsp.config.validate_dapo import resolved_max_resp_len
+from rlsp.config.run_spec import resolved_max_resp_len
 from rlsp.data.batch import Batch, last_policy_token, response_lengths
 
 

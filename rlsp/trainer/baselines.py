@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from rlsp.algos.registry import estimator_uses
-from rlsp.config.validate_async import rollout_pool_enabled
+from rlsp.config.run_spec import rollout_pool_enabled
 from rlsp.data.batch import Batch
 from rlsp.rollout.base import SamplingConfig
 from rlsp.utils.timing import timed

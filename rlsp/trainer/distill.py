@@ -21,7 +21,7 @@ from rlsp.algos.distillation import (
     compute_distillation_losses,
     distillation_metrics,
 )
-from rlsp.config.validate_distill import TeacherSpec, distillation_enabled, teacher_specs
+from rlsp.config.run_spec import TeacherSpec, distillation_enabled, teacher_specs
 from rlsp.data.batch import Batch
 from rlsp.models.loading import check_sp_support, text_model_config
 from rlsp.utils.timing import timed

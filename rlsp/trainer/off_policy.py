@@ -20,7 +20,7 @@ from typing import Any
 
 from rlsp.algos.rollout_correction import RolloutCorrection, compute_rollout_correction
 from rlsp.algos.rollout_rs import parse_rs_options, parse_rs_thresholds
-from rlsp.config.validate_bypass import check_bypass_mode, rs_threshold
+from rlsp.config.run_spec import rs_threshold
 from rlsp.data.batch import Batch
 
 
@@ -38,9 +38,8 @@ def configured_correction(cfg: Any) -> RolloutCorrection:
 
 
 def check_rollout_correction_names(cfg: Any, errors: list[str]) -> None:
-    """Rejection options and thresholds parse (names from the registry), bypass_mode's combinations are legal;
-    collected into `errors`."""
-    check_bypass_mode(cfg, errors)
+    """Rejection options and thresholds parse (names from the registry), collected into `errors` (bypass_mode's
+    combinations are a config-stage check, rlsp.config.validate_bypass)."""
     settings = configured_correction(cfg)
     if settings.rollout_rs is None:
         return

@@ -17,9 +17,8 @@ from omegaconf import DictConfig
 from rlsp.algos.registry import list_adv_estimators, list_policy_losses
 from rlsp.config.checks import CheckContext, register, run_checks
 from rlsp.config.layout import CRITIC_ESTIMATORS, ParallelLayout
+from rlsp.config.run_spec import agent_loops_enabled, distillation_enabled
 from rlsp.config.validate import validate_config
-from rlsp.config.validate_agent import agent_loops_enabled
-from rlsp.config.validate_distill import distillation_enabled
 from rlsp.engine.router_replay import router_replay_errors
 from rlsp.models.feature_support import run_feature_errors
 from rlsp.models.loading import (

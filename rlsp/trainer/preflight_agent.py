@@ -15,9 +15,11 @@ from rlsp.agent.formats import check_chat_template
 from rlsp.agent.loop import registered_agent_loops
 from rlsp.agent.runner import load_agent_loop_config
 from rlsp.agent.tools.loading import load_tools, tool_schemas
-from rlsp.config.validate_agent import AGENT, agent_loops_enabled
+from rlsp.config.run_spec import agent_loops_enabled
 from rlsp.data.dataset import AgentRows, chat_template_kwargs
 from rlsp.utils.logging import get_logger
+
+AGENT = "actor_rollout_ref.rollout.agent."
 
 log = get_logger("rlsp.preflight")
 

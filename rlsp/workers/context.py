@@ -1,4 +1,5 @@
-"""What every role on a worker shares: the run config, this rank, the device and the parallel layout."""
+"""What every role on a worker shares: the run config and what it resolves to (the run spec), this rank, the device
+and the parallel layout."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from omegaconf import DictConfig
 
 from rlsp.config.layout import ParallelLayout, RoleLayout
+from rlsp.config.run_spec import RunSpec, resolve_run_spec
 from rlsp.parallel.mesh import ParallelDims, build_parallel_dims
 
 
@@ -25,6 +27,10 @@ class RoleContext:
     device: torch.device
     pad_token_id: int
     _dims: dict[RoleLayout, ParallelDims] = field(default_factory=dict, repr=False)
+    spec: RunSpec = field(init=False)  # what the checked config resolves to, once per worker
+
+    def __post_init__(self) -> None:
+        self.spec = resolve_run_spec(self.cfg)
 
     @property
     def device_type(self) -> str:

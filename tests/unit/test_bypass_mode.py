@@ -16,7 +16,8 @@ from rlsp.algos.aggregation import AGGREGATION_MODES, LossScale, aggregate_loss
 from rlsp.algos.bypass import compute_bypass_loss, rows_of_batch
 from rlsp.algos.registry import get_policy_loss
 from rlsp.config.schema import RLSPConfig
-from rlsp.config.validate_bypass import actor_policy_loss, check_bypass_mode
+from rlsp.config.run_spec import actor_policy_loss
+from rlsp.config.validate_bypass import check_bypass_mode
 from rlsp.trainer.off_policy import check_rollout_correction_names, rollout_correction_settings, uses_rollout_logprobs
 
 F64 = torch.float64
@@ -187,7 +188,9 @@ def _cfg(**overrides):
 
 def _errors(**overrides) -> list[str]:
     errors: list[str] = []
-    check_rollout_correction_names(_cfg(**overrides), errors)
+    cfg = _cfg(**overrides)
+    check_bypass_mode(cfg, errors)  # the config stage's check
+    check_rollout_correction_names(cfg, errors)  # the preflight's (option names from the registry)
     return errors
 
 

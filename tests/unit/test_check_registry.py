@@ -50,7 +50,7 @@ def test_every_validator_check_is_registered_or_run_by_one():
     assert len(validators) >= 20  # the scan found them (a glob or import mistake would find none)
     missing = sorted(set(validators) - _reachable())
     assert missing == []
-    # e.g. check_bypass_mode runs in the preflight stage, with the rollout-correction names it needs
+    # e.g. check_bypass_mode: config values only, a config-stage check of its own
     assert "rlsp.config.validate_bypass.check_bypass_mode" in _reachable()
 
 

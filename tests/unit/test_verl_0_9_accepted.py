@@ -21,8 +21,9 @@ import rlsp.algos  # noqa: F401  (fills the registries)
 from rlsp.algos.adv_inputs import AdvantageInputs
 from rlsp.algos.registry import get_adv_estimator
 from rlsp.config.compose import compose_config, drop_not_set
+from rlsp.config.describe import group_of_one_note
 from rlsp.config.validate import validate_config
-from rlsp.config.validate_core import SINGLETON_ADVANTAGE, SINGLETON_REFUSED, group_of_one_note
+from rlsp.config.validate_core import SINGLETON_ADVANTAGE, SINGLETON_REFUSED
 from rlsp.config.validate_keys import schema_keys
 from rlsp.config.validate_policy_loss import POLICY_LOSS_KEYS, policy_loss_kwargs
 from rlsp.config.verl_compat import verl_note, verl_status

@@ -11,7 +11,6 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig
 
 from rlsp.config.lora_keys import lora_enabled
-from rlsp.config.validate_bypass import actor_policy_loss
 from rlsp.data.batch import Batch
 from rlsp.engine.checkpoint import load_engine, save_engine
 from rlsp.engine.fsdp_engine import FSDPEngine
@@ -142,9 +141,9 @@ class ActorRole:
 
     def _loss_config(self) -> ActorLossConfig:
         a = self.cfg.actor_rollout_ref.actor
-        name, kwargs = actor_policy_loss(self.cfg)  # policy_loss.loss_mode's, or bypass_mode's
+        spec = self.ctx.spec  # policy_loss.loss_mode's loss, or bypass_mode's
         return ActorLossConfig(
-            policy_loss=name, loss_kwargs=kwargs, use_kl_loss=a.use_kl_loss,
+            policy_loss=spec.policy_loss, loss_kwargs=dict(spec.policy_loss_kwargs), use_kl_loss=a.use_kl_loss,
             kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type, entropy_coeff=a.entropy_coeff, loss_agg_mode=a.loss_agg_mode,
             loss_scale_factor=a.loss_scale_factor,
         )

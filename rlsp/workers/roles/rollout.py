@@ -26,7 +26,6 @@ from typing import Any, Protocol
 import torch
 
 from rlsp.agent.runner import AgentRunner
-from rlsp.config.validate_agent import agent_loops_enabled
 from rlsp.data.batch import Batch
 from rlsp.data.dataset import chat_template_kwargs
 from rlsp.rollout import SamplingConfig, build_rollout_engine
@@ -63,7 +62,7 @@ class RolloutRole:
             r.name, ctx.cfg.actor_rollout_ref.model.path, dtype=r.dtype, seed=ctx.cfg.trainer.seed + engine_rank,
             max_model_len=d.max_prompt_length + d.max_response_length, **self._engine_kwargs(),
         )
-        self.agent = self._agent_runner() if agent_loops_enabled(ctx.cfg) else None
+        self.agent = self._agent_runner() if ctx.spec.agent_loops else None
 
     def _agent_runner(self) -> AgentRunner:
         from transformers import AutoTokenizer  # noqa: PLC0415 -- only agent loops decode and render turns here

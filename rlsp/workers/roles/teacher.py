@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from rlsp.config.validate_distill import TeacherSpec, teacher_specs
+from rlsp.config.run_spec import TeacherSpec
 from rlsp.data.batch import Batch
 from rlsp.engine.fsdp_engine import FSDPEngine
 from rlsp.models.lm import TokenLogprobModel
@@ -55,7 +55,7 @@ def route_rows(sources: Sequence[str], specs: Sequence[TeacherSpec]) -> list[str
 class TeacherRole:
     def __init__(self, ctx: RoleContext) -> None:
         self.ctx, self.cfg = ctx, ctx.cfg
-        self.specs = teacher_specs(ctx.cfg)
+        self.specs = ctx.spec.teachers
         self.engines = {spec.name: build_teacher_engine(ctx, spec) for spec in self.specs}
 
     def _routes(self, batch: Batch) -> list[str]:
