@@ -152,7 +152,8 @@ class AsyncTrainer(RayTrainer):
                 parts = [u.call.result() for u in units]
                 batch = StepData.concat(parts)
             else:  # dynamic sampling: more units until enough groups are informative
-                units, parts, batch, sampled = self.sampler.collect_units(self, stream, total, timing)
+                take = lambda extra: self._take_unit(stream, total, extra)  # noqa: E731
+                units, parts, batch, sampled = self.sampler.collect_units(take, self.units_per_step, self.reward, timing)
             waited = time.perf_counter() - t0 - timing.get("timing/reward_s", 0.0)
             self._check_syncs()
             gen_s = [float(p.info["gen_s"]) for p in parts]
@@ -161,6 +162,14 @@ class AsyncTrainer(RayTrainer):
             wall = time.perf_counter() - started
             metrics.update(self._async_metrics(step, parts, waited, sum(gen_s), wall))
             yield step, metrics
+
+    def _take_unit(self, stream, total: int, extra: bool) -> InFlight:
+        """The queue's next unit; an `extra` one (replacing filtered groups) first lets the queue run one unit
+        further ahead, outside the staleness bound."""
+        if extra:
+            self.extra_units += 1
+            self._submit_ahead(stream, total)
+        return self.queue.popleft()
 
     def _submit_ahead(self, stream, total: int) -> None:
         """Submit units while they stay within verl's staleness bound (and the run's steps)."""

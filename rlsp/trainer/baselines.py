@@ -14,7 +14,8 @@ pool (the greedy pass would run with weights other than the samples').
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +24,9 @@ from rlsp.config.run_spec import rollout_pool_enabled
 from rlsp.data.batch import Batch
 from rlsp.rollout.base import SamplingConfig
 from rlsp.utils.timing import timed
+
+if TYPE_CHECKING:  # the trainer's reward path; only its type is read here
+    from rlsp.trainer.reward import Reward
 
 
 def needs_greedy_baseline(cfg: Any) -> bool:
@@ -56,15 +60,17 @@ def prompts_of(batch: Batch, world_size: int) -> tuple[Batch, int]:
     return Batch.from_dict({"prompt_index": torch.arange(len(rows))}, meta=meta), real
 
 
-def add_greedy_baselines(trainer: Any, step: int, batch: Batch, timing: dict[str, float]) -> dict[str, float]:
-    """Generate and score one greedy response per prompt of the samples `batch`; set `reward_baselines` [B]
-    on `batch` (each row: its prompt's greedy reward, matched by uid). Returns the baseline metrics."""
-    prompts, real = prompts_of(batch, trainer.rollout_wg.world_size)
+def add_greedy_baselines(generate: Callable[[Batch], Batch], world_size: int, reward: Reward, batch: Batch,
+                         timing: dict[str, float]) -> dict[str, float]:
+    """Generate (`generate(prompts)`: the rollout engines' greedy samples, spread over `world_size` ranks) and
+    score (`reward`, the samples' own reward path) one greedy response per prompt of the samples `batch`; set
+    `reward_baselines` [B] on `batch` (each row: its prompt's greedy reward, matched by uid). Returns the
+    baseline metrics."""
+    prompts, real = prompts_of(batch, world_size)
     with timed("timing/gen_baseline_s", timing):
-        greedy = trainer.rollout_wg.call("rollout", "generate", prompts, greedy_sampling(trainer._sampling(step)))
-        greedy = greedy.select_rows(slice(0, real))  # one row per prompt, in order; the padding dropped
+        greedy = generate(prompts).select_rows(slice(0, real))  # one row per prompt, in order; the padding dropped
     with timed("timing/reward_baseline_s", timing):
-        scores = trainer.reward.score(greedy)  # the samples' reward path, so baseline and reward are comparable
+        scores = reward.score(greedy)  # the samples' reward path, so baseline and reward are comparable
     by_uid = dict(zip(greedy.meta["uid"], scores.tolist()))
     if len(by_uid) != real or len(scores) != real:
         raise RuntimeError(f"greedy baseline: expected one greedy response for each of {real} prompts, got "

@@ -28,7 +28,7 @@ train/num_groups_filtered (informative and dropped groups among those generated)
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,8 +39,10 @@ from rlsp.data.batch import Batch
 from rlsp.utils.timing import timed
 
 if TYPE_CHECKING:  # the trainers use this module; only their types are read here
-    from rlsp.trainer.async_trainer import AsyncTrainer, InFlight
-    from rlsp.trainer.ray_trainer import RayTrainer
+    from rlsp.trainer.async_trainer import InFlight
+    from rlsp.trainer.reward import Reward
+
+Generate = Callable[[list[dict[str, Any]], int], Batch]  # (prompt items, index of the first) -> their samples
 
 LIMIT_KEY = "algorithm.filter_groups.max_num_gen_batches"
 
@@ -152,41 +154,41 @@ class DynamicSampler:
     def collector(self) -> GroupCollector:
         return GroupCollector(self.metric, self.train_batch_size, self.gen_batch_size, self.max_num_gen_batches)
 
-    def collect(self, trainer: RayTrainer, step: int, items: list[dict[str, Any]], batches: Iterator,
+    def collect(self, generate: Generate, reward: Reward, items: list[dict[str, Any]], batches: Iterator,
                 timing: dict[str, float]) -> tuple[Batch, dict[str, float]]:
-        """Generate and score data batches (the first is `items`, then the next ones of `batches`)
-        until the step has train_batch_size prompts with informative groups."""
+        """Generate (`generate(items, first_index)`) and score (`reward`) data batches -- the first is `items`,
+        then the next ones of `batches` -- until the step has train_batch_size prompts with informative groups."""
         collector, first_index = self.collector(), 0
         while True:
             with timed("timing/gen_s", timing):
                 # Continuing prompt indices: each round's samples get seeds of their own.
-                batch = trainer.generate(step, items, first_index)
+                batch = generate(items, first_index)
             with timed("timing/reward_s", timing):
-                scores = trainer.reward.score(batch)
-            collector.add(batch, scores, trainer.reward.last_errors)
+                scores = reward.score(batch)
+            collector.add(batch, scores, reward.last_errors)
             if collector.ready:
                 return collector.take()
             collector.check_limit()
             first_index += len(items)
             items = _next_batch(batches, collector)
 
-    def collect_units(self, trainer: AsyncTrainer, stream: Iterator, total: int,
+    def collect_units(self, take_unit: Callable[[bool], InFlight], units_per_step: int, reward: Reward,
                       timing: dict[str, float]) -> tuple[list[InFlight], list[Batch], Batch, dict[str, float]]:
-        """Take the pool's units until the step has train_batch_size prompts with informative groups:
+        """Take the pool's units (`take_unit(extra)`: the next one; `extra` when it replaces filtered groups, so
+        beyond the step's `units_per_step`) until the step has train_batch_size prompts with informative groups:
         (units taken, their batches, the trimmed batch, the sampling metrics)."""
         collector = self.collector()
         units: list[InFlight] = []
         parts: list[Batch] = []
         while not collector.ready:
-            if len(units) >= trainer.units_per_step:  # replaces filtered groups: outside the staleness bound
+            extra = len(units) >= units_per_step  # replaces filtered groups: outside the staleness bound
+            if extra:
                 collector.check_limit()
-                trainer.extra_units += 1
-                trainer._submit_ahead(stream, total)
-            units.append(trainer.queue.popleft())
+            units.append(take_unit(extra))
             parts.append(units[-1].call.result())
             with timed("timing/reward_s", timing):
-                scores = trainer.reward.score(parts[-1])
-            collector.add(parts[-1], scores, trainer.reward.last_errors)
+                scores = reward.score(parts[-1])
+            collector.add(parts[-1], scores, reward.last_errors)
         batch, metrics = collector.take()
         return units, parts, batch, metrics
 

@@ -32,7 +32,7 @@ from rlsp.data.balance import balanced_order
 from rlsp.data.batch import Batch
 from rlsp.data.dataset import PromptDataset, chat_template_kwargs, iterate_batches
 from rlsp.engine.export import export_hf
-from rlsp.trainer.baselines import add_greedy_baselines, needs_greedy_baseline
+from rlsp.trainer.baselines import add_greedy_baselines, greedy_sampling, needs_greedy_baseline
 from rlsp.trainer.batch_metrics import check_finite, compute_agent_metrics, compute_batch_metrics, row_tokens
 from rlsp.trainer.checkpoint import CheckpointWriter, TrainerState, latest_checkpoint, read_metrics_lines
 from rlsp.trainer.distill import Distillation
@@ -218,7 +218,8 @@ class RayTrainer:
         t0 = time.perf_counter()
         TRAFFIC.reset()  # perf/driver_bytes: this step's traffic (not start-up's, validation's or a checkpoint's)
         if self.sampler is not None:  # generate more prompt batches until enough groups are informative
-            batch, sampled = self.sampler.collect(self, step, items, self._batches, timing)
+            generate = lambda rows, first: self.generate(step, rows, first)  # noqa: E731
+            batch, sampled = self.sampler.collect(generate, self.reward, items, self._batches, timing)
             return {**self.train_on(step, batch, t0, timing), **sampled}
         with timed("timing/gen_s", timing):
             batch = self.generate(step, items)
@@ -240,7 +241,9 @@ class RayTrainer:
         if step == 1 and self.cfg.trainer.sp_self_check:
             self.check_sp(batch)
         if needs_greedy_baseline(self.cfg):  # ReMax: a prompt's greedy response is its samples' baseline
-            metrics.update(add_greedy_baselines(self, step, batch, timing))
+            greedy = greedy_sampling(self._sampling(step))
+            generate = lambda prompts: self.rollout_wg.call("rollout", "generate", prompts, greedy)  # noqa: E731
+            metrics.update(add_greedy_baselines(generate, self.rollout_wg.world_size, self.reward, batch, timing))
         with timed("timing/reward_s", timing):
             # Rows collected by dynamic sampling were scored before filtering.
             scores = np.asarray(batch.meta["row_score"]) if "row_score" in batch else self.reward.score(batch)
