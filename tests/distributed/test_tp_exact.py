@@ -38,13 +38,8 @@ from rlsp.data.packing import PackedBatch, pack_sequences  # noqa: E402
 from rlsp.models.lm import TokenLogprobModel  # noqa: E402
 from rlsp.models.loading import build_causal_lm_from_config  # noqa: E402
 from rlsp.models.value import ValueModel  # noqa: E402
-from rlsp.parallel.tensor_parallel import (  # noqa: E402
-    apply_tensor_parallel,
-    check_tp_support,
-    legal_tp_sizes,
-    local_head_counts,
-    reduce_tp_replicated_grads,
-)
+from rlsp.parallel.tensor_parallel import apply_tensor_parallel, reduce_tp_replicated_grads  # noqa: E402
+from rlsp.parallel.tp_checks import check_tp_support, legal_tp_sizes, local_head_counts  # noqa: E402
 from rlsp.parallel.ulysses import build_sp_context, shard_for_rank  # noqa: E402
 
 VOCAB, Q_HEADS, KV_HEADS = 50, 4, 2

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from rlsp.data.packing import pack_sequences
 from rlsp.models.loading import build_causal_lm_from_config, check_ring_support, check_sp_support
-from rlsp.parallel.tensor_parallel import check_tp_support
+from rlsp.parallel.tp_checks import check_tp_support
 from rlsp.parallel.ulysses import build_sp_context
 from rlsp.rollout.support import check_rollout_support
 

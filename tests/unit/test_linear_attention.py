@@ -23,7 +23,7 @@ import rlsp.models.linear_attention as linear_attention
 from rlsp.data.packing import pack_sequences
 from rlsp.models.lm import TokenLogprobModel
 from rlsp.models.loading import build_causal_lm_from_config, check_ring_support, check_sp_support, check_tp_windowed
-from rlsp.parallel.tensor_parallel import check_tp_support
+from rlsp.parallel.tp_checks import check_tp_support
 from rlsp.parallel.ulysses import build_sp_context
 
 LENS = (70, 13, 5)  # the first row spans two of the delta rule's 64-token chunks

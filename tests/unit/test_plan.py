@@ -21,7 +21,7 @@ from rlsp.config.model_shape import shape_from_config
 from rlsp.config.schema import RLSPConfig
 from rlsp.config.store import register_schema
 from rlsp.config.validate import validate_config
-from rlsp.parallel.tensor_parallel import legal_tp_sizes
+from rlsp.parallel.tp_checks import legal_tp_sizes
 from rlsp.plan import HeadShare, MemoryOptions, Workload, cli, plan_memory, read_model_shape
 from rlsp.plan.comm import plan_comm
 from rlsp.plan.longest import LENGTH_GRANULE, plan_at
