@@ -67,6 +67,9 @@ def _kernel(a: Attention, ring: int) -> str:
     if a.window is not None or a.softcap:
         what = "window" if a.softcap is None else "softcap" if a.window is None else "window + softcap"
         return f"torch banded kernel on cpu / flash_attn {what} on cuda"
+    if a.mla and ring > 1:
+        return (f"ring attention over {ring} ranks, each holding 1/{ring} of the stream (k dim {a.qk_dim} and v dim "
+                f"{a.v_dim} side by side in each K/V block; fused kernels with the narrower side zero-padded per tile)")
     if a.mla:
         return f"SDPA on cpu / flash_attn on cuda (v zero-padded to {a.qk_dim}, output sliced back)"
     if ring > 1:

@@ -13,7 +13,7 @@ Sliding-window and soft-capped layers (the layer's `sliding_window` / `softcap` 
 with attention sinks (the `s_aux` kwarg, gpt-oss: sliced to this rank's q heads after the all-to-all) take
 rlsp.models.window_attention's banded kernels; with a ring, ring attention (rlsp.parallel.ring) applies all three. Multi-latent attention (deepseek_v2/v3)
 hands v with a narrower head dim than q/k: the exchanges carry it as is, SDPA takes it, flash_attn gets it zero-padded
-(`_flash_causal`). Other layers:
+(`_flash_causal`), ring attention packs it beside k in its K/V blocks. Other layers:
 inner attention: `flash_attn_varlen_func` on CUDA in fp16/bf16 when flash_attn is installed;
 otherwise `scaled_dot_product_attention` with `is_causal=True`: one batched call over the segments
 right-padded to the longest when that costs at most 4x the exact work (many short rollouts: one

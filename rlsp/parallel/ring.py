@@ -11,7 +11,7 @@ running (out, lse), and meanwhile passes the block on to rank i+1 (receiving the
 i-1). Backward is written out: delta = rowsum(dO * O); at each step dq is accumulated locally and
 the visiting block's dk/dv contribution is added to an accumulator that travels around the ring
 with the block and reaches its owner after the last step. Only the local q, k, v, out and lse are
-saved. A step whose plan has no visible box is skipped (its block still travels). The backward runs
+saved. A step whose plan has no visible box is skipped (on full layers its block still travels). The backward runs
 this ring once per head group (rlsp/parallel/ring_heads.py: G = hkv / n passes of n kv heads and their
 q heads, n from the accumulators' byte bound; G = 1 for all but large problems), so its fp32 (fp64)
 accumulators and K/V blocks in flight exist for one group at a time (step math: ring_grads.py).
@@ -20,9 +20,8 @@ Bytes SENT by a rank per call (r > 1; nothing when r == 1), e_in = element size 
 e_acc = 4 (8 for fp64 inputs):
   forward:  (r-1) * 2*Tr*hkv*D * e_in                  (K and V in one buffer, hkv heads only)
   backward: (r-1) * 2*Tr*hkv*D * (e_in + e_acc)        (K/V again, plus the dK/dV accumulators)
-The dK/dV accumulator of block j starts at rank j+1 and ends at j (r-1 hops); j adds its own part.
-With G head groups the backward sends the same bytes as G * 2*(r-1) batches of 1/G the size:
-G * (r-1) * 2*Tr*(hkv/G)*D * (e_in + e_acc).
+The dK/dV accumulator of block j starts at rank j+1 and ends at j (r-1 hops); j adds its own part. With G head
+groups the backward sends the same bytes in G * 2*(r-1) batches of 1/G the size.
 
 Why sends and receives match on NCCL. NCCL ignores tags: between two ranks of one communicator the
 k-th send of i to j meets the k-th receive of j from i, whatever their sizes. Two guarantees:
@@ -60,14 +59,17 @@ row's window has no box: it is not computed (`RingPlan.block_counts`; optional s
 ring_blocks_computed / ring_blocks_skipped). Soft-capping maps each scaled score s to cap * tanh(s / cap)
 before the mask and softmax, forward and backward (d/ds = 1 - tanh^2(s / cap)). The fused kernels take
 neither a band nor a cap, so these layers run the explicit path, a row chunk against its key band.
-Sends are UNCHANGED on these layers: every K/V block (and dK/dV accumulator) travels at every step as on a
-plain layer, so the "same program on every rank" rule above holds as it is; only the compute of a skipped
-step is saved. (The plan would let every rank derive which steps no rank needs, but skipping those sends is
-not done: the accumulator of block j must still reach its owner after r-1 hops.)
+On windowed layers a K/V block no row of a rank sees is not sent to it either: when the plan's table of which
+rank needs which step (`RingPlan.step_needs`, the same on every rank) has a gap, blocks go straight from their
+owner to the ranks that need them and dK/dV parts straight back (rlsp/parallel/ring_direct.py, counters
+ring_blocks_not_sent / ring_bytes_not_sent); full layers, and windowed ones whose every step is needed, relay.
+Multi-latent attention (DeepSeek-V2/V3: v's head dim Dv differs from q/k's Dk): the K/V block is one buffer with k
+and v side by side on the last dim (rlsp/parallel/ring_grads.py `pack_kv`), 2*Tr*hkv*D above reading
+Tr*hkv*(Dk + Dv); the fused kernels zero-pad per tile (rlsp/parallel/ring_block.py).
 Attention sinks (gpt-oss) join the merged rows once, after the last step (rlsp/parallel/ring_sinks.py).
 
-Legend: T stream length, r ring size, Tr = T / r tokens of this rank, Q / K query / key rows of
-one block (its bounding box), H heads (hq for q and o, hkv for k and v), D head dim.
+Legend: T stream length, r ring size, Tr = T / r tokens of this rank, Q / K query / key rows of one block (its
+bounding box), H heads (hq for q and o, hkv for k and v), D head dim (Dk of q and k, Dv of v).
 """
 
 from __future__ import annotations
@@ -77,31 +79,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlsp.parallel import ring_reference
-from rlsp.parallel.ring_block import fused_forward, fused_supported, native_gqa
+from rlsp.parallel import ring_direct
+from rlsp.parallel.ring_block import fused_supported, native_gqa
 from rlsp.parallel.ring_checks import check_inputs, check_softcap
 from rlsp.parallel.ring_grads import BlockCtx as _Ctx
+from rlsp.parallel.ring_grads import attend as _attend
 from rlsp.parallel.ring_grads import block_grads as _block_grads
-from rlsp.parallel.ring_grads import expand as _expand
+from rlsp.parallel.ring_grads import pack_kv, split_kv
 from rlsp.parallel.ring_heads import RING_BWD_ACC_BYTES, head_groups, kv_heads_per_pass
-from rlsp.parallel.ring_plan import ROW_CHUNK, RingPlan, StepBlock
+from rlsp.parallel.ring_plan import ROW_CHUNK, RingPlan
 from rlsp.parallel.ring_reference import acc_dtype as _acc_dtype
 from rlsp.parallel.ring_reference import block_attention, block_attention_backward
-from rlsp.parallel.ring_reference import finite as _finite
 from rlsp.parallel.ring_sinks import apply_sinks, check_sinks, sink_grad
 
 __all__ = ["ROW_CHUNK", "block_attention", "block_attention_backward", "ring_attention"]
 
 _KV_TAG, _DKV_TAG = 0, 1
-
-
-def _merge(out_QHD: torch.Tensor, lse_HQ: torch.Tensor, o_QHD: torch.Tensor, blk_lse_HQ: torch.Tensor) -> None:
-    """In place: (out, lse) <- log-sum-exp merge of (out, lse) and a block's (o, lse)."""
-    new_HQ = torch.logaddexp(lse_HQ, blk_lse_HQ)
-    safe_HQ = _finite(new_HQ)
-    w_old_QH1, w_blk_QH1 = (torch.exp(x - safe_HQ).T[..., None] for x in (lse_HQ, blk_lse_HQ))
-    out_QHD.mul_(w_old_QH1).add_(o_QHD * w_blk_QH1)
-    lse_HQ.copy_(new_HQ)
 
 
 def _pass_on(plan: RingPlan, send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup | None,
@@ -133,37 +126,52 @@ def _count(stats: Any, suffix: str, nbytes: int) -> None:
 
 def _count_blocks(stats: Any, plan: RingPlan, window: int | None) -> None:
     """Add this call's computed / skipped K/V blocks (steps with / without a visible box) to the stats
-    ring_blocks_computed / ring_blocks_skipped counters (the plan derives them: `RingPlan.block_counts`)."""
+    ring_blocks_computed / ring_blocks_skipped counters (the plan derives them: `RingPlan.block_counts`), and the
+    K/V blocks it does not send (direct sends of windowed layers: rlsp/parallel/ring_direct.py) to
+    ring_blocks_not_sent."""
     if stats is not None:
         computed, skipped = plan.block_counts(window)
         stats.ring_blocks_computed += computed
         stats.ring_blocks_skipped += skipped
+        if hasattr(stats, "ring_blocks_not_sent"):  # optional counter
+            stats.ring_blocks_not_sent += ring_direct.unsent_blocks(plan, window)
 
 
-def _attend(q_THD: torch.Tensor, kv_2THD: torch.Tensor, block: StepBlock, ctx: _Ctx, out_THD: torch.Tensor,
-            lse_HT: torch.Tensor) -> None:
-    """Merge one box's partial (out, lse) into the running (out_THD, lse_HT), tile by tile when fused."""
-    if not ctx.fused:
-        k_KHD, v_KHD = (_expand(x[block.k0:block.k1], ctx.kv_index) for x in kv_2THD)
-        o_QHD, lse_HQ = ring_reference.attend_box(q_THD[block.q0:block.q1], k_KHD, v_KHD, block, ctx.scale,
-                                                  ctx.row_chunk, ctx.softcap)
-        _merge(out_THD[block.q0:block.q1], lse_HT[:, block.q0:block.q1], o_QHD, lse_HQ)
-        return
-    for tile in block.tiles:
-        k_KHD, v_KHD = (_expand(x[tile.k0:tile.k1], ctx.kernel_index) for x in kv_2THD)
-        o_QHD, lse_HQ = fused_forward(q_THD[tile.q0:tile.q1], k_KHD, v_KHD, tile.causal, ctx.scale)
-        _merge(out_THD[tile.q0:tile.q1], lse_HT[:, tile.q0:tile.q1], o_QHD, lse_HQ)
+def _count_unsent(stats: Any, plan: RingPlan, relay_bytes: int, sent: int) -> None:
+    """Add the bytes the relay would have sent beyond those sent (direct sends) to ring_bytes_not_sent (optional)."""
+    if hasattr(stats, "ring_bytes_not_sent") and plan.ring_size > 1:
+        stats.ring_bytes_not_sent += relay_bytes - sent
+
+
+def _relay_bytes(plan: RingPlan, k_THD: torch.Tensor, v_THD: torch.Tensor, backward: bool) -> int:
+    """Bytes the relay sends in one call (module docstring): (r-1) K/V blocks, plus their dK/dV in backward."""
+    elems = k_THD.numel() + v_THD.numel()
+    per_block = elems * k_THD.element_size() + (elems * _acc_dtype(k_THD.dtype).itemsize if backward else 0)
+    return (plan.ring_size - 1) * per_block
 
 
 def _ring_forward(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, plan: RingPlan,
                   ctx: _Ctx, sinks_H: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """-> (out [Tr, hq, D] in q's dtype, lse [hq, Tr] fp32/fp64, bytes sent). A step without a visible box
-    (e.g. a block wholly outside every row's window) computes nothing; its block still travels. Sinks join
-    the merged rows once, after the last step (rlsp/parallel/ring_sinks.py)."""
-    acc, (Tr, hq, D) = _acc_dtype(q_THD.dtype), q_THD.shape
-    out_THD = q_THD.new_zeros((Tr, hq, D), dtype=acc)
+    """-> (out [Tr, hq, Dv] in q's dtype, lse [hq, Tr] fp32/fp64, bytes sent). A step without a visible box
+    (e.g. a block wholly outside every row's window) computes nothing; on a windowed layer a block no rank
+    needs is not sent either (rlsp/parallel/ring_direct.py). Sinks join the merged rows once, after the last
+    step (rlsp/parallel/ring_sinks.py)."""
+    if ring_direct.applies(plan, ctx.window):
+        out_THD, lse_HT, sent = ring_direct.forward(q_THD, k_THD, v_THD, plan, ctx)
+    else:
+        out_THD, lse_HT, sent = _relay_forward(q_THD, k_THD, v_THD, plan, ctx)
+    if sinks_H is not None:
+        out_THD, lse_HT = apply_sinks(out_THD, lse_HT, sinks_H)
+    return out_THD.to(q_THD.dtype), lse_HT, sent
+
+
+def _relay_forward(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, plan: RingPlan,
+                   ctx: _Ctx) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Every K/V block passed on at every step -> (out [Tr, hq, Dv] fp32/fp64, lse [hq, Tr], bytes sent)."""
+    acc, (Tr, hq) = _acc_dtype(q_THD.dtype), q_THD.shape[:2]
+    out_THD = q_THD.new_zeros((Tr, hq, v_THD.shape[2]), dtype=acc)
     lse_HT = q_THD.new_full((hq, Tr), float("-inf"), dtype=acc)
-    kv_2THD, sent = torch.stack([k_THD, v_THD]), 0
+    kv_2THD, sent = pack_kv(k_THD, v_THD), 0
     for step, blocks in enumerate(plan.step_blocks(q_THD.device, ctx.window)):
         works, next_2THD, nbytes = _pass_kv(plan, step, kv_2THD)  # pass the block on while computing with it
         sent += nbytes
@@ -171,21 +179,21 @@ def _ring_forward(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor,
             _attend(q_THD, kv_2THD, block, ctx, out_THD, lse_HT)
         _wait(works)
         kv_2THD = next_2THD
-    if sinks_H is not None:
-        out_THD, lse_HT = apply_sinks(out_THD, lse_HT, sinks_H)
-    return out_THD.to(q_THD.dtype), lse_HT, sent
+    return out_THD, lse_HT, sent
 
 
 def _ring_backward(do_THD: torch.Tensor, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor,
                    out_THD: torch.Tensor, lse_HT: torch.Tensor, plan: RingPlan,
                    ctx: _Ctx) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """-> (dq, dk, dv in the inputs' dtypes, bytes sent)."""
+    if ring_direct.applies(plan, ctx.window):
+        return ring_direct.backward(do_THD, q_THD, k_THD, v_THD, out_THD, lse_HT, plan, ctx)
     acc = lse_HT.dtype
     # the fused backward derives delta = rowsum(dO * O) itself from the final output
     delta_HT = None if ctx.fused else (do_THD.to(acc) * out_THD.to(acc)).sum(dim=-1).T.contiguous()
     saved = (out_THD, lse_HT, delta_HT, ctx)
     dq_THD = q_THD.new_zeros(q_THD.shape, dtype=acc)
-    kv_2THD, sent, own_2THD, dkv_works, dkv_recv = torch.stack([k_THD, v_THD]), 0, None, None, None
+    kv_2THD, sent, own_2THD, dkv_works, dkv_recv = pack_kv(k_THD, v_THD), 0, None, None, None
     for step, blocks in enumerate(plan.step_blocks(q_THD.device, ctx.window)):
         kv_works, next_2THD, nbytes = _pass_kv(plan, step, kv_2THD)
         sent += nbytes
@@ -204,7 +212,8 @@ def _ring_backward(do_THD: torch.Tensor, q_THD: torch.Tensor, k_THD: torch.Tenso
     if dkv_works is not None:
         _wait(dkv_works)
         own_2THD += dkv_recv
-    return dq_THD.to(q_THD.dtype), own_2THD[0].to(k_THD.dtype), own_2THD[1].to(v_THD.dtype), sent
+    dk_THD, dv_THD = split_kv(own_2THD, ctx.k_dim)
+    return dq_THD.to(q_THD.dtype), dk_THD.to(k_THD.dtype), dv_THD.to(v_THD.dtype), sent
 
 
 def _grouped_backward(do_THD: torch.Tensor, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor,
@@ -237,6 +246,7 @@ class _RingAttention(torch.autograd.Function):
         out_THD, lse_HT, sent = _ring_forward(q_THD, k_THD, v_THD, plan, ctx, sinks_H)
         _count(stats, "fwd", sent)
         _count_blocks(stats, plan, ctx.window)
+        _count_unsent(stats, plan, _relay_bytes(plan, k_THD, v_THD, backward=False), sent)
         fctx.save_for_backward(q_THD, k_THD, v_THD, out_THD, lse_HT, sinks_H)
         fctx.ring = (plan, ctx, stats)
         return out_THD
@@ -248,6 +258,7 @@ class _RingAttention(torch.autograd.Function):
         do_THD = do_THD.contiguous()
         dq, dk, dv, sent = _grouped_backward(do_THD, *saved, plan, ctx)  # with the final (sink-merged) out, lse
         _count(stats, "bwd", sent)
+        _count_unsent(stats, plan, _relay_bytes(plan, saved[1], saved[2], backward=True), sent)
         dsinks = None if sinks_H is None or not fctx.needs_input_grad[3] else sink_grad(do_THD, *saved[3:], sinks_H)
         return dq, dk, dv, dsinks, None, None, None
 
@@ -261,18 +272,20 @@ def ring_attention(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor
     sliding-window and soft-capped layers (explicit path); `sinks_H` [hq] (gpt-oss: a learned logit per q head
     in the softmax's denominator, applied once after the merge: rlsp/parallel/ring_sinks.py; gets a gradient).
 
-    q [Tr, hq, D], k/v [Tr, hkv, D] (this rank's zigzag tokens) -> o [Tr, hq, D]. `kv_index` (int64
+    q/k [Tr, hq/hkv, Dk], v [Tr, hkv, Dv] (this rank's zigzag tokens; Dv != Dk for multi-latent attention)
+    -> o [Tr, hq, Dv]. `kv_index` (int64
     [hq]) is the local kv head each local q head reads; None means q head h reads h // (hq // hkv).
-    `stats` (optional) gets ring_bytes_fwd/bwd and ring_calls_fwd/bwd incremented (bytes sent).
+    `stats` (optional) gets ring_bytes_fwd/bwd and ring_calls_fwd/bwd incremented (bytes sent), the block
+    counters and ring_bytes_not_sent (what direct sends saved against the relay).
     The backward runs over head groups whose fp32 accumulators fit `acc_bytes_bound` bytes
     (rlsp/parallel/ring_heads.py; one group unless the problem is large, or kv_index is given).
     """
     check_inputs(q_THD, k_THD, v_THD, plan, kv_index)
     check_sinks(sinks_H, q_THD.shape[1])
-    kv_per_pass = kv_heads_per_pass(plan.local_len, q_THD.shape[1], k_THD.shape[1], q_THD.shape[2],
+    kv_per_pass = kv_heads_per_pass(plan.local_len, q_THD.shape[1], k_THD.shape[1], max(q_THD.shape[2], v_THD.shape[2]),
                                     _acc_dtype(q_THD.dtype).itemsize, acc_bytes_bound, standard=kv_index is None)
     if q_THD.shape[1] == 0:  # no heads on this ring group: nothing to exchange, keep the graph connected
-        return q_THD * 0.0
+        return q_THD.sum() * q_THD.new_zeros((q_THD.shape[0], 0, v_THD.shape[2]))
     hq, hkv, device = q_THD.shape[1], k_THD.shape[1], q_THD.device
     kernel_index = kv_index
     if kv_index is None and hq != hkv:
@@ -283,5 +296,6 @@ def ring_attention(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor
     q_THD, k_THD, v_THD = q_THD.contiguous(), k_THD.contiguous(), v_THD.contiguous()
     check_softcap(softcap)
     fused = fused_supported(device, q_THD.dtype) and window is None and softcap is None  # kernels: no band, no cap
-    ctx = _Ctx(scale, kv_index, kernel_index, fused, kv_per_pass, ROW_CHUNK, window, softcap)
+    k_dim = None if k_THD.shape[2] == v_THD.shape[2] else k_THD.shape[2]  # K/V side by side (ring_grads.pack_kv)
+    ctx = _Ctx(scale, kv_index, kernel_index, fused, kv_per_pass, ROW_CHUNK, window, softcap, k_dim)
     return _RingAttention.apply(q_THD, k_THD, v_THD, sinks_H, plan, ctx, stats)

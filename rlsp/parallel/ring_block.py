@@ -10,6 +10,10 @@ run without a mask. Kernels, picked per device by `fused_supported`:
 - CUDA: aten `_scaled_dot_product_efficient_attention` (+ `_backward`), fp32/bf16/fp16, equal head
   counts (k/v expanded by the caller); its lse is padded to a multiple of 32 rows.
 Other devices and dtypes (fp64 on CUDA) take the explicit path (rlsp/parallel/ring_reference.py).
+A v head dim other than q/k's (multi-latent attention: Dv != Dk) is taken by zero-padding the narrower side to
+D = max(Dk, Dv) per tile (the CPU kernel wants one head dim): zero columns of q and k add nothing to the scores (the
+scale is passed explicitly), zero columns of v give zero output columns, which are sliced off; in backward dO and O
+are padded alike, so delta = rowsum(dO * O) and dq/dk/dv are unchanged and the pads' gradients are dropped.
 Working set: O(Q x H x D) plus the kernel's own tiles, never Q x K scores.
 
 Legend: Q / K query / key rows of one tile, H heads (hq for q, the kernel's kv heads for k/v), D head dim.
@@ -45,23 +49,31 @@ def _lhd(x_1HLD: torch.Tensor) -> torch.Tensor:
     return x_1HLD.squeeze(0).transpose(0, 1)
 
 
+def _pad(x_LHD: torch.Tensor, dim: int) -> torch.Tensor:
+    """x zero-padded on its head dim to `dim` (itself when it already has it)."""
+    return x_LHD if x_LHD.shape[-1] == dim else torch.nn.functional.pad(x_LHD, (0, dim - x_LHD.shape[-1]))
+
+
 def fused_forward(q_QHD: torch.Tensor, k_KHD: torch.Tensor, v_KHD: torch.Tensor, causal: bool,
                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (o [Q, hq, D] in q's dtype, lse [hq, Q] fp32 (fp64 for fp64 inputs)) of one tile."""
-    q, k, v = _bhld(q_QHD), _bhld(k_KHD), _bhld(v_KHD)
+    """-> (o [Q, hq, Dv] in q's dtype, lse [hq, Q] fp32 (fp64 for fp64 inputs)) of one tile."""
+    dv, dim = v_KHD.shape[-1], max(q_QHD.shape[-1], v_KHD.shape[-1])
+    q, k, v = (_bhld(_pad(x, dim)) for x in (q_QHD, k_KHD, v_KHD))
     if q_QHD.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
     else:
         out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
             q, k, v, None, True, 0.0, causal, scale=scale)
-    return _lhd(out), lse[0, :, :q_QHD.shape[0]]
+    return _lhd(out)[..., :dv], lse[0, :, :q_QHD.shape[0]]
 
 
 def fused_backward(do_QHD: torch.Tensor, q_QHD: torch.Tensor, k_KHD: torch.Tensor, v_KHD: torch.Tensor,
                    out_QHD: torch.Tensor, lse_HQ: torch.Tensor, causal: bool,
                    scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of one tile, shaped like q, k, v, from the rows' final output and lse."""
-    q, k, v, do, out = (_bhld(x) for x in (q_QHD, k_KHD, v_KHD, do_QHD, out_QHD))
+    dk, dv = q_QHD.shape[-1], v_KHD.shape[-1]
+    dim = max(dk, dv)
+    q, k, v, do, out = (_bhld(_pad(x, dim)) for x in (q_QHD, k_KHD, v_KHD, do_QHD, out_QHD))
     if q_QHD.device.type == "cpu":
         lse = lse_HQ.to(torch.float64 if q.dtype == torch.float64 else torch.float32)[None]
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -73,4 +85,5 @@ def fused_backward(do_QHD: torch.Tensor, q_QHD: torch.Tensor, k_KHD: torch.Tenso
         seed = torch.empty((), dtype=torch.int64, device=q.device)  # unused: no dropout
         grads = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             do, q, k, v, None, out, lse, seed, seed, 0.0, [True, True, True, False], causal, scale=scale)[:3]
-    return tuple(_lhd(g) for g in grads)  # type: ignore[return-value]
+    dq_QHD, dk_KHD, dv_KHD = (_lhd(g) for g in grads)
+    return dq_QHD[..., :dk], dk_KHD[..., :dk], dv_KHD[..., :dv]

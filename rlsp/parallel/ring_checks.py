@@ -1,7 +1,7 @@
 """Argument checks of ring attention (rlsp/parallel/ring.py): shapes, dtypes and devices of q/k/v against the
 plan, the kv head index, the soft-cap. Errors name the value and what is legal.
 
-Legend: Tr tokens of this rank, hq / hkv its q / kv heads, D head dim.
+Legend: Tr tokens of this rank, hq / hkv its q / kv heads, D head dim of q and k (Dv of v).
 """
 
 from __future__ import annotations
@@ -26,8 +26,11 @@ def check_inputs(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, 
         )
     hq, D = q_THD.shape[1], q_THD.shape[2]
     for name, x in (("k", k_THD), ("v", v_THD)):
-        if x.dim() != 3 or x.shape[0] != Tr or x.shape[2] != D or x.shape[1] != k_THD.shape[1]:
-            raise ValueError(f"{name} has shape {tuple(x.shape)}; expected [Tr={Tr}, hkv, D={D}] like k")
+        # v may have its own head dim (multi-latent attention: Dv != Dk); k has q's
+        if x.dim() != 3 or x.shape[0] != Tr or (name == "k" and x.shape[2] != D) or x.shape[1] != k_THD.shape[1]:
+            dim = f"D={D}" if name == "k" else "Dv"
+            raise ValueError(f"{name} has shape {tuple(x.shape)}; expected [Tr={Tr}, hkv, {dim}] like k (k's head dim "
+                             f"is q's, D={D}; v's may differ)")
         if x.dtype != q_THD.dtype or x.device != q_THD.device:
             raise ValueError(
                 f"{name} is {x.dtype} on {x.device}, q is {q_THD.dtype} on {q_THD.device}; they must match"

@@ -19,6 +19,10 @@ its key band only: `StepBlock.key_band`), and a windowed segment gets one box pe
 box's rows are consecutive positions and its bands stay about window + rows wide. `offline_plans` builds
 every rank's plan without process groups (to count what a window skips before launching anything).
 
+Sends of windowed layers (`step_needs(window)`): which ring rank has a box at which step, for EVERY rank of the
+ring, from the stream metadata every rank holds; all ranks derive the same table, so they agree on which K/V
+blocks travel (rlsp/parallel/ring_direct.py) without a message.
+
 Legend: T stream length, r ring size, Tr = T / r tokens of this rank, Q / K query / key rows of a box.
 """
 
@@ -117,6 +121,8 @@ class RingPlan:
     cache: dict[str, list[list[StepBlock]]] = field(default_factory=dict, repr=False)
     # the dK/dV accumulators' communicator: the same ranks as `group`, its own NCCL communicator (None: `group`)
     dkv_group: dist.ProcessGroup | None = None
+    ring_ranks: tuple[int, ...] = ()  # global rank of each ring rank (empty without a process group)
+    needs_cache: dict[str, tuple[tuple[bool, ...], ...]] = field(default_factory=dict, repr=False)
 
     @property
     def grad_group(self) -> dist.ProcessGroup | None:
@@ -131,6 +137,22 @@ class RingPlan:
     def source_rank(self, step: int) -> int:
         """Ring rank whose K/V block this rank holds at `step`."""
         return (self.ring_rank - step) % self.ring_size
+
+    def peer(self, offset: int) -> int:
+        """Global rank of ring rank (i + offset) mod r."""
+        return self.ring_ranks[(self.ring_rank + offset) % self.ring_size]
+
+    def step_needs(self, window: int | None = None) -> tuple[tuple[bool, ...], ...]:
+        """needs[i][s]: whether ring rank i has a visible pair with the K/V block it holds at step s (that of ring rank
+        (i - s) mod r), for every rank of the ring; the same table on every rank, cached per window."""
+        key = f"window={window}"
+        if key not in self.needs_cache:
+            start_T = self.cu_seqlens.to(torch.int64)[self.segment_T]  # first position of each token's segment
+            low = -1 if window is None else window
+            self.needs_cache[key] = tuple(
+                tuple(_sees_any(self.positions_RT[i], self.positions_RT[(i - s) % self.ring_size], start_T, low)
+                      for s in range(self.ring_size)) for i in range(self.ring_size))
+        return self.needs_cache[key]
 
     def step_blocks(self, device: torch.device, window: int | None = None) -> list[list[StepBlock]]:
         """Per step, the visible blocks (none: fully masked, skip). Built once per device and window, then cached."""
@@ -193,6 +215,18 @@ def _visible(pos_q: torch.Tensor, pos_k: torch.Tensor, in_q: torch.Tensor, in_k:
     return (in_q & sees).nonzero().flatten(), (in_k & seen).nonzero().flatten()
 
 
+def _sees_any(pos_q: torch.Tensor, pos_k: torch.Tensor, start_T: torch.Tensor, window: int) -> bool:
+    """Whether some row (positions pos_q) sees some key (positions pos_k, increasing) of its segment: keys in
+    (max(p - window, start - 1), p] for a row p whose segment starts at `start` (window < 0: no window)."""
+    if pos_q.numel() == 0 or pos_k.numel() == 0:
+        return False
+    lower = start_T[pos_q] - 1
+    if window > 0:
+        lower = torch.maximum(lower, pos_q - window)
+    seen = torch.searchsorted(pos_k, pos_q, right=True) - torch.searchsorted(pos_k, lower, right=True)
+    return bool((seen > 0).any())
+
+
 def _check_cu_seqlens(cu_seqlens: torch.Tensor, total_len: int) -> list[int]:
     cu = cu_seqlens.tolist() if cu_seqlens.dim() == 1 else None
     if cu is None or len(cu) < 2 or cu[0] != 0 or cu[-1] != total_len or any(b < a for a, b in zip(cu, cu[1:])):
@@ -225,12 +259,13 @@ def build_ring_plan(group: dist.ProcessGroup | None, cu_seqlens: torch.Tensor, t
     positions_RT = torch.stack([zigzag_indices(total_len, ring_size, i) for i in range(ring_size)])
     lengths = torch.tensor([b - a for a, b in zip(cu, cu[1:])], dtype=torch.int64)
     segment_T = torch.repeat_interleave(torch.arange(len(cu) - 1), lengths)
-    peers = (0, 0)
+    peers, ranks = (0, 0), ()
     if group is not None:
-        peers = tuple(dist.get_global_rank(group, (ring_rank + d) % ring_size) for d in (1, -1))
+        ranks = tuple(dist.get_global_rank(group, i) for i in range(ring_size))
+        peers = ranks[(ring_rank + 1) % ring_size], ranks[(ring_rank - 1) % ring_size]
     return RingPlan(group=group, ring_size=ring_size, ring_rank=ring_rank, cu_seqlens=cu_seqlens,
                     total_len=total_len, positions_RT=positions_RT, segment_T=segment_T,
-                    next_peer=peers[0], prev_peer=peers[1], dkv_group=dkv_group)
+                    next_peer=peers[0], prev_peer=peers[1], dkv_group=dkv_group, ring_ranks=ranks)
 
 
 def offline_plans(cu_seqlens: torch.Tensor, total_len: int, ring_size: int) -> list[RingPlan]:

@@ -53,6 +53,8 @@ class SPStats:
     ring_bytes_bwd: int = 0
     ring_blocks_computed: int = 0  # ring steps whose visiting K/V block some row sees (windowed layers skip others)
     ring_blocks_skipped: int = 0
+    ring_blocks_not_sent: int = 0  # K/V blocks a windowed layer does not send (nobody sees them: ring_direct)
+    ring_bytes_not_sent: int = 0  # bytes the relay would have sent beyond those sent, forward and backward
 
     def reset(self) -> None:
         for name in self.__dataclass_fields__:
