@@ -36,6 +36,9 @@ def _degrees(role: RoleLayout) -> str:
     else:
         shards = f"weights sharded within groups of {role.fsdp_size}, {role.fsdp_ranks // role.fsdp_size} replicas (HSDP)"
     shared = f" | each row on {role.ranks_per_dp} ranks (ulysses x ring x tp)" if role.ranks_per_dp > 1 else ""
+    if role.ep > 1:
+        shared += (f" | MoE experts split over ep={role.ep} consecutive ranks (tokens dispatched by all-to-all), each "
+                   f"share sharded over the {role.ep_replicas} rank(s) holding it")
     return f"{role.describe()} | {shards}{shared}"
 
 

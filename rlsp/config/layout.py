@@ -22,6 +22,13 @@ and, with tensor parallelism's sequence-parallel activations, each of those into
 shards parameters over the dp x ring x ulysses ranks (all but tp), or within groups of `fsdp_size`
 of them (HSDP); tp shards the weights of each layer across its group.
 
+Expert parallelism (`ep`, tp 1 only) is carved from those same FSDP ranks: runs of `ep` consecutive ranks
+(an expert-parallel group: the Ulysses/ring ranks of one row set first, then neighbouring dp groups) split
+every MoE layer's experts on dim 0, and every rank holds different tokens (rows or sequence shards), which
+its MoE layers dispatch to the experts' owners. The ranks with the same expert-parallel position
+(`ep_replicas` of them, rank % ep equal) hold the same experts; FSDP2 shards those experts over them,
+everything else over all FSDP ranks as without EP (rlsp.parallel.expert_parallel).
+
 No torch here: plain arithmetic shared by the driver, the controller, the workers and the planner.
 """
 
@@ -76,6 +83,7 @@ class RoleLayout:
     sequence_parallel: bool = True  # with tp > 1: norm/residual activations sharded along the sequence
     fsdp_size: int = -1  # -1: shard over all dp x ring x ulysses ranks; else HSDP groups of this size
     adaptive: bool = False  # each micro-batch at the smallest Ulysses degree whose token budget holds it
+    ep: int = 1  # expert parallel: runs of `ep` consecutive ranks split every MoE layer's experts (tp 1 only)
 
     @property
     def world_size(self) -> int:
@@ -124,6 +132,11 @@ class RoleLayout:
         """Ranks one copy of the parameters is sharded over (the whole fsdp_ranks unless HSDP)."""
         return self.fsdp_ranks if self.fsdp_size == -1 else self.fsdp_size
 
+    @property
+    def ep_replicas(self) -> int:
+        """Ranks holding the same experts (one per expert-parallel group): FSDP2 shards those experts over them."""
+        return self.fsdp_ranks // self.ep
+
     def coords(self, rank: int) -> Coords:
         rest, tp_rank = divmod(rank, self.tp)
         rest, uly = divmod(rest, self.ulysses)
@@ -146,6 +159,8 @@ class RoleLayout:
             text += " (sequence-parallel activations)" if self.sequence_parallel else " (replicated activations)"
         if self.fsdp_size != -1:
             text += f" fsdp_size={self.fsdp_size}"
+        if self.ep > 1:
+            text += f" ep={self.ep}"
         return text
 
 

@@ -49,12 +49,33 @@ def _role_degrees(cfg: Any, role: str) -> tuple[str, dict[str, Any]]:
     keys = ("ulysses_sequence_parallel_size", "ring_sequence_parallel_size", "tensor_model_parallel_size",
             "sequence_parallel", "sequence_parallel_adaptive")
     if role == "critic":
-        return "critic.", {k: cfg.critic[k] for k in keys} | {"fsdp_size": cfg.critic.model.fsdp_config.fsdp_size}
+        fsdp = cfg.critic.model.fsdp_config
+        return "critic.", {k: cfg.critic[k] for k in keys} | {"fsdp_size": fsdp.fsdp_size,
+                                                              "ep": getattr(fsdp, "expert_parallel_size", 1)}
     actor = {k: arr.actor[k] for k in keys}
     if role == "actor":
-        return "actor_rollout_ref.actor.", actor | {"fsdp_size": arr.actor.fsdp_config.fsdp_size}
+        fsdp = arr.actor.fsdp_config
+        return "actor_rollout_ref.actor.", actor | {"fsdp_size": fsdp.fsdp_size, "ep": getattr(fsdp, "expert_parallel_size", 1)}
     ref = {k: actor[k] if arr.ref[k] is None else arr.ref[k] for k in keys}
-    return "actor_rollout_ref.ref.", ref | {"fsdp_size": arr.ref.fsdp_config.fsdp_size}
+    fsdp = arr.ref.fsdp_config
+    return "actor_rollout_ref.ref.", ref | {"fsdp_size": fsdp.fsdp_size, "ep": getattr(fsdp, "expert_parallel_size", 1)}
+
+
+def _check_ep(prefix: str, ep: Any, d: dict[str, Any], ranks: int, errors: list[str]) -> int:
+    """The role's expert-parallel degree (`auto` = 1), after naming what makes it illegal."""
+    key = f"{prefix.replace('critic.', 'critic.model.')}fsdp_config.expert_parallel_size"
+    ep = 1 if ep == "auto" else ep
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+        errors.append(f"{key}={ep!r} must be auto or an integer >= 1 (a divisor of the role's {ranks} ranks)")
+        return 1
+    if ranks % ep:
+        errors.append(f"{key}={ep} does not divide the role's {ranks} ranks (its expert-parallel groups are runs of "
+                      f"{ep} consecutive ranks); legal values: {divisors(ranks)}")
+    if ep > 1 and (d["tensor_model_parallel_size"] != 1 or d["sequence_parallel_adaptive"]):
+        errors.append(f"{key}={ep} needs {prefix}tensor_model_parallel_size=1 (got {d['tensor_model_parallel_size']}) "
+                      f"and {prefix}sequence_parallel_adaptive=false (got {d['sequence_parallel_adaptive']}); legal "
+                      "with those: expert_parallel_size=1")
+    return ep
 
 
 def _check_role(cfg: Any, role: str, world: World, errors: list[str]) -> RoleLayout | None:
@@ -83,6 +104,7 @@ def _check_role(cfg: Any, role: str, world: World, errors: list[str]) -> RoleLay
              f"{prefix.replace('critic.', 'critic.model.')}fsdp_config.fsdp_size={size} must be -1 (shard over all "
              f"{fsdp_ranks} non-TP ranks) or a divisor of {fsdp_ranks}: legal values -1, {divisors(fsdp_ranks)}",
              errors)
+    ep = _check_ep(prefix, d["ep"], d, total, errors)
     adaptive = bool(d["sequence_parallel_adaptive"])
     if adaptive and (uly == 1 or ring > 1 or tp > 1):
         errors.append(f"{prefix}sequence_parallel_adaptive=true varies the Ulysses degree per micro-batch: it needs "
@@ -91,7 +113,7 @@ def _check_role(cfg: Any, role: str, world: World, errors: list[str]) -> RoleLay
     if len(errors) > n_err:
         return None
     return RoleLayout(world, ulysses=uly, ring=ring, tp=tp, sequence_parallel=bool(d["sequence_parallel"]),
-                      fsdp_size=size, adaptive=adaptive)
+                      fsdp_size=size, adaptive=adaptive, ep=ep)
 
 
 def _training_roles(cfg: Any, errors: list[str]) -> dict[str, Any] | None:

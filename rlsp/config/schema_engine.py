@@ -31,6 +31,11 @@ class FSDPConfig:
     param_offload: bool = False  # true: that policy (the optimizer state follows its parameters, whatever optimizer_offload says)
     optimizer_offload: bool = False  # true needs param_offload=true (FSDP2 cannot offload the state alone); frozen roles: false
     offload_policy: bool = False  # true: the same policy whatever the two above say (verl's FSDP2 switch)
+    # Expert parallelism (MoE models; actor, ref, critic): runs of this many consecutive ranks split every MoE layer's
+    # experts and dispatch tokens to them by all-to-all (rlsp.parallel.expert_parallel); must divide the role's ranks
+    # and every MoE layer's experts; tensor_model_parallel_size=1 and sequence_parallel_adaptive=false with it.
+    # verl FSDP-Turbo's fsdp_config.turbo_config.distributed.expert_parallel_size is read as this key.
+    expert_parallel_size: Any = 1  # 1 (every expert on every rank, FSDP-sharded) | auto (= 1) | a divisor of both
 
 
 @dataclass

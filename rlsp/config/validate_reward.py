@@ -51,6 +51,10 @@ def check_reward_model(cfg: Any, policy: World | None, rollout: RolloutPlacement
         return rules
     n_err = len(errors)
     _check_keys(rm, errors)
+    ep = getattr(rm.model.fsdp_config, "expert_parallel_size", 1)
+    if ep not in (1, "auto"):
+        errors.append(f"{P}model.fsdp_config.expert_parallel_size={ep!r}: the reward model runs every expert on every "
+                      "rank (expert parallelism is for the actor, reference and critic); legal values: 1, auto")
     if rm.use_reward_loop:
         return check_reward_loop(cfg, policy, rollout, errors) or rules if len(errors) == n_err else rules
     uly, size = rm.ulysses_sequence_parallel_size, rm.model.fsdp_config.fsdp_size

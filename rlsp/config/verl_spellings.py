@@ -37,6 +37,8 @@ RENAMES = {
        for key in ("ulysses_sequence_parallel_size", "strategy")},
     **{f"{block}{key}": f"{role}{key}" for block, role in list(_ROLES.items())[:2]
        for key in ("entropy_from_logits_with_chunking", "entropy_checkpointing", "use_torch_compile")},
+    # verl's FSDP-Turbo engine spells the expert-parallel degree inside its turbo block; rlsp keeps it in fsdp_config.
+    **{f"{block}turbo_config.distributed.expert_parallel_size": f"{block}expert_parallel_size" for block in _ROLES},
 }
 # Newer verl serves a reward model through its reward loop only (vLLM engines; reward.reward_model.rollout.*).
 REWARD_LOOP_KEY = "reward_model.use_reward_loop"

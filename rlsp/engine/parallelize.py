@@ -8,6 +8,10 @@ optimizer state in host memory. Gradient reduction SUMS over ranks (FSDP's divis
 each rank's loss is already its share of the global token-mean, so the reduced gradient is exact for
 any dp x sp x micro-batching.
 
+With expert parallelism each MoE layer's experts module (already sliced to this rank's experts) is sharded
+first, over the ranks holding the same experts, so the layer's own FSDP unit leaves it out and its gradients
+are summed over exactly those ranks.
+
 A whole model on every rank (`fsdp_size=1`, no tensor parallelism, no offload) that computes in its
 own dtype has nothing for FSDP to do but add per-layer hooks, copies and one all-reduce per layer and
 micro-batch: it stays a plain module (`replicated`), and the engine sums its gradients itself, once per
@@ -26,10 +30,10 @@ from rlsp.parallel.mesh import ParallelDims
 
 def replicated(module: nn.Module, dims: ParallelDims, compute_dtype: torch.dtype,
                offload: OffloadPolicy | None = None) -> bool:
-    """True when `module` needs no FSDP: one whole copy per rank (tp 1, shard size 1), no parameter
-    offload, every parameter already in the compute dtype (no mixed-precision casts to make)."""
+    """True when `module` needs no FSDP: one whole copy per rank (tp 1, shard size 1, no expert parallelism),
+    no parameter offload, every parameter already in the compute dtype (no mixed-precision casts to make)."""
     layout = dims.layout
-    return (layout.tp == 1 and layout.fsdp_shard == 1 and not isinstance(offload, CPUOffloadPolicy)
+    return (layout.tp == 1 and layout.ep == 1 and layout.fsdp_shard == 1 and not isinstance(offload, CPUOffloadPolicy)
             and all(p.dtype == compute_dtype for p in module.parameters()))
 
 
@@ -42,6 +46,9 @@ def parallelize(module: nn.Module, dims: ParallelDims, compute_dtype: torch.dtyp
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     mesh, offload = dims.fsdp_mesh, offload or OffloadPolicy()
     for layer in module.decoder.layers:
+        # expert-parallel experts: sharded over the ranks holding the same experts (rlsp.parallel.expert_parallel)
+        for experts in (m for m in layer.modules() if hasattr(m, "rlsp_expert_shard")):
+            fully_shard(experts, mesh=dims.ep_replicate_mesh, mp_policy=policy, offload_policy=offload)
         fully_shard(layer, mesh=mesh, mp_policy=policy, offload_policy=offload)
     fully_shard(module, mesh=mesh, mp_policy=policy, offload_policy=offload)
     for m in module.modules():

@@ -10,7 +10,10 @@ layout's: (dp, ring, ulysses, tp), tp innermost.
   accumulators in backward (their own NCCL communicator: see rlsp/parallel/ring.py);
 - `fsdp_mesh` is what FSDP2 shards parameters over: every rank but the tp dimension (1-D), or
   (replicate, shard) for HSDP; with tp > 1 it and `tp_mesh` are sub-meshes of one (replicate,
-  shard, tp) mesh, as FSDP2 over tensor-parallel parameters requires.
+  shard, tp) mesh, as FSDP2 over tensor-parallel parameters requires;
+- `ep_mesh` (ep > 1, tp 1): (ep_replicate, ep) over the same ranks: `ep_group` (runs of ep consecutive
+  ranks, whose all-to-alls dispatch tokens to their experts) and `ep_replicate` (the ranks holding the
+  same experts, which FSDP2 shards those experts over); see rlsp.parallel.expert_parallel.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ class ParallelDims:
     # adaptive Ulysses: degree -> this rank's group of that many consecutive Ulysses ranks (1 < d < ulysses)
     ulysses_subgroups: dict[int, dist.ProcessGroup] = field(default_factory=dict)
     ring_dkv_group: dist.ProcessGroup | None = None  # the ring's ranks again (ring > 1): dK/dV accumulators
+    ep_mesh: DeviceMesh | None = None  # (ep_replicate, ep) when ep > 1
+    ep_save_mesh: DeviceMesh | None = None  # the same ranks as (ep, ep_replicate): whole expert tensors in checkpoints
 
     @property
     def coords(self) -> Coords:
@@ -81,6 +86,16 @@ class ParallelDims:
     def tp_group(self) -> dist.ProcessGroup | None:
         return self._group("tp", self.layout.tp)
 
+    @property
+    def ep_group(self) -> dist.ProcessGroup | None:
+        """The expert-parallel group (ep consecutive ranks); None when ep == 1."""
+        return self.ep_mesh["ep"].get_group() if self.ep_mesh is not None else None
+
+    @property
+    def ep_replicate_mesh(self) -> DeviceMesh | None:
+        """The ranks holding the same experts as this one (FSDP2 shards them there); None when ep == 1."""
+        return self.ep_mesh["ep_replicate"] if self.ep_mesh is not None else None
+
 
 def _param_meshes(layout: RoleLayout, device_type: str) -> tuple[DeviceMesh, DeviceMesh | None]:
     shard = layout.fsdp_shard
@@ -127,6 +142,8 @@ def apply_group_timeout(dims: ParallelDims, timeout: timedelta) -> None:
     with its backend default (30 min gloo, 10 min nccl), not the default group's timeout."""
     groups = [*dims.mesh.get_all_groups(), *dims.fsdp_mesh.get_all_groups(), *dims.ulysses_subgroups.values()]
     groups += [*(dims.tp_mesh.get_all_groups() if dims.tp_mesh is not None else []),
+               *(dims.ep_mesh.get_all_groups() if dims.ep_mesh is not None else []),
+               *(dims.ep_save_mesh.get_all_groups() if dims.ep_save_mesh is not None else []),
                *([dims.ring_dkv_group] if dims.ring_dkv_group is not None else [])]
     for group in groups:
         if any(name in dist.get_backend(group) for name in ("gloo", "nccl")):  # torch's fake backend has no timeout
@@ -144,8 +161,17 @@ def build_parallel_dims(layout: RoleLayout, device_type: str, timeout: timedelta
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=("dp", "ring", "ulysses", "tp"))
     fsdp_mesh, tp_mesh = _param_meshes(layout, device_type)
     subgroups = _ulysses_subgroups(layout, rank) if layout.adaptive else {}
+    ep_mesh = None
+    if layout.ep > 1:  # tp == 1 (as validation requires): the FSDP ranks are the whole world, in rank order
+        if layout.tp > 1 or layout.world_size % layout.ep:
+            raise ValueError(f"ep={layout.ep} needs tp=1 (got {layout.tp}) and must divide the {layout.world_size} "
+                             f"ranks ({layout.describe()})")
+        ep_mesh = init_device_mesh(device_type, (layout.ep_replicas, layout.ep), mesh_dim_names=("ep_replicate", "ep"))
+    save_mesh = None if ep_mesh is None else DeviceMesh(device_type, ep_mesh.mesh.T.contiguous(),
+                                                         mesh_dim_names=("ep", "ep_replicate"))
     dims = ParallelDims(layout=layout, rank=rank, mesh=mesh, fsdp_mesh=fsdp_mesh, tp_mesh=tp_mesh,
-                        ulysses_subgroups=subgroups, ring_dkv_group=_ring_dkv_group(mesh, rank))
+                        ulysses_subgroups=subgroups, ring_dkv_group=_ring_dkv_group(mesh, rank), ep_mesh=ep_mesh,
+                        ep_save_mesh=save_mesh)
     if timeout is not None:
         apply_group_timeout(dims, timeout)
     return dims

@@ -5,7 +5,10 @@ Every number is bytes on ONE rank, for one micro-batch stream of `budget x token
   state      trainable role: fp32 master 4 + fp32 gradient 4 + AdamW 8 bytes per parameter; frozen
              reference: e per parameter. Layer weights are split over tp and then over the FSDP shard
              group; the embedding, lm_head and final norm are replicated over tp (rlsp's TP plan) and
-             sharded over the FSDP group. Parameters count every layer by its kind (MoE: every expert).
+             sharded over the FSDP group. Parameters count every layer by its kind (MoE: every expert); with
+             expert parallelism (ep) the routed experts are split over ep ranks and sharded over the ranks
+             holding the same ones (every FSDP rank holds 1/fsdp_ranks of them), and a layer's all-gather
+             brings only its 1/ep of them.
   saved      what autograd keeps for backward (per layer, by its kind: rlsp.config.auto_memory; measured op
              by op on rlsp's forward of the Llama / Qwen2 layer): two RMSNorms (fp32 upcast of the input, the normalised output and the
              projection input: h*(4+e)+4 per token each; with model.lean_rmsnorm only the input and the
@@ -130,10 +133,16 @@ class MemoryEstimate:
 def state_bytes(shape: ModelShape, layout: RoleLayout, role: str, e: int) -> tuple[float, float]:
     """(state without gradients, gradients) of one role on one rank."""
     root = shape.critic_root_params if role == "critic" else shape.root_params
-    params = (shape.decoder_params / layout.tp + root) / layout.fsdp_shard
+    routed = sum(_routed(shape, k) for k in shape.kinds) if layout.ep > 1 else 0
+    params = ((shape.decoder_params - routed) / layout.tp + root) / layout.fsdp_shard + routed / layout.fsdp_ranks
     if role == "ref":
         return params * e, 0.0
     return params * 12.0, params * 4.0  # fp32 master + AdamW moments; fp32 gradients
+
+
+def _routed(shape: ModelShape, kind: LayerKind) -> int:
+    """A layer's routed-expert parameters (gated: gate, up and down per expert)."""
+    return kind.mlp.experts * 3 * shape.hidden * kind.mlp.width
 
 
 def offload_staging_bytes(shape: ModelShape, layout: RoleLayout) -> float:
@@ -240,7 +249,8 @@ def activation_terms(shape: ModelShape, w: Workload, role: str, opts: MemoryOpti
 def buffer_terms(shape: ModelShape, layout: RoleLayout, role: str, e: int) -> dict[str, float]:
     """FSDP2's unsharded buffers: layers in flight, the root unit during forward/backward, and the root's
     gradient reduce at the end of backward."""
-    layer = shape.layer_params / layout.tp
+    routed = max((_routed(shape, k) for k in shape.kinds), default=0) * (1 - 1 / layout.ep)  # ep: 1/ep gathered
+    layer = (shape.layer_params - routed) / layout.tp
     cast = 4 if e < 4 else 0  # gradients are reduced in fp32
     root = shape.critic_root_params if role == "critic" else shape.root_params
     head_grad = 0 if role == "critic" else shape.vocab * shape.hidden * e  # lm_head gradient, unsharded

@@ -34,7 +34,13 @@ def _train_and_count(rank: int, world: int, path: str, sp: int, micro: int, batc
     """test_fsdp_engine's `_train_once` step, with the expert load of its forwards: (metrics, grads, params,
     tokens per expert [L, E] summed over ranks)."""
     dims = layout_dims(ulysses=sp, ring=ring)
-    engine = policy_engine(path, dims)
+    out = step_and_count(policy_engine(path, dims), dims, batch, micro)
+    return out if rank == 0 else None
+
+
+def step_and_count(engine, dims, batch, micro: int):
+    """One update of `engine` on this rank's shard of `batch` (collective): (metrics, full grads, full params after
+    the step, tokens per expert [L, E] summed over ranks)."""
     shard = batch.chunk(dims.dp_size)[dims.dp_rank]
     loss_fn = make_actor_loss(LOSS, *global_counts(shard, dims.dp_group))
     engine.optimizer.zero_grad(set_to_none=True)
@@ -45,7 +51,7 @@ def _train_and_count(rank: int, world: int, path: str, sp: int, micro: int, batc
     grads = {k: v.clone() for k, v in engine.iter_full_grads()}
     engine.optimizer.step()
     params = {k: v.clone() for k, v in engine.iter_full_params()}
-    return (metrics, grads, params, counts_LE) if rank == 0 else None
+    return metrics, grads, params, counts_LE
 
 
 @pytest.fixture(scope="module", params=MOE_FAMILIES)
