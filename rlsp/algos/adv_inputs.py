@@ -16,7 +16,7 @@ Shape legend: B rows (samples), R response length.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,9 @@ class AdvantageInputs:
     response_mask_BR: torch.Tensor
     index: Sequence[Any] | np.ndarray | None = None  # one group id per row (samples of one prompt share it)
     eps: float = 1e-6
+    # None: the rows are the whole batch. Else they are one shard of it and `reduce` sums a tensor over the
+    # shards (rlsp.algos.whiten); only an estimator that declares it (batch-wide sums, no groups) takes a shard.
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
     # settings (algorithm.*)
     norm_adv_by_std: bool = True  # algorithm.norm_adv_by_std_in_grpo
     gamma: float = 1.0  # algorithm.gamma

@@ -1,5 +1,8 @@
 """Generalised advantage estimation (GAE) for PPO with a learned value function.
 
+Runs on the whole batch or on a shard of its rows (``inputs.reduce``): the recursion is per row and the
+whitening's statistics are batch-wide sums (rlsp.algos.whiten).
+
 Shape legend: B rows (samples), R response length.
 """
 
@@ -8,18 +11,19 @@ from __future__ import annotations
 import torch
 
 from rlsp.algos.adv_inputs import AdvantageInputs
-from rlsp.algos.aggregation import masked_whiten
 from rlsp.algos.registry import register_adv_estimator
+from rlsp.algos.whiten import masked_whiten
 
 
-@register_adv_estimator("gae", uses=("gamma", "lam", "values_BR"))
+@register_adv_estimator("gae", uses=("gamma", "lam", "values_BR", "reduce"))
 def compute_gae_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages_BR, returns_BR) from rewards and the critic's ``values_BR`` (required).
 
     Over the masked-in tokens t of a row (t' = the next masked-in token, none after the last):
     delta_t = r_t + gamma * V_t' - V_t (V after the last token is 0: the response is terminal),
     A_t = delta_t + gamma * lam * A_t'. returns = A + V (unwhitened); advantages = A whitened over
-    all masked-in tokens (mean 0, unbiased variance 1, ``eps`` added to the variance). Masked-out
+    all masked-in tokens of the batch (mean 0, unbiased variance 1, ``eps`` added to the variance; over
+    every shard with ``reduce``). Masked-out
     tokens are skipped by the recursion and get 0. ``index`` is ignored; ``norm_adv_by_std`` must
     stay True (whitening is intrinsic).
     """
@@ -40,5 +44,5 @@ def compute_gae_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch
         next_adv_B = torch.where(keep_BR[:, t], adv_B, next_adv_B)
         raw_adv_BR[:, t] = torch.where(keep_BR[:, t], adv_B, torch.zeros_like(adv_B))
     returns_BR = torch.where(keep_BR, raw_adv_BR + values_BR, torch.zeros_like(raw_adv_BR))
-    advantages_BR = masked_whiten(raw_adv_BR, inputs.response_mask_BR, eps=inputs.eps)
+    advantages_BR = masked_whiten(raw_adv_BR, inputs.response_mask_BR, eps=inputs.eps, reduce=inputs.reduce)
     return advantages_BR, returns_BR

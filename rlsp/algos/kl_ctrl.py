@@ -73,6 +73,28 @@ def build_kl_controller(kind: str, kl_coef: float, target_kl: float = 0.1, horiz
     raise ValueError(f"unknown KL controller type {kind!r}; legal: 'fixed', 'adaptive'")
 
 
+def compute_kl_penalty(
+    token_level_scores_BR: torch.Tensor,
+    old_logprobs_BR: torch.Tensor,
+    ref_logprobs_BR: torch.Tensor,
+    response_mask_BR: torch.Tensor,
+    beta: float,
+    kind: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token_level_rewards_BR, kl_B): rewards = scores - beta * KL_t on masked-in tokens (0 elsewhere),
+    and each row's token-mean KL (0 for a row without tokens). Row by row: any split of the rows gives
+    the same values."""
+    kl_BR = compute_kl(old_logprobs_BR, ref_logprobs_BR, kind)
+    mask = response_mask_BR.bool()
+    rewards_BR = torch.where(mask, token_level_scores_BR - beta * kl_BR, torch.zeros_like(kl_BR))
+    return rewards_BR, masked_mean(kl_BR, response_mask_BR, dim=-1)
+
+
+def batch_kl(kl_B: torch.Tensor) -> float:
+    """The batch's KL for the adaptive controller: the mean over rows of each row's token-mean KL."""
+    return float(kl_B.mean()) if kl_B.numel() else 0.0
+
+
 def apply_kl_penalty(
     token_level_scores_BR: torch.Tensor,
     old_logprobs_BR: torch.Tensor,
@@ -81,13 +103,8 @@ def apply_kl_penalty(
     beta: float,
     kind: str,
 ) -> tuple[torch.Tensor, float]:
-    """(token_level_rewards_BR, current_kl): rewards = scores - beta * KL_t on masked-in tokens.
-
-    current_kl is the batch mean over rows of each row's token-mean KL (the quantity the adaptive
-    controller tracks). Masked-out tokens get reward 0.
-    """
-    kl_BR = compute_kl(old_logprobs_BR, ref_logprobs_BR, kind)
-    mask = response_mask_BR.bool()
-    rewards_BR = torch.where(mask, token_level_scores_BR - beta * kl_BR, torch.zeros_like(kl_BR))
-    per_row_B = masked_mean(kl_BR, response_mask_BR, dim=-1)
-    return rewards_BR, float(per_row_B.mean()) if per_row_B.numel() else 0.0
+    """(token_level_rewards_BR, current_kl): :func:`compute_kl_penalty` on the whole batch, with
+    current_kl = :func:`batch_kl` (the quantity the adaptive controller tracks)."""
+    rewards_BR, kl_B = compute_kl_penalty(token_level_scores_BR, old_logprobs_BR, ref_logprobs_BR, response_mask_BR,
+                                          beta, kind)
+    return rewards_BR, batch_kl(kl_B)

@@ -1,6 +1,9 @@
 """REINFORCE++ advantages: discounted return-to-go whitened over the batch, and the group-baseline
 variant (outcome score minus its group mean, whitened over the batch).
 
+The plain variant runs on the whole batch or on a shard of its rows (``inputs.reduce``: the whitening's
+statistics are batch-wide sums, rlsp.algos.whiten); the baseline variant needs whole groups and the whole batch.
+
 Shape legend: B rows (samples), R response length.
 """
 
@@ -11,6 +14,7 @@ import torch
 from rlsp.algos.adv_inputs import AdvantageInputs
 from rlsp.algos.aggregation import group_mean_std, masked_sum, masked_whiten
 from rlsp.algos.registry import register_adv_estimator
+from rlsp.algos.whiten import masked_whiten as whiten_shards
 
 
 def compute_returns_to_go(
@@ -31,17 +35,17 @@ def compute_returns_to_go(
     return returns_BR
 
 
-@register_adv_estimator("reinforce_plus_plus", uses=("gamma",))
+@register_adv_estimator("reinforce_plus_plus", uses=("gamma", "reduce"))
 def compute_reinforce_pp_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages_BR, returns_BR).
 
     returns = discounted return-to-go (:func:`compute_returns_to_go`); advantages = returns whitened
     over all masked-in tokens of the batch (mean 0, unbiased variance 1, ``eps`` added to the
-    variance). Groups are not used (``index`` is ignored). Whitening is intrinsic, so
+    variance; over every shard with ``reduce``). Groups are not used (``index`` is ignored). Whitening is intrinsic, so
     ``norm_adv_by_std``, ``lam`` and ``values_BR`` must stay at their defaults.
     """
     returns_BR = compute_returns_to_go(inputs.token_level_rewards_BR, inputs.response_mask_BR, inputs.gamma)
-    advantages_BR = masked_whiten(returns_BR, inputs.response_mask_BR, eps=inputs.eps)
+    advantages_BR = whiten_shards(returns_BR, inputs.response_mask_BR, eps=inputs.eps, reduce=inputs.reduce)
     return advantages_BR, returns_BR
 
 

@@ -10,6 +10,7 @@ import torch
 from rlsp.algos.aggregation import masked_mean
 from rlsp.algos.value_loss import explained_variance
 from rlsp.data.batch import Batch, response_lengths
+from rlsp.trainer.stage_advantages import reported_advantage_mean, reported_critic_metrics
 
 
 def _mean(x: torch.Tensor, mask: torch.Tensor) -> float:
@@ -33,9 +34,10 @@ def compute_batch_metrics(batch: Batch, scores: np.ndarray, step_s: float, width
         mask_tokens = batch["response_tokens"].double()
         lengths = batch["response_length"].double()
         tokens, width = float(batch["num_tokens"].sum()), width or batch["response_mask"].shape[1]
-        adv_B = batch.row_value("advantages")
-        adv_mean = (float((adv_B.double() * mask_tokens).sum() / mask_tokens.sum().clamp_min(1)) if adv_B is not None
-                    else _mean(batch["advantages"], batch["response_mask"]))
+        adv_B, adv_mean = batch.row_value("advantages"), reported_advantage_mean(batch)  # reported: rlsp.workers.step_stage
+        if adv_mean is None:
+            adv_mean = (float((adv_B.double() * mask_tokens).sum() / mask_tokens.sum().clamp_min(1)) if adv_B is not None
+                        else _mean(batch["advantages"], batch["response_mask"]))
     else:
         mask = batch["response_mask"]
         mask_tokens = mask.sum(-1).double()
@@ -52,7 +54,8 @@ def compute_batch_metrics(batch: Batch, scores: np.ndarray, step_s: float, width
     }
     metrics.update(_logprob_gap(batch))
     if "values" in batch:
-        metrics.update(_critic_metrics(batch, batch["response_mask"]))
+        reported = reported_critic_metrics(batch)
+        metrics.update(reported if reported is not None else _critic_metrics(batch, batch["response_mask"]))
     metrics.update(compute_agent_metrics(batch))
     return metrics
 

@@ -32,7 +32,7 @@ def test_gae_hand_computed_on_rows_of_different_lengths():
 
 
 def test_registry_guards_what_each_estimator_uses():
-    assert estimator_uses("gae") == ("gamma", "lam", "values_BR")
+    assert estimator_uses("gae") == ("gamma", "lam", "values_BR", "reduce")  # reduce: it runs on a shard too
     assert "values_BR" not in estimator_uses("grpo")
     # The estimators that need values are exactly those that get a critic.
     assert sorted(e for e in list_adv_estimators() if "values_BR" in estimator_uses(e)) == list(CRITIC_ESTIMATORS)
