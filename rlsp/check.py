@@ -5,7 +5,7 @@ No Ray, no workers, no accelerator. The config is composed as rlsp.main composes
 (`rlsp.config.compose`) and validated for the cluster the command asks for (trainer.nnodes x
 trainer.n_gpus_per_node, whatever this machine has); the model's config.json and tokenizer are read
 (never its weights; `builtin://` assets resolve as preflight resolves them); the data files' columns,
-data sources and prompt lengths are counted (prompts over data.max_prompt_length per
+data sources and prompt lengths (image tokens included) are counted (prompts over data.max_prompt_length per
 data.filter_overlong_prompts / data.truncation); the trackers' packages are looked up; and the resume
 checks run (once the run length is known). These are the registered start-up checks (rlsp.config.checks),
 stage by stage, the same list `python -m rlsp.main` runs before any worker has the run's config. It prints the layout, the batch split and
@@ -34,6 +34,7 @@ from rlsp.config.run_length import run_length_errors
 from rlsp.config.validate import validate_config
 from rlsp.config.verl_compat import verl_note
 from rlsp.config.verl_spellings import rename_overrides
+from rlsp.data.multimodal import image_tokens_line, new_image_problems
 from rlsp.utils.fast_exit import run_and_exit
 
 SHOWN_ROW_PROBLEMS = 5  # per data split: the first few unreadable rows, then a count
@@ -125,9 +126,10 @@ def _split(cfg: DictConfig, name: str, files: list[str], tokenizer: Any, report:
     found = _prompt_report(stamped, tokenizer, d.prompt_key, bool(d.apply_chat_template), agent, kwargs)
     if agent is not None:
         _agent_section(cfg, name, found.agent_loops, tokenizer, report)
-    report.problems += found.problems[:SHOWN_ROW_PROBLEMS]
-    if len(found.problems) > SHOWN_ROW_PROBLEMS:
-        report.problems.append(f"{key}: {len(found.problems) - SHOWN_ROW_PROBLEMS} more unreadable rows or files")
+    problems = new_image_problems(found.problems, report.problems)  # a model's image refusal: said once
+    report.problems += problems[:SHOWN_ROW_PROBLEMS]
+    if len(problems) > SHOWN_ROW_PROBLEMS:
+        report.problems.append(f"{key}: {len(problems) - SHOWN_ROW_PROBLEMS} more unreadable rows or files")
     limit, over = d.max_prompt_length, found.overlong(d.max_prompt_length)
     longest = max(found.lengths, default=0)
     line = f"{name}: {len(files)} file(s), {found.rows} rows, prompts up to {longest} tokens"
@@ -142,6 +144,7 @@ def _split(cfg: DictConfig, name: str, files: list[str], tokenizer: Any, report:
     elif over:
         line += f"; {over} longer than {limit} cut (data.truncation={d.truncation})"
     report.add("data", line + (f"; no {', '.join(found.missing_columns)} column" if found.missing_columns else ""))
+    report.add("data", *image_tokens_line(name, found.image_tokens))
     _check_sources(cfg, key, found.sources, report)
     if found.rows and kept == 0:
         report.problems.append(f"{key}: none of the {found.rows} prompts fits data.max_prompt_length={limit}")

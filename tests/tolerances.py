@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from types import SimpleNamespace
 
 import torch
 
@@ -80,11 +81,23 @@ def roundoff_rtol(*, reduction: int, stages: int, dtype: torch.dtype = torch.flo
     return TWO * stages * math.sqrt(reduction) * unit_roundoff(dtype)
 
 
+def decoder_chain(config):
+    """What a bound is taken over: the decoder `config` itself, or for a vision-language model its vision tower's
+    blocks followed by its text layers (a token's logprob and a gradient pass through both)."""
+    text, vision = getattr(config, "text_config", None), getattr(config, "vision_config", None)
+    if text is None or vision is None:
+        return config
+    return SimpleNamespace(hidden_size=max(text.hidden_size, vision.hidden_size), vocab_size=text.vocab_size,
+                           intermediate_size=max(text.intermediate_size, vision.intermediate_size),
+                           num_hidden_layers=text.num_hidden_layers + vision.depth)
+
+
 def model_rtol(config, tokens: int, *, backward: bool = True, dtype: torch.dtype = torch.float32) -> float:
     """`roundoff_rtol` for a decoder given by its HF `config` over `tokens` packed tokens: four reduction
     stages per layer (projections, scores, weighted values, MLP) plus the head's, doubled when the
     backward pass (gradients) is compared; the longest reduction is over the width, the tokens (attention;
-    a weight gradient sums over all tokens) or the vocabulary."""
+    a weight gradient sums over all tokens) or the vocabulary. A vision-language config: `decoder_chain`."""
+    config = decoder_chain(config)
     width = max(config.hidden_size, getattr(config, "intermediate_size", 0) or 0)
     reduction = max(width, tokens, config.vocab_size)
     stages = (4 * config.num_hidden_layers + 1) * (2 if backward else 1)

@@ -150,6 +150,7 @@ class ActorConfig(verl_keys.ActorVerlKeys):
     use_torch_compile: Any = "auto"  # true | false | auto: the entropy head's per-block reduction through torch.compile (what verl compiles); auto: on cuda only (inductor's compile costs ~30 s at start-up on cpu)
     calculate_sum_pi_squared: bool = False  # the old-logprob pass also returns sum_v p_v^2 per token (optimal token baselines)
     router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)  # MoE routing replay (R2)
+    freeze_vision_tower: bool = False  # vision-language models (qwen2_5_vl, qwen3_vl, qwen3_vl_moe): the vision tower gets no gradient and no optimizer state (verl's key)
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 

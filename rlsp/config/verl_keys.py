@@ -50,8 +50,8 @@ _SKIP = "verl's rollout dumps and replay (skip.*) are not implemented in rlsp"
 _PROMETHEUS = "exporting vLLM's Prometheus metrics is not implemented; rlsp logs rollout timings and lengths per step"
 _TRACE = "rollout tracing back-ends (weave, mlflow) are not implemented; trainer.log_val_generations logs samples"
 _PD = "prefill/decode disaggregation is not implemented: every rlsp engine is one tensor-parallel group"
-_VISION = ("vision-language inputs are not implemented: rlsp trains decoder-only text models on text prompts "
-           "(data.prompt_key)")
+_VISION = ("this vision-language option is not implemented: rlsp reads images from verl's `images` column with the "
+           "model's own processor (docs/models.md)")
 _SANDBOX = ("rewards from a remote code sandbox (Sandbox Fusion) are not implemented in rlsp; score code locally with "
             "reward.custom_function_path")
 _TOKENIZER = "rlsp reads the tokenizer from the model directory (actor_rollout_ref.model.path)"
@@ -86,8 +86,10 @@ ACCEPTED_VALUES: dict[str, tuple[tuple[Any, ...], str]] = {
                                                  "supports only that too)"),
     "*.fsdp_config.seed": ((42,), "rlsp seeds every worker from trainer.seed"),
     "actor_rollout_ref.rollout.seed": ((42,), "rlsp seeds sampling from trainer.seed"),
-    "data.image_key": (("images",), "verl's default column name; no images are read (text prompts only)"),
-    "data.video_key": (("videos",), "verl's default column name; no videos are read (text prompts only)"),
+    "data.image_key": (("images",), "verl's default column name: images are read with the model's processor "
+                       "(rlsp.data.multimodal); other column names are not supported"),
+    "data.video_key": (("videos",), "verl's default column name: rows with videos are refused (video processors need "
+                       "torchvision)"),
     "data.audio_key": (("audios",), "verl's default column name; no audio is read (text prompts only)"),
     "actor_rollout_ref.actor.sum_pi_squared_checkpointing": ((True, False), "rlsp computes sum pi^2 inside its "
                                                                             "vocab-chunked logprob head, a chunk at a "
@@ -126,7 +128,6 @@ UNSUPPORTED_0_9: dict[str, str] = {
                                    "log_prob_micro_batch_size_per_gpu",
     "critic.forward_micro_batch_size": "verl's deprecated global micro-batch size is not supported; set "
                                        "critic.forward_micro_batch_size_per_gpu",
-    "actor_rollout_ref.actor.freeze_vision_tower": _VISION,
     "actor_rollout_ref.actor.policy_loss.dro_beta": "the DRO policy loss is not implemented; rlsp's loss modes are "
                                                     "listed under actor_rollout_ref.actor.policy_loss.loss_mode",
     "actor_rollout_ref.actor.calculate_entropy": "rlsp computes the entropy when actor.entropy_coeff != 0 and logs it "

@@ -8,6 +8,9 @@ else refused or cut as verl's `data.truncation` says: "left" keeps its last toke
 file order. `prompt_report` counts what a dataset holds without building it (for `rlsp.check`).
 `template_kwargs` (verl's `data.apply_chat_template_kwargs`, e.g. enable_thinking) go to every
 apply_chat_template call, here and in the agent loops' renders (rlsp.agent.chat).
+Files with an image column (verl's multimodal rows) render through the model's processor instead
+(rlsp.data.multimodal): image placeholders expanded in `prompt_ids`, so every length count and cut above
+counts the image tokens; items then also carry `multi_modal_inputs`, `images` and `image_tokens`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import numpy as np
 import pandas as pd
 
 from rlsp.config.choices import TRUNCATIONS
+from rlsp.data import multimodal as mm
 
 log = logging.getLogger(__name__)
 # Columns a verl-layout row may carry beyond the prompt (all optional; see PromptDataset._make_item).
@@ -52,6 +56,8 @@ def _read_frames(files: Sequence[str], prompt_key: str) -> pd.DataFrame:
             raise ValueError(f"dataset file {path} is empty (0 rows)")
         if prompt_key not in frame.columns:
             raise ValueError(f"{path} has no {prompt_key!r} column; columns found: {list(frame.columns)}")
+        if mm.IMAGE_KEY in frame.columns or mm.VIDEO_KEY in frame.columns:
+            frame[mm.SOURCE_COLUMN] = path  # relative image paths resolve from it; errors name it
         frames.append(frame)
     if not frames:
         raise ValueError("PromptDataset needs at least one parquet file")
@@ -113,17 +119,19 @@ class PromptDataset:
         truncation: str = "error",
         agent: AgentRows | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        processor: Any = None,
     ) -> None:
         if truncation not in TRUNCATIONS:
             raise ValueError(f"truncation={truncation!r} is not supported; legal values: {list(TRUNCATIONS)}")
         paths = [files] if isinstance(files, str) else list(files)
         self.chat_template = chat_template
         frame = _read_frames(paths, prompt_key)
+        processor = mm.dataset_processor(frame, tokenizer, processor)  # None: text rows, rendered as before
         self.items: list[dict[str, Any]] = []
         dropped = 0
         for row_index, row in enumerate(frame.to_dict(orient="records")):
             item = self._make_item(_plain(row), row_index, prompt_key, tokenizer, chat_template, agent,
-                                   template_kwargs)
+                                   template_kwargs, processor)
             if len(item["prompt_ids"]) > max_prompt_length:
                 if filter_overlong:
                     dropped += 1
@@ -134,14 +142,17 @@ class PromptDataset:
                         f"{max_prompt_length}; raise data.max_prompt_length, set data.filter_overlong_prompts=true "
                         "or data.truncation=left|right|middle"
                     )
-                item["prompt_ids"] = truncate(item["prompt_ids"], max_prompt_length, truncation)
+                cut = truncate(item["prompt_ids"], max_prompt_length, truncation)
+                if processor is not None:
+                    mm.check_truncation(item["prompt_ids"], cut, processor, row_index)
+                item["prompt_ids"] = cut
             self.items.append(item)
         if dropped:
             log.warning("dropped %d of %d prompts longer than %d tokens (%s)", dropped, len(frame), max_prompt_length, paths)
         self.num_filtered = dropped
         if not self.items:
             longest = max(len(self._make_item(_plain(r), 0, prompt_key, tokenizer, chat_template, agent,
-                                              template_kwargs)["prompt_ids"])
+                                              template_kwargs, processor)["prompt_ids"])
                           for r in frame.head(64).to_dict(orient="records"))
             raise ValueError(f"none of the {len(frame)} prompts of {paths} fits data.max_prompt_length="
                              f"{max_prompt_length} (the first ones are up to {longest} tokens); raise it")
@@ -149,15 +160,19 @@ class PromptDataset:
     @staticmethod
     def _make_item(row: dict[str, Any], row_index: int, prompt_key: str, tokenizer: Any,
                    chat_template: bool = True, agent: AgentRows | None = None,
-                   template_kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                   template_kwargs: Mapping[str, Any] | None = None, processor: Any = None) -> dict[str, Any]:
         loop = agent.loop_of(row) if agent is not None else None
         tools = list(agent.tools) if agent is not None and loop != "single_turn_agent" else None
-        text = _render(row[prompt_key], tokenizer, chat_template, tools, template_kwargs)
         reward_model = row.get("reward_model") or {}
         extra_info = row.get("extra_info") or {}
+        if processor is not None:  # an image dataset: the processor renders and expands the placeholders
+            rendered = mm.vision_item(row, row_index, _messages(row[prompt_key], chat_template),
+                                    processor, tools, template_kwargs)
+        else:
+            text = _render(row[prompt_key], tokenizer, chat_template, tools, template_kwargs)
+            rendered = {"prompt_ids": list(tokenizer.encode(text, add_special_tokens=False)), "prompt_text": text}
         return {
-            "prompt_ids": list(tokenizer.encode(text, add_special_tokens=False)),
-            "prompt_text": text,
+            **rendered,
             "messages": _messages(row[prompt_key], chat_template),  # a reward model re-renders them in its template
             "data_source": str(row.get("data_source", "unknown")),
             "ground_truth": str(reward_model.get("ground_truth", "")),
@@ -213,6 +228,7 @@ class PromptReport:
     sources: set[str] = field(default_factory=set)  # data_source values (they pick the rule reward)
     problems: list[str] = field(default_factory=list)  # unreadable files, rows that cannot be rendered
     agent_loops: dict[str, int] = field(default_factory=dict)  # rows per agent loop (runs with agent loops)
+    image_tokens: list[int] = field(default_factory=list)  # per rendered row of files with images (else empty)
 
     def overlong(self, limit: int) -> int:
         return sum(n > limit for n in self.lengths)
@@ -220,12 +236,14 @@ class PromptReport:
 
 def prompt_report(files: Sequence[str], tokenizer: Any, prompt_key: str = "prompt",
                   chat_template: bool = True, agent: AgentRows | None = None,
-                  template_kwargs: Mapping[str, Any] | None = None) -> PromptReport:
-    """Rows, prompt token lengths and missing columns of `files`, collecting every problem."""
+                  template_kwargs: Mapping[str, Any] | None = None, processor: Any = None) -> PromptReport:
+    """Rows, prompt token lengths (image tokens included) and missing columns of `files`, collecting every
+    problem; `processor` renders files with images (None: the model directory's, read when a file has images)."""
     report, seen = PromptReport(), set()
     for path in files:
         try:
             frame = _read_frames([path], prompt_key)
+            row_processor = mm.dataset_processor(frame, tokenizer, processor)
         except (ValueError, OSError) as exc:
             report.problems.append(str(exc))
             continue
@@ -233,11 +251,14 @@ def prompt_report(files: Sequence[str], tokenizer: Any, prompt_key: str = "promp
         for row_index, row in enumerate(frame.to_dict(orient="records")):
             try:
                 item = PromptDataset._make_item(_plain(row), row_index, prompt_key, tokenizer, chat_template, agent,
-                                                template_kwargs)
+                                                template_kwargs, row_processor)
             except (ValueError, TypeError, AttributeError) as exc:
-                report.problems.append(f"{path} row {row_index}: {exc}")
+                where = f"{path} row {row_index}"  # image-row errors name file and row themselves
+                report.problems.append(str(exc) if str(exc).startswith(where) else f"{where}: {exc}")
                 continue
             report.lengths.append(len(item["prompt_ids"]))
+            if row_processor is not None:
+                report.image_tokens.append(item["image_tokens"])
             report.sources.add(item["data_source"])
             if item["agent_name"] is not None:
                 report.agent_loops[item["agent_name"]] = report.agent_loops.get(item["agent_name"], 0) + 1

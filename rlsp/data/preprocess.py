@@ -18,12 +18,16 @@ gsm8k_multiturn_w_tool preprocessing) from the same gsm8k records: columns `data
 adds "need_tools_kwargs", "tools_kwargs" ({"calc_gsm8k_reward": {"create_kwargs": {"ground_truth"}}}: the
 tool's instance is created with the answer) and verl's "interaction_kwargs" (which rlsp does not use).
 
-CLI: `python -m rlsp.data.preprocess {gsm8k,gsm8k_multiturn,math} --input FILE --output DIR [--split train]`.
+`geo3k` writes verl's Geometry3K rows (with an `images` column) from the Hub's hiyouga/geometry3k records
+(`problem`, `answer`, `images`); see rlsp.data.vision_geo3k.
+
+CLI: `python -m rlsp.data.preprocess {gsm8k,gsm8k_multiturn,math,geo3k} --input FILE --output DIR [--split train]`.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 from collections.abc import Callable
@@ -34,6 +38,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rlsp.data.answers import hash_answers, last_boxed
+from rlsp.data.vision_geo3k import geo3k_row
 
 GSM8K_SOURCE = "openai/gsm8k"
 MATH_SOURCE = "DigitalLearningGmbH/MATH-lighteval"
@@ -119,7 +124,8 @@ def math_row(record: dict[str, Any], split: str, index: int) -> dict[str, Any]:
 
 
 TASKS: dict[str, Callable[[dict[str, Any], str, int], dict[str, Any]]] = {
-    "gsm8k": gsm8k_row, "gsm8k_multiturn": gsm8k_multiturn_row, "math": math_row}
+    "gsm8k": gsm8k_row, "gsm8k_multiturn": gsm8k_multiturn_row, "math": math_row, "geo3k": geo3k_row}
+MEDIA_TASKS = ("geo3k",)  # records with images: relative image paths resolve from the input file's folder
 
 
 def preprocess(task: str, input_path: str, output_dir: str, split: str = "train") -> str:
@@ -129,7 +135,10 @@ def preprocess(task: str, input_path: str, output_dir: str, split: str = "train"
     records = read_records(input_path)
     if not records:
         raise ValueError(f"input {input_path} holds no records")
-    rows = [TASKS[task](record, split, i) for i, record in enumerate(records)]
+    row_fn = TASKS[task]
+    if task in MEDIA_TASKS:
+        row_fn = functools.partial(row_fn, base_dir=os.path.dirname(os.path.abspath(input_path)), file=input_path)
+    rows = [row_fn(record, split, i) for i, record in enumerate(records)]
     os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(os.path.abspath(output_dir), f"{split}.parquet")
     tmp = f"{path}.tmp-{os.getpid()}"  # write then rename: a reader never sees a partial file
@@ -140,7 +149,7 @@ def preprocess(task: str, input_path: str, output_dir: str, split: str = "train"
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="Convert a Hub export of GSM8K or MATH into verl-layout parquet "
+    p = argparse.ArgumentParser(description="Convert a Hub export of GSM8K, MATH or Geometry3K into verl-layout parquet "
                                 "(gsm8k_multiturn: GSM8K rows for the calc_gsm8k_reward tool agent).")
     p.add_argument("task", choices=sorted(TASKS))
     p.add_argument("--input", required=True, help="a .jsonl/.json (JSON lines) or .parquet file")

@@ -17,11 +17,12 @@ import shutil
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from rlsp.engine.checkpoint import load_model_offline
-from rlsp.models.lm import TokenLogprobModel
 from rlsp.models.lora import LORA_ADAPTER_DIR, apply_saved_lora_config
+from rlsp.models.vision_inputs import VISION_FAMILIES
+from rlsp.models.vision_lm import build_logprob_model
 
 
 def export_hf(ckpt_dir: str, out_dir: str) -> str:
@@ -49,12 +50,13 @@ def export_hf(ckpt_dir: str, out_dir: str) -> str:
 def _full_model(actor: str, assets: str) -> nn.Module:
     """The causal LM with every weight from the checkpoint (full fine-tuning)."""
     config = AutoConfig.from_pretrained(assets)
+    auto = AutoModelForImageTextToText if config.model_type in VISION_FAMILIES else AutoModelForCausalLM
     with torch.device("meta"):
-        lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        lm = auto.from_config(config, dtype=torch.float32)
     lm = lm.to_empty(device="cpu")
     if getattr(config, "tie_word_embeddings", False):
         lm.tie_weights()
-    load_model_offline(TokenLogprobModel(lm), actor)
+    load_model_offline(build_logprob_model(lm), actor)
     return lm
 
 
@@ -69,6 +71,6 @@ def _merged_lora(actor: str, adapter_dir: str, staging: str) -> nn.Module:
                          "not a directory here; the adapter needs the base it was trained on")
     lm = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
     adapters = apply_saved_lora_config(lm, adapter_dir)
-    load_model_offline(TokenLogprobModel(lm), actor, trainable_only=True)
+    load_model_offline(build_logprob_model(lm), actor, trainable_only=True)
     adapters.peft_model.save_pretrained(os.path.join(staging, LORA_ADAPTER_DIR))
     return adapters.peft_model.merge_and_unload()

@@ -48,6 +48,8 @@ from rlsp.engine.reference import meta_skeleton, run_skeleton
 from rlsp.engine.router_replay import ROUTE_DTYPE, ROUTES_KEY, RouterReplay, recording_routes, replaying_rows
 from rlsp.engine.stream import stream_to_last_token, stream_to_response
 from rlsp.models.loading import num_heads
+from rlsp.parallel.ep_state import convert_state
+from rlsp.parallel.expert_parallel import apply_expert_parallel, expert_sharded_names, gather_full
 from rlsp.parallel.mesh import ParallelDims
 from rlsp.parallel.tensor_parallel import apply_tensor_parallel, local_head_counts
 
@@ -88,6 +90,9 @@ class FSDPEngine:
         self.skeleton = meta_skeleton(module) if dims.tp_mesh is not None else None
         if dims.tp_mesh is not None:
             apply_tensor_parallel(module, dims.tp_mesh, layout.sequence_parallel)
+        if dims.ep_group is not None:  # this rank's experts only, dispatched to by all-to-all
+            apply_expert_parallel(module, dims.ep_group)
+        self.ep_names = expert_sharded_names(self.hf_root)  # {} without expert parallelism
         offload = build_offload_policy(param_offload, device)
         # A whole model per rank in its own dtype stays a plain module; its gradients are summed by the
         # engine once per step (rlsp.engine.parallelize).
@@ -116,6 +121,7 @@ class FSDPEngine:
             micro.local(packed.position_ids).to(self.device),
             micro.local(packed.labels).to(self.device),
             sp_context=micro.ctx,
+            **micro.multi_modal_kwargs(),  # the rows' images (vision-language models; rlsp.models.vision_lm)
             **head_kwargs,
         )
 
@@ -314,10 +320,14 @@ class FSDPEngine:
         if self.optimizer is not None:
             state["optimizer"] = get_optimizer_state_dict(self.module, self.optimizer)
             state["scheduler"] = self.scheduler.state_dict()
+        if self.ep_names:  # expert slices as pieces of the whole HF tensors (rlsp.parallel.ep_state)
+            convert_state(state, expert_sharded_names(self.module), self.dims.ep_save_mesh, to_whole=True)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict()` returned; the optimizer keeps (does not copy) the given tensors."""
+        if self.ep_names:
+            convert_state(state, expert_sharded_names(self.module), self.dims.ep_replicate_mesh, to_whole=False)
         set_model_state_dict(self.module, state["model"],
                              options=StateDictOptions(strict=self._trainable_only() is None))
         if self.optimizer is not None:
@@ -336,6 +346,7 @@ class FSDPEngine:
         for name, param in self._named_params():
             param = to_device(param, self.device)  # an offloaded shard is gathered on the device
             full = param.full_tensor() if hasattr(param, "full_tensor") else param
+            full = gather_full(full, self.ep_names[name]) if name in self.ep_names else full
             full = full.detach().to(dtype or full.dtype)
             yield name, full
             if self.tied and name == "model.embed_tokens.weight":
@@ -346,4 +357,5 @@ class FSDPEngine:
         for name, param in self._named_params():
             if param.grad is not None:
                 g = to_device(param.grad, self.device)
-                yield name, (g.full_tensor() if hasattr(g, "full_tensor") else g).detach()
+                g = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach()
+                yield name, gather_full(g, self.ep_names[name]) if name in self.ep_names else g

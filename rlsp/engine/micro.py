@@ -19,6 +19,7 @@ from rlsp.data.batch import Batch
 from rlsp.data.packing import PackedBatch, pack_sequences
 from rlsp.engine.adaptive_plan import plan_adaptive_rounds
 from rlsp.engine.stream import response_to_stream
+from rlsp.models.vision_inputs import MM_KEY, MultiModalRows
 from rlsp.parallel.mesh import ParallelDims
 from rlsp.parallel.tensor_parallel import TPInfo
 from rlsp.parallel.ulysses import SPContext, build_sp_context, gather_from_ranks, shard_for_rank
@@ -32,6 +33,13 @@ class MicroBatch:
     prompt_len: int
     response_len: int
     tp: TPInfo | None = None
+
+    def multi_modal_kwargs(self) -> dict[str, MultiModalRows]:
+        """The head kwarg carrying the rows' images (rlsp.models.vision_lm), or none when no row has an image."""
+        entries = self.rows.meta.get(MM_KEY)
+        if entries is None or all(e is None for e in entries):
+            return {}
+        return {"multi_modal": MultiModalRows(list(entries), self.packed, self.prompt_len)}
 
     def local(self, values_T: torch.Tensor) -> torch.Tensor:
         """This rank's model-input shard [S] of a stream tensor [T]."""

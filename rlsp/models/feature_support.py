@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlsp.config.layout import CRITIC_ESTIMATORS
+from rlsp.models.vision_inputs import VISION_TEXT_TYPES
 
 MOE_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
 LORA_FUSED_EXPERT_FAMILIES = ("deepseek_v3", "deepseek_v2", "qwen3_next", "qwen3_moe", "mixtral", "olmoe",
@@ -66,12 +67,23 @@ def lora_problem(config: Any) -> str | None:
             "on its attention layers)")
 
 
+def vision_problem(config: Any, key: str) -> str | None:
+    """`key` on a vision-language model (its text config's model type): not verified with the vision tower."""
+    if getattr(config, "model_type", None) not in VISION_TEXT_TYPES:
+        return None
+    return (f"{key}: {config.model_type.removesuffix('_text')} is a vision-language model, which rlsp has not verified "
+            f"with this feature (it would also reach the vision tower's layers); legal: leave it off for this model")
+
+
 def feature_errors(config: Any, model: Any, prefix: str) -> list[str]:
     """Errors for the features `model` (an `actor_rollout_ref.model` or `critic.model` section) turns on that
     the model of `config` does not take; each names the key under `prefix`."""
     checks = ((model.tiled_mlp.enabled, tiled_mlp_problem), (model.lean_rmsnorm, lean_rmsnorm_problem),
               (bool(getattr(model, "lora_rank", 0)), lora_problem))
     problems = [check(config) for enabled, check in checks if enabled]
+    keys = (("tiled_mlp.enabled=true", model.tiled_mlp.enabled), ("lean_rmsnorm=true", model.lean_rmsnorm),
+            ("lora_rank > 0", bool(getattr(model, "lora_rank", 0))))
+    problems += [vision_problem(config, key) for key, enabled in keys if enabled]
     return [f"{prefix}{problem}" for problem in problems if problem]
 
 
@@ -79,6 +91,10 @@ def run_feature_errors(cfg: Any, config: Any) -> list[str]:
     """`feature_errors` of the run `cfg` for the actor's model `config`: the actor and reference, and the critic
     when it starts from the same model (a critic with its own critic.model.path is another config)."""
     errors = feature_errors(config, cfg.actor_rollout_ref.model, "actor_rollout_ref.model.")
+    if cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS and not cfg.critic.model.path and \
+            getattr(config, "model_type", None) in VISION_TEXT_TYPES:
+        errors.append(f"critic.model.path: unset, so the critic would start from the actor's {config.model_type} "
+                      "(vision-language) model, which rlsp trains as the policy only; legal: a text model's path")
     if cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS and not cfg.critic.model.path:
         errors += feature_errors(config, cfg.critic.model, "critic.model.")
     return errors

@@ -20,11 +20,14 @@ Legend: S local tokens, H hidden size, V vocabulary size.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from rlsp.models.attention import ULYSSES_ATTN_IMPL
 from rlsp.models.logprobs import compute_token_logprobs, compute_token_logprobs_sum_pi_squared
+from rlsp.models.vision_inputs import VISION_FAMILIES
 from rlsp.parallel.tensor_parallel import TPInfo, tp_local_param, tp_local_tokens
 from rlsp.parallel.ulysses import SPContext
 
@@ -45,18 +48,17 @@ def compute_hidden_states(
     position_ids_S: torch.Tensor,
     sp_context: SPContext,
     tp: TPInfo | None = None,
+    inputs: dict[str, Any] | None = None,
 ) -> torch.Tensor:
     """Final hidden states [S, H] of a HF base model ([S/tp, H] under tensor + sequence parallelism);
-    checks every layer went through Ulysses attention."""
+    checks every layer went through Ulysses attention. `inputs` replace the ids and 1-D positions as the
+    decoder's inputs (a vision-language model's inputs_embeds [1, S, H] and position_ids [3, 1, S])."""
     local_len = sp_context.local_len if tp is None else tp.local_len(sp_context.local_len)
     num_layers = int(decoder.config.num_hidden_layers)
     sp_context.stats.attn_calls = 0
-    out = decoder(
-        input_ids=input_ids_S.unsqueeze(0),
-        position_ids=position_ids_S.unsqueeze(0),
-        sp_context=sp_context,
-        use_cache=False,
-    )
+    if inputs is None:
+        inputs = {"input_ids": input_ids_S.unsqueeze(0), "position_ids": position_ids_S.unsqueeze(0)}
+    out = decoder(**inputs, sp_context=sp_context, use_cache=False)
     calls = sp_context.stats.attn_calls
     if calls != num_layers:
         raise RuntimeError(
@@ -75,6 +77,10 @@ class TokenLogprobModel(nn.Module):
 
     def __init__(self, lm: nn.Module, chunk_size: int = 1024, compiled: bool = False) -> None:
         super().__init__()
+        model_type = getattr(getattr(lm, "config", None), "model_type", None)
+        if model_type in VISION_FAMILIES and type(self) is TokenLogprobModel:
+            raise ValueError(f"{model_type} is a vision-language model: build its head with "
+                             "rlsp.models.vision_lm.build_logprob_model (VisionLogprobModel), not TokenLogprobModel")
         self.lm = lm
         self.chunk_size = chunk_size  # tokens per vocab-projection chunk (memory O(chunk_size * V))
         self.compiled = compiled  # the entropy head through torch.compile (use_torch_compile; rlsp.models.logprobs)
@@ -93,6 +99,7 @@ class TokenLogprobModel(nn.Module):
         temperature: float = 1.0,
         with_entropy: bool = False,
         with_sum_pi_squared: bool = False,
+        multi_modal: Any = None,
     ) -> dict[str, torch.Tensor]:
         """Local shards [S] in -> {"logprobs": [S] fp32, "entropy": [S] fp32 (only with_entropy),
         "sum_pi_squared": [S] fp32 (only with_sum_pi_squared: sum_v p_v^2, no gradient)};
@@ -102,8 +109,16 @@ class TokenLogprobModel(nn.Module):
         the packed batch's label_mask is False are meaningless and must be masked by the caller.
         """
         check_local_inputs(sp_context, input_ids=input_ids_S, position_ids=position_ids_S, labels=labels_S)
+        if multi_modal is not None:
+            raise ValueError(f"the rows carry images but {type(self.lm).__name__} is a text model; images train on the "
+                             "vision-language families of rlsp.models.vision_inputs.VISION_FAMILIES (VisionLogprobModel)")
+        hidden_SH = compute_hidden_states(self.decoder, input_ids_S, position_ids_S, sp_context, self.tp_info)
+        return self.head_outputs(hidden_SH, labels_S, temperature, with_entropy, with_sum_pi_squared)
+
+    def head_outputs(self, hidden_SH: torch.Tensor, labels_S: torch.Tensor, temperature: float = 1.0,
+                     with_entropy: bool = False, with_sum_pi_squared: bool = False) -> dict[str, torch.Tensor]:
+        """The output layer on final hidden states [S, H] ([S/tp, H]): forward's dict of per-token tensors."""
         tp = self.tp_info
-        hidden_SH = compute_hidden_states(self.decoder, input_ids_S, position_ids_S, sp_context, tp)
         lm_head = self.lm.lm_head
         if getattr(lm_head, "bias", None) is not None:
             raise RuntimeError("lm_head has a bias; the vocab-chunked logprobs support a bias-free output layer only")

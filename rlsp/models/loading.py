@@ -6,13 +6,15 @@ layer (tied or not). Gated DeltaNet (linear_attention) layers of Qwen3-Next / Qw
 in rlsp.models.linear_attention (swapped in at load; ring attention and tensor parallelism refuse them). Refused
 with a clear message: sliding-window layers, other linear/hybrid attention layers, multi-latent attention outside
 the verified families (`MLA_FAMILIES`: deepseek_v2, deepseek_v3, whose value head dim differs from the query/key
-one; ring attention and tensor parallelism refuse them), encoder-decoders, logit scaling (the vocab-chunked logprobs
+one; ring attention runs them with v's own head dim, tensor parallelism refuses them), encoder-decoders, logit scaling (the vocab-chunked logprobs
 compute
 `hidden @ lm_head.weight.T`, soft-capped by `config.final_logit_softcapping` when set). Sliding-window
 layers named by `config.layer_types` and attention soft-capping run in rlsp.models.window_attention
 (Gemma 2, Gemma 3, gpt-oss, whose attention sinks run there too); ring attention runs them too for these families (`check_ring_support`). An architecture that passes these checks but
 routes some layer around the attention interface is caught at runtime by the layer-count check of
-`rlsp.models.lm.TokenLogprobModel`. Qwen3.5 vision-language wrapper checkpoints (`TEXT_WRAPPERS`) train as their text model.
+`rlsp.models.lm.TokenLogprobModel`. Qwen3.5 vision-language wrapper checkpoints (`TEXT_WRAPPERS`) train as their text model;
+Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE (`VISION_FAMILIES`) load with their vision tower (AutoModelForImageTextToText; the text model
+through rlsp_ulysses, the tower through its own attention) and train through rlsp.models.vision_lm.
 
 `read_model_config(key, path)` and `tokenizer_problem(key, path)` check a model directory named by a config
 key before anything loads it (preflight and rlsp.check): one message naming the key, the path and what
@@ -29,7 +31,15 @@ from typing import Any
 
 import torch
 import transformers
-from transformers import CONFIG_MAPPING, AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import (
+    CONFIG_MAPPING,
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 
 from rlsp.config.model_shape import TEXT_WRAPPERS
 from rlsp.models.attention import ULYSSES_ATTN_IMPL, register_ulysses_attention
@@ -39,6 +49,7 @@ from rlsp.models.linear_attention import (
     apply_linear_attention,
     has_linear_layers,
 )
+from rlsp.models.vision_inputs import VISION_FAMILIES, VISION_TEXT_TYPES, attn_implementation_for
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +98,10 @@ def read_model_config(key: str, path: str) -> PretrainedConfig:
 
 
 def text_model_config(config: PretrainedConfig) -> PretrainedConfig:
-    """The text model's config of a `TEXT_WRAPPERS` checkpoint (what AutoModelForCausalLM builds), else `config`."""
-    return config.text_config if getattr(config, "model_type", None) in TEXT_WRAPPERS else config
+    """The text model's config of a `TEXT_WRAPPERS` checkpoint (what AutoModelForCausalLM builds) or of a
+    `VISION_FAMILIES` one (its text model runs rlsp_ulysses; rlsp.models.vision_lm), else `config`."""
+    wrapped = getattr(config, "model_type", None) in (*TEXT_WRAPPERS, *VISION_FAMILIES)
+    return config.text_config if wrapped else config
 
 
 def tokenizer_problem(key: str, path: str) -> str | None:
@@ -186,10 +199,8 @@ def multi_latent_attention(config: PretrainedConfig) -> str | None:
 def check_ring_support(config: PretrainedConfig, ring_size: int) -> None:
     """Raise ValueError if ring attention (ring_size > 1) is asked for a model whose layers it cannot run exactly."""
     config = text_model_config(config)
-    if ring_size > 1 and (what := multi_latent_attention(config)):
-        raise ValueError(f"ring_sequence_parallel_size={ring_size}: {config.model_type} has {what}; ring attention is not "
-                         "verified for it (its kernels take one head dim for q, k and v); legal: 1 (Ulysses alone runs "
-                         "it exactly)")
+    # multi-latent attention (deepseek_v2/v3) runs: ring attention carries v's own head dim (rlsp.parallel.ring;
+    # tests/distributed/test_ring_mla_exact.py)
     if ring_size > 1 and has_linear_layers(config):
         raise ValueError(f"ring_sequence_parallel_size={ring_size}: {config.model_type} has {LINEAR_LAYER_TYPE} "
                          "(Gated DeltaNet) layers, which ring attention does not run; legal: 1 (Ulysses alone runs "
@@ -205,6 +216,9 @@ def check_ring_support(config: PretrainedConfig, ring_size: int) -> None:
 def check_tp_windowed(config: PretrainedConfig, tp_size: int) -> None:
     """Raise ValueError for tensor parallelism (tp_size > 1) on a windowed or soft-capped model: verified exact for
     WINDOWED_FAMILIES only (tests/distributed/test_tp_window_exact.py; gpt-oss's experts replicated over tp)."""
+    if tp_size > 1 and getattr(config, "model_type", None) in (*VISION_FAMILIES, *VISION_TEXT_TYPES):
+        raise ValueError(f"tensor_model_parallel_size={tp_size}: {config.model_type} is a vision-language model, which "
+                         "rlsp's tensor parallelism does not run; legal: 1 (use Ulysses / ring sequence parallelism)")
     config = text_model_config(config)
     what = "" if config.model_type in WINDOWED_FAMILIES else windowed_attention(config)
     if has_linear_layers(config):
@@ -229,8 +243,9 @@ def check_sp_support(config: PretrainedConfig, sp_size: int) -> None:
         raise ValueError(f"{config.model_type}: encoder-decoder models are not supported; use a decoder-only LM")
     if hasattr(config, "text_config") and not hasattr(config, "num_attention_heads"):
         raise ValueError(
-            f"{config.model_type}: multimodal wrapper config; rlsp trains decoder-only text models "
-            f"(pass the text model config/checkpoint; the text model of {list(TEXT_WRAPPERS)} checkpoints is trained)"
+            f"{config.model_type}: multimodal wrapper config; rlsp trains decoder-only text models and the "
+            f"vision-language families {list(VISION_FAMILIES)} (pass the text model config/checkpoint; the text model "
+            f"of {list(TEXT_WRAPPERS)} checkpoints is trained)"
         )
     num_heads(config)
     for attr, why in _UNSUPPORTED_ATTRS.items():
@@ -249,7 +264,8 @@ def build_causal_lm_from_config(
     """
     config = copy.deepcopy(config)
     _prepare(config, attn_implementation)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
+    auto = AutoModelForImageTextToText if config.model_type in VISION_FAMILIES else AutoModelForCausalLM
+    model = auto.from_config(config, attn_implementation=attn_implementation_for(config, attn_implementation), dtype=dtype)
     return _finish(model, attn_implementation)
 
 
@@ -260,7 +276,9 @@ def load_causal_lm(
     config = AutoConfig.from_pretrained(path)
     _prepare(config, attn_implementation)
     _log_text_only(config, path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation, **kwargs)
+    auto = AutoModelForImageTextToText if config.model_type in VISION_FAMILIES else AutoModelForCausalLM
+    model = auto.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation_for(config, attn_implementation),
+                                 **kwargs)
     return _finish(model, attn_implementation)
 
 
@@ -270,6 +288,9 @@ def load_backbone(
     """Load only the decoder (HF base model, no output layer) of a causal-LM checkpoint: a critic's backbone."""
     config = AutoConfig.from_pretrained(path)
     _prepare(config, attn_implementation)
+    if config.model_type in VISION_FAMILIES:
+        raise ValueError(f"{path}: a {config.model_type} (vision-language) model as a critic or reward backbone is not "
+                         "supported; rlsp trains vision-language models as the policy only")
     if config.model_type in TEXT_WRAPPERS:  # AutoModel would build the vision-language model: the text LM's decoder
         _log_text_only(config, path)
         lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)

@@ -64,4 +64,4 @@ def score_batch(
 
 def _load_builtin_rewards() -> None:
     # Importing the built-in modules runs their @register_reward decorators.
-    from rlsp.rewards import arithmetic, calculator, gsm8k, math  # noqa: F401, PLC0415
+    from rlsp.rewards import arithmetic, calculator, geo3k, gsm8k, math, shapes  # noqa: F401, PLC0415

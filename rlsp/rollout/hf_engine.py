@@ -16,14 +16,15 @@ Legend: B = prompts in the batch, N = B * n samples, P = padded prompt length, R
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoConfig, AutoTokenizer, DynamicCache
 
 from rlsp.models.loading import SINK_FAMILIES
 from rlsp.rollout.base import RolloutOutput, SamplingConfig
+from rlsp.rollout.hf_vision import check_image_rows, load_generation_model, prefill_inputs, repeat_entries
 from rlsp.rollout.lean_decoder import LeanDecoder, unsupported_reason
 from rlsp.rollout.sampling import sample_next
 from rlsp.utils.dtypes import resolve_dtype
@@ -71,9 +72,8 @@ class HFEngine:
         self.seed = seed
         self.max_model_len = max_model_len
         self._calls = 0
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=resolve_dtype(dtype), attn_implementation=generation_attention(AutoConfig.from_pretrained(model_path))
-        ).to(self.device)
+        config = AutoConfig.from_pretrained(model_path)
+        self.model = load_generation_model(model_path, config, resolve_dtype(dtype), generation_attention(config)).to(self.device)
         self.model.eval()
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         eos = self.model.generation_config.eos_token_id
@@ -100,7 +100,9 @@ class HFEngine:
         return input_ids_BP.to(self.device), attention_mask_BP.to(self.device)
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> RolloutOutput:
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig,
+                 images: Sequence[Any] | None = None) -> RolloutOutput:
+        """`n` samples per prompt; `images`: each prompt's processor outputs (None: no image; rlsp.rollout.hf_vision)."""
         if sampling.ignore_eos:
             raise ValueError("ignore_eos is not supported by the hf rollout engine (its decoding loop stops at EOS); "
                              "use actor_rollout_ref.rollout.name=vllm")
@@ -116,21 +118,30 @@ class HFEngine:
             seed = self.seed + self._calls
         self._calls += 1
         input_ids_BP, attention_mask_BP = self._left_pad(prompt_ids)
+        if images is not None:
+            check_image_rows(self.model, images, len(prompt_ids))
+        entries_N = repeat_entries(images, sampling.n) if images is not None else None
         with _seeded(seed, self.device):
             new_ids_NR, logprobs_NR = self._decode(input_ids_BP.repeat_interleave(sampling.n, dim=0),
-                                                   attention_mask_BP.repeat_interleave(sampling.n, dim=0), sampling)
+                                                   attention_mask_BP.repeat_interleave(sampling.n, dim=0), sampling,
+                                                   entries_N)
         return self._collect(new_ids_NR.tolist(), logprobs_NR.tolist(), sampling.n)
 
-    def _decode(self, input_ids_NP: torch.Tensor, mask_NP: torch.Tensor,
-                sampling: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode(self, input_ids_NP: torch.Tensor, mask_NP: torch.Tensor, sampling: SamplingConfig,
+                entries_N: Sequence[Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample up to `max_tokens` tokens per row with the model's KV cache: (tokens [N, R], their
-        processed logprobs [N, R]); R < max_tokens when every row stopped early."""
+        processed logprobs [N, R]); R < max_tokens when every row stopped early. `entries_N`: each row's images."""
         n_rows, width = input_ids_NP.shape
-        # Left padding: real tokens take positions 0.. (pads get 0, they are masked out anyway).
-        positions_NP = (mask_NP.cumsum(-1) - 1).clamp(min=0)
         forward = self._forward_fn(mask_NP, width + sampling.max_tokens)
-        logits_NV = forward(input_ids_NP, positions_NP, 0)
-        next_pos_N1 = positions_NP[:, -1:] + 1
+        if entries_N is None:
+            # Left padding: real tokens take positions 0.. (pads get 0, they are masked out anyway).
+            positions_NP = (mask_NP.cumsum(-1) - 1).clamp(min=0)
+            logits_NV = forward(input_ids_NP, positions_NP, 0)
+            next_pos_N1 = positions_NP[:, -1:] + 1
+        else:  # multimodal rope: 3-D positions [3, N, T], decoding on from each prompt's largest
+            image_kwargs, positions_3NP, next_pos_N1 = prefill_inputs(self.model, input_ids_NP, mask_NP, entries_N)
+            logits_NV = forward(input_ids_NP, positions_3NP, 0, **image_kwargs)
+            next_pos_N1 = next_pos_N1.expand(3, -1, -1)
         stop_ids = torch.tensor(sorted(self.stop_ids), dtype=torch.long, device=self.device)
         running_N = torch.ones(n_rows, dtype=torch.bool, device=self.device)
         tokens, logprobs = [], []
@@ -144,9 +155,9 @@ class HFEngine:
             logits_NV = forward(token_N[:, None], next_pos_N1 + t, width + t)
         return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
 
-    def _forward_fn(self, mask_NP: torch.Tensor, slots: int) -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]:
-        """forward(ids [N, T], positions [N, T], first cache slot) -> logits [N, V] of the last token, over a
-        cache of `slots` tokens per row that starts empty."""
+    def _forward_fn(self, mask_NP: torch.Tensor, slots: int) -> Callable[..., torch.Tensor]:
+        """forward(ids [N, T], positions [N, T] (multimodal rope: [3, N, T]), first cache slot, **the prefill's image
+        kwargs) -> logits [N, V] of the last token, over a cache of `slots` tokens per row that starts empty."""
         key_valid_NS = torch.ones(mask_NP.shape[0], slots, dtype=torch.bool, device=self.device)
         key_valid_NS[:, : mask_NP.shape[1]] = mask_NP.bool()
         if self.lean is not None:
@@ -154,9 +165,9 @@ class HFEngine:
             return self.lean.forward
         cache, mask_NS = DynamicCache(config=self.model.config), key_valid_NS.long()
 
-        def forward(ids_NT: torch.Tensor, positions_NT: torch.Tensor, slot: int) -> torch.Tensor:
+        def forward(ids_NT: torch.Tensor, positions_NT: torch.Tensor, slot: int, **images: torch.Tensor) -> torch.Tensor:
             return self.model(input_ids=ids_NT, attention_mask=mask_NS[:, : slot + ids_NT.shape[1]], position_ids=positions_NT,
-                              past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+                              past_key_values=cache, use_cache=True, logits_to_keep=1, **images).logits[:, -1]
         return forward
 
     def _collect(self, new_ids: list[list[int]], logprobs: list[list[float]], n: int) -> RolloutOutput:

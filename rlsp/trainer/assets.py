@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from rlsp.data.tasks.arithmetic import write_arithmetic_parquet
 from rlsp.data.tasks.calculator_problems import write_calculator_problems_parquet
+from rlsp.data.tasks.shapes import write_shapes_parquet
 from rlsp.data.tasks.word_problems import write_word_problems_parquet
 from rlsp.models.fetch import PACKAGED_MODELS, fetch_model
 from rlsp.models.gguf import ensure_hf_checkpoint
@@ -30,6 +31,7 @@ BUILTIN_DATASETS: dict[str, Callable[[str], tuple[str, str]]] = {
     "arithmetic": write_arithmetic_parquet,
     "word_problems": write_word_problems_parquet,
     "calculator_problems": write_calculator_problems_parquet,
+    "shapes": write_shapes_parquet,  # images: for a vision-language model with its processor
 }
 
 

@@ -19,6 +19,7 @@ from rlsp.config.checks import CheckContext, register, run_checks
 from rlsp.config.layout import CRITIC_ESTIMATORS, ParallelLayout
 from rlsp.config.run_spec import agent_loops_enabled, distillation_enabled
 from rlsp.config.validate import validate_config
+from rlsp.data.vision_processor import image_rows, image_run_errors, vision_data_errors
 from rlsp.engine.router_replay import router_replay_errors
 from rlsp.models.feature_support import run_feature_errors
 from rlsp.models.loading import (
@@ -29,7 +30,8 @@ from rlsp.models.loading import (
     read_model_config,
     tokenizer_problem,
 )
-from rlsp.parallel.tensor_parallel import check_tp_support
+from rlsp.parallel.ep_checks import check_ep_support
+from rlsp.parallel.tp_checks import check_tp_support
 from rlsp.rewards.loader import load_custom_reward_fn
 from rlsp.rollout.support import check_rollout_support
 from rlsp.trainer.assets import copy_to_shm, resolve_data_files, resolve_model_path
@@ -82,7 +84,8 @@ def _check_estimator_settings(cfg: DictConfig, errors: list[str]) -> None:
 
 
 def _check_degrees(config: Any, layout: ParallelLayout, errors: list[str]) -> None:
-    """Every training role's Ulysses and tensor-parallel degrees must suit the model's heads."""
+    """Every training role's Ulysses and tensor-parallel degrees must suit the model's heads, its expert-parallel
+    degree the model's experts."""
     prefixes = {"actor": "actor_rollout_ref.actor", "ref": "actor_rollout_ref.ref", "critic": "critic"}
     for role, prefix in prefixes.items():
         if role == "critic" and not layout.has_critic:
@@ -91,7 +94,9 @@ def _check_degrees(config: Any, layout: ParallelLayout, errors: list[str]) -> No
         for check, key, value in ((check_sp_support, "ulysses_sequence_parallel_size", degrees.ulysses),
                                   (check_ring_support, "ring_sequence_parallel_size", degrees.ring),
                                   (check_tp_windowed, "tensor_model_parallel_size", degrees.tp),
-                                  (check_tp_support, "tensor_model_parallel_size", degrees.tp)):
+                                  (check_tp_support, "tensor_model_parallel_size", degrees.tp),
+                                  (check_ep_support, f"{'model.' if role == 'critic' else ''}fsdp_config."
+                                                     "expert_parallel_size", degrees.ep)):
             try:
                 check(config, value)
             except ValueError as exc:
@@ -178,8 +183,23 @@ def _check_text_only_data(cfg: DictConfig, errors: list[str]) -> None:
                                        .column(column).to_pylist()):
                 errors.append(f"{key}={column!r}: rows of {file!r} carry {column}, and actor_rollout_ref.model.path="
                               f"{path!r} is a {family} (vision-language) checkpoint that rlsp trains text-only (its "
-                              "text model; vision-language inputs are not implemented); legal: a dataset without "
+                              "text model: images are read for the vision-language families with their tower, qwen2_5_vl and qwen3_vl); "
+                              "legal: a dataset without "
                               f"{column} in its rows")
+
+
+@register("vision_data", "preflight", needs=("model_dir",))
+def _check_vision_data(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None:
+    """Rows with images need a vision-language model with its processor; videos need torchvision
+    (rlsp.data.vision_processor). Qwen3.5 wrappers, trained text-only, are `_check_text_only_data`'s."""
+    path = cfg.actor_rollout_ref.model.path
+    with open(os.path.join(path, "config.json")) as f:
+        if json.load(f).get("model_type") in TEXT_WRAPPERS:
+            return
+    files = list(cfg.data.train_files) + list(cfg.data.val_files or [])
+    errors += vision_data_errors("actor_rollout_ref.model.path", path, files)
+    if any(image_rows(file, "images") for file in files):
+        errors += image_run_errors(cfg)
 
 
 @register("router_replay", "preflight", needs=("model_dir",))

@@ -21,8 +21,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoTokenizer
 
-from rlsp.algos.kl_ctrl import apply_kl_penalty, build_kl_controller
-from rlsp.algos.registry import compute_advantages
+from rlsp.algos.kl_ctrl import build_kl_controller
 from rlsp.config.layout import ParallelLayout
 from rlsp.config.run_length import data_batch, resolve_total_steps
 from rlsp.config.schema_verl_runtime import HF_MODEL
@@ -31,19 +30,20 @@ from rlsp.controller.worker_group import RayWorkerGroup
 from rlsp.data.balance import balanced_order
 from rlsp.data.batch import Batch
 from rlsp.data.dataset import PromptDataset, chat_template_kwargs, iterate_batches
+from rlsp.data.multimodal import multimodal_meta
 from rlsp.engine.export import export_hf
 from rlsp.trainer.baselines import add_greedy_baselines, greedy_sampling, needs_greedy_baseline
 from rlsp.trainer.batch_metrics import check_finite, compute_agent_metrics, compute_batch_metrics, row_tokens
 from rlsp.trainer.checkpoint import CheckpointWriter, TrainerState, latest_checkpoint, read_metrics_lines
 from rlsp.trainer.distill import Distillation
 from rlsp.trainer.dynamic_sampling import build_dynamic_sampler
-from rlsp.trainer.estimator_inputs import advantage_inputs
 from rlsp.trainer.metrics import MetricsLogger
 from rlsp.trainer.off_policy import apply_rollout_correction, rollout_correction_settings, uses_rollout_logprobs
 from rlsp.trainer.preflight_agent import agent_rows, check_agent_names
 from rlsp.trainer.progress import RunProgress
 from rlsp.trainer.reward import Reward, build_reward, start_rule_scorers
 from rlsp.trainer.row_advantages import compute_row_advantages, row_level
+from rlsp.trainer.stage_advantages import advantages_on_workers, compute_driver_advantages, compute_token_rewards
 from rlsp.trainer.stopping import Terminated
 from rlsp.trainer.training_workers import check_sharded_forwards, start_training_workers
 from rlsp.trainer.val_generations import ValGenerationLog
@@ -66,6 +66,7 @@ def _prompt_batch(items: list[dict[str, Any]], uids: list[str] | None = None) ->
             "index": [it.get("index") for it in items],
             "messages": [it.get("messages") for it in items],  # chat turns, for a reward model's own template
             "agent_name": [it.get("agent_name") for it in items],  # the agent loop of each row (None: single turn)
+            **multimodal_meta(items),  # a vision-language dataset's images (processor outputs and raw bytes)
         },
     )
 
@@ -191,27 +192,17 @@ class RayTrainer:
                     and not a.calculate_sum_pi_squared)  # the optimal token baseline reads it from the separate pass
 
     def _rewards(self, batch: Batch) -> dict[str, float]:
-        """token_level_rewards = scores, minus beta * KL(old || ref) per token with use_kl_in_reward."""
-        alg = self.cfg.algorithm
+        """token_level_rewards = scores, minus beta * KL(old || ref) per token with use_kl_in_reward; on the
+        workers, with the advantages of the estimators that run there (rlsp.trainer.stage_advantages)."""
         if row_level(self.cfg, batch):  # outcome advantages from per-row values (rlsp.trainer.row_advantages)
             return {}
-        if not alg.use_kl_in_reward:
-            batch.set("token_level_rewards", batch["token_level_scores"])
-            return {}
-        beta = self.kl_ctrl.value
-        rewards, current_kl = apply_kl_penalty(batch["token_level_scores"], batch["old_logprobs"],
-                                               batch["ref_logprobs"], batch["response_mask"], beta, alg.kl_penalty)
-        batch.set("token_level_rewards", rewards)
-        self.kl_ctrl.update(current_kl, n_steps=len(batch))
-        return {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
+        return compute_token_rewards(self.wg, batch, self.cfg, self.kl_ctrl)
 
     def _advantages(self, batch: Batch) -> None:
         if row_level(self.cfg, batch):
             compute_row_advantages(batch, self.cfg)
-            return
-        adv, ret = compute_advantages(self.cfg.algorithm.adv_estimator, advantage_inputs(batch, self.cfg))
-        batch.set("advantages", adv)
-        batch.set("returns", ret)
+        elif not advantages_on_workers(self.cfg):  # computed with the rewards otherwise
+            compute_driver_advantages(batch, self.cfg)
 
     def train_step(self, step: int, items: list[dict[str, Any]]) -> dict[str, float]:
         timing: dict[str, float] = {}

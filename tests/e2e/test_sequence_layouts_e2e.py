@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 from test_grpo_e2e import _main
-from tolerances import model_rtol, scalar_tol
+from tolerances import decoder_chain, model_rtol, scalar_tol
 from transformers import AutoConfig
 
 from rlsp.trainer.assets import resolve_model_path
@@ -51,7 +51,7 @@ def config_tolerances(cfg) -> tuple[float, float, float]:
     config = AutoConfig.from_pretrained(resolve_model_path(cfg.actor_rollout_ref.model.path, cfg.trainer.cache_dir))
     tokens = cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n * (
         cfg.data.max_prompt_length + cfg.data.max_response_length)
-    return model_rtol(config, tokens, backward=False), model_rtol(config, tokens), math.log(config.vocab_size)
+    return model_rtol(config, tokens, backward=False), model_rtol(config, tokens), math.log(decoder_chain(config).vocab_size)
 
 
 def run_logprob_tol(run_dir: Path) -> float:

@@ -10,8 +10,8 @@ import pytest
 
 from rlsp.check import run_checks
 from rlsp.config.compose import compose_config
-from rlsp.config.validate import validate_config
 from rlsp.config.run_spec import agent_loops_enabled
+from rlsp.config.validate import validate_config
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "agent_loops"
 MT = "actor_rollout_ref.rollout.multi_turn."

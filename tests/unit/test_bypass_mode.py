@@ -15,8 +15,8 @@ from omegaconf import OmegaConf
 from rlsp.algos.aggregation import AGGREGATION_MODES, LossScale, aggregate_loss
 from rlsp.algos.bypass import compute_bypass_loss, rows_of_batch
 from rlsp.algos.registry import get_policy_loss
-from rlsp.config.schema import RLSPConfig
 from rlsp.config.run_spec import actor_policy_loss
+from rlsp.config.schema import RLSPConfig
 from rlsp.config.validate_bypass import check_bypass_mode
 from rlsp.trainer.off_policy import check_rollout_correction_names, rollout_correction_settings, uses_rollout_logprobs
 

@@ -8,9 +8,9 @@ from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
 from rlsp.config.compose import compose_config
+from rlsp.config.run_spec import TeacherSpec, teacher_specs
 from rlsp.config.schema import RLSPConfig
 from rlsp.config.validate import validate_config
-from rlsp.config.run_spec import TeacherSpec, teacher_specs
 from rlsp.models.tiny import TinyModelSpec, build_tiny_model
 from rlsp.trainer.distill import Distillation
 from rlsp.workers.roles.teacher import route_rows

@@ -102,7 +102,7 @@ def test_bad_inputs_name_the_problem(tmp_path) -> None:
         preprocess("gsm8k", str(bad), str(tmp_path))
     with pytest.raises(ValueError, match=r"lacks \['problem', 'solution'\]"):
         preprocess("math", str(bad), str(tmp_path))
-    with pytest.raises(ValueError, match="legal: \\['gsm8k', 'gsm8k_multiturn', 'math'\\]"):
+    with pytest.raises(ValueError, match="legal: \\['geo3k', 'gsm8k', 'gsm8k_multiturn', 'math'\\]"):
         preprocess("mmlu", str(bad), str(tmp_path))
     (tmp_path / "x.csv").write_text("a\n")
     with pytest.raises(ValueError, match="unsupported extension"):

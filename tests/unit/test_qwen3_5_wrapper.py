@@ -118,12 +118,12 @@ def test_checks_take_the_text_config(wrapper_dirs, family) -> None:
 
 
 def test_other_wrappers_stay_refused() -> None:
-    from transformers import Qwen3VLConfig
+    from transformers import Glm4vConfig
 
-    config = Qwen3VLConfig(text_config=dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
-                                            num_key_value_heads=4, head_dim=16),
-                           vision_config=dict(depth=1, hidden_size=16, num_heads=2, out_hidden_size=64))
-    with pytest.raises(ValueError, match="qwen3_vl: multimodal wrapper config"):
+    config = Glm4vConfig(text_config=dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                          num_key_value_heads=4, head_dim=16),
+                         vision_config=dict(depth=1, hidden_size=16, num_heads=2, out_hidden_size=64))
+    with pytest.raises(ValueError, match="glm4v: multimodal wrapper config"):
         check_sp_support(config, 1)
 
 

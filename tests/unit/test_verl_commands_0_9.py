@@ -23,6 +23,11 @@ accepted; NOTES pins the note of each key accepted because it changes nothing co
 features still in progress (rlsp.config.verl_compat NOT_YET_KEYS /
 NOT_YET_VALUES) count as accepted while undeclared. EXPECTED_ACCEPTED lists the commands accepted today and
 ACCEPTED_PER_FAMILY counts them per family. rlsp.check never raises on any of them: every problem is a line.
+
+The vision-language commands (qwen2_5_vl, qwen3_vl, qwen3_vl_moe; rlsp.models.vision_lm trains them with their vision
+tower) are checked here with the test's text data files, and accepted. On verl's geo3k image data rlsp.check also
+refuses their `actor_rollout_ref.rollout.name=vllm`: prompts with images roll out with the hf engine
+(rlsp.data.vision_processor.image_run_errors; tests/unit/test_multimodal_check.py).
 """
 
 from __future__ import annotations
@@ -46,7 +51,8 @@ COMMANDS = [c for c in json.loads((DATA / "verl_commands_0_9.json").read_text())
 # model here stays the small hybrid one: one linear-attention layer, one attention layer); qwen3_5 and qwen3_5_moe
 # (wrapper configs) since their text model is trained text-only (rlsp.models.loading.TEXT_WRAPPERS). All 4 are refused
 # here only for vLLM on this CPU machine (and the vision-language scripts for their image keys).
-SUPPORTED = ("qwen2", "qwen3", "qwen3_moe", "mistral", "seed_oss", "qwen3_next", "qwen3_5", "qwen3_5_moe")
+SUPPORTED = ("qwen2", "qwen3", "qwen3_moe", "mistral", "seed_oss", "qwen3_next", "qwen3_5", "qwen3_5_moe",
+             "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 MAX_POSITIONS = 32768  # the longest prompt + response of the commands: 22528 (Qwen3-Next)
 TEACHERS = {"Qwen/Qwen3-32B": "qwen3", "Qwen/Qwen3-VL-32B-Instruct": "qwen3_vl",
             "Qwen/Qwen3.5-35B-A3B": "qwen3_5_moe"}  # the distillation teachers' families
@@ -75,11 +81,17 @@ EXPECTED_ACCEPTED = {
     "examples/rollout_correction/run_qwen2_5_7b_fsdp_multi_rs.sh",
     "examples/sapo_trainer/run_qwen3_30b_a3b_fsdp.sh",
     "examples/sapo_trainer/run_qwen3_8b_fsdp.sh",
+    # vision-language (rlsp.models.vision_lm), checked with the test's text data: see the module docstring
+    "examples/grpo_trainer/run_qwen2_5_vl_7b_fsdp.sh",
+    "examples/grpo_trainer/run_qwen3_vl_30b_a3b_fsdp.sh",
+    "examples/grpo_trainer/run_qwen3_vl_8b_fsdp.sh",
+    "examples/on_policy_distillation_trainer/run_qwen3_8b_mopd_fsdp.sh",
+    "examples/on_policy_distillation_trainer/run_qwen3_vl_8b_fsdp.sh",
 }
 # family -> (accepted, commands): the summary of EXPECTED_ACCEPTED.
 ACCEPTED_PER_FAMILY = {"qwen3": (15, 15), "qwen3_moe": (2, 2), "qwen2": (4, 4), "mistral": (1, 1), "seed_oss": (1, 1),
                        "qwen3_5": (0, 4), "qwen3_5_moe": (0, 1), "qwen3_next": (0, 1), "glm4v": (0, 1),
-                       "minicpmo": (0, 1), "qwen2_5_vl": (0, 1), "qwen3_vl": (0, 3), "qwen3_vl_moe": (0, 1)}
+                       "minicpmo": (0, 1), "qwen2_5_vl": (1, 1), "qwen3_vl": (3, 3), "qwen3_vl_moe": (1, 1)}
 
 
 def _wrapper(family: str, cls: str) -> list[tuple[str, str]]:
@@ -91,7 +103,7 @@ def _wrapper(family: str, cls: str) -> list[tuple[str, str]]:
 
 _ROLLOUT_LENGTHS = [(f"actor_rollout_ref.rollout.{k}", "rlsp sizes the rollout engine") for k in
                     ("prompt_length", "response_length")]
-_IMAGES = [("data.image_patch_size", "vision-language inputs are not implemented"), *_ROLLOUT_LENGTHS]
+_IMAGES = [("data.image_patch_size", "this vision-language option is not implemented"), *_ROLLOUT_LENGTHS]
 
 
 def _vllm_linear(text_family: str) -> tuple[str, str]:
@@ -109,7 +121,6 @@ REFUSED: dict[str, list[tuple[str, str]]] = {
         ("data.custom_cls.name", "custom dataset classes are not loaded"),
         ("actor_rollout_ref.rollout.free_cache_engine=false", "always frees the rollout engine's KV cache"),
         ("actor_rollout_ref.model.path", "model_type='minicpmo', which transformers 5.19.0 does not know")],
-    "examples/grpo_trainer/run_qwen2_5_vl_7b_fsdp.sh": _wrapper("qwen2_5_vl", "Qwen2_5_VLConfig"),
     "examples/grpo_trainer/run_qwen3_5_27b_fsdp.sh": [_vllm_linear("qwen3_5_text")],
     "examples/grpo_trainer/run_qwen3_5_2b_openr1_fsdp.sh": [*_IMAGES, _vllm_linear("qwen3_5_text")],
     "examples/grpo_trainer/run_qwen3_5_2b_video_fsdp.sh": [*_IMAGES, _vllm_linear("qwen3_5_text")],
@@ -122,19 +133,11 @@ REFUSED: dict[str, list[tuple[str, str]]] = {
         ("actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype", "per-dtype overrides are not supported"),
         ("data.train_batch_size=16", "must be divisible by the 32 workers"),
         ("actor_rollout_ref.ref.fsdp_config.optimizer_offload=true", "this role is frozen")],
-    "examples/grpo_trainer/run_qwen3_vl_30b_a3b_fsdp.sh": _wrapper("qwen3_vl_moe", "Qwen3VLMoeConfig"),
-    "examples/grpo_trainer/run_qwen3_vl_8b_fsdp.sh": _wrapper("qwen3_vl", "Qwen3VLConfig"),
     # The teacher pool's sizes, its tensor-parallel degrees and rollout.n=1 are accepted, and so are the student
     # (qwen3_5) and the teacher (qwen3_5_moe): their text models; left are vLLM on cpu and the expert-parallel degree.
     "examples/on_policy_distillation_trainer/run_qwen3_5_4b_fsdp.sh": [
         _vllm_linear("qwen3_5_text"),
         ("distillation.teacher_models.teacher_model.inference.expert_parallel_size", "takes rlsp's own settings")],
-    "examples/on_policy_distillation_trainer/run_qwen3_8b_mopd_fsdp.sh": [
-        *_wrapper("qwen3_vl", "Qwen3VLConfig"),
-        ("distillation.teacher_models.geo3k.model_path", "qwen3_vl: multimodal wrapper config")],
-    "examples/on_policy_distillation_trainer/run_qwen3_vl_8b_fsdp.sh": [
-        *_wrapper("qwen3_vl", "Qwen3VLConfig"),
-        ("distillation.teacher_models.teacher_model.model_path", "qwen3_vl: multimodal wrapper config")],
 }
 
 def _shape(tokens: dict, **extra) -> dict:

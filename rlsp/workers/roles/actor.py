@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,17 +13,18 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from rlsp.config.lora_keys import lora_enabled
 from rlsp.data.batch import Batch
+from rlsp.data.vision_processor import PROCESSOR_FILES
 from rlsp.engine.checkpoint import load_engine, save_engine
 from rlsp.engine.fsdp_engine import FSDPEngine
 from rlsp.engine.router_replay import ROUTES_KEY
-from rlsp.models.lm import TokenLogprobModel
 from rlsp.models.loading import load_causal_lm
 from rlsp.models.lora import LORA_ADAPTER_DIR, LoraAdapters, LoraSettings, apply_lora
 from rlsp.models.rms_norm import apply_lean_rmsnorm
 from rlsp.models.tiled_mlp import apply_tiled_mlp
+from rlsp.models.vision_lm import build_logprob_model
 from rlsp.utils.dtypes import resolve_dtype
 from rlsp.workers.actor_loss import ActorLossConfig, make_actor_loss
-from rlsp.workers.columns import MODEL_INPUTS
+from rlsp.workers.columns import POLICY_INPUTS
 from rlsp.workers.context import RoleContext
 from rlsp.workers.dispatch import Dispatch, register
 from rlsp.workers.ppo_loop import global_counts, run_ppo_epochs
@@ -35,6 +37,7 @@ from rlsp.workers.roles.common import (
     token_budget,
     torch_compile_enabled,
 )
+from rlsp.workers.step_stage import STAGE_READS, STAGE_REPORTS, STAGE_WRITES, StageRequest, dp_sum, run_step_stage
 
 
 def lora_settings(model: Any) -> LoraSettings | None:
@@ -66,7 +69,8 @@ def build_policy_engine(ctx: RoleContext, trainable: bool,
     setting = arr.ref.use_torch_compile if role == "ref" and arr.ref.use_torch_compile is not None \
         else arr.actor.use_torch_compile
     compiled = torch_compile_enabled(setting, ctx.device, role)
-    module = TokenLogprobModel(lm.to(ctx.device), chunk_size=arr.actor.logprob_chunk_size, compiled=compiled)
+    module = build_logprob_model(lm.to(ctx.device), chunk_size=arr.actor.logprob_chunk_size, compiled=compiled,
+                                 freeze_vision_tower=arr.actor.freeze_vision_tower)  # VL: the vision tower's head model
     optim = optim_settings(ctx.cfg, "actor") if trainable else None
     engine = FSDPEngine(module, ctx.dims(role), ctx.device,
                         compute_dtype=compute, optim=optim,
@@ -100,7 +104,7 @@ class ActorRole:
         named = [(name, t.detach().to("cpu", copy=True)) for name, t in self.rollout_weights(resolve_dtype(dtype))]
         return named if self.ctx.rank == 0 else None
 
-    @register(Dispatch.BY_DP, reads=(*MODEL_INPUTS, "rollout_logprobs"),
+    @register(Dispatch.BY_DP, reads=(*POLICY_INPUTS, "rollout_logprobs"),
               writes=("old_logprobs", "sum_pi_squared", ROUTES_KEY),
               reports=("logprob_diff_sum", "logprob_diff_max"))
     def compute_log_prob(self, batch: Batch) -> Batch:
@@ -118,7 +122,14 @@ class ActorRole:
         out["old_logprobs"] = out.pop("logprobs")
         return Batch.from_dict(out)
 
-    @register(Dispatch.BY_DP, reads=(*MODEL_INPUTS, "advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs",
+    @register(Dispatch.BY_DP, reads=STAGE_READS, writes=STAGE_WRITES, reports=STAGE_REPORTS)
+    def compute_advantages(self, batch: Batch, request: StageRequest) -> Batch:
+        """Token rewards (KL in the reward) and advantages of this dp shard, batch-wide sums all-reduced over
+        the dp group (rlsp.workers.step_stage); no model pass."""
+        dims = self.engine.dims
+        return run_step_stage(batch, request, dp_sum(dims.dp_group) if dims.dp_size > 1 else None)
+
+    @register(Dispatch.BY_DP, reads=(*POLICY_INPUTS, "advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs",
                                      "rollout_is_weights", ROUTES_KEY))
     def update_actor(self, batch: Batch) -> dict[str, float]:
         """PPO epochs over mini-batches of this dp shard; metrics averaged over optimizer steps."""
@@ -148,7 +159,7 @@ class ActorRole:
             loss_scale_factor=a.loss_scale_factor,
         )
 
-    @register(Dispatch.BY_DP, reads=MODEL_INPUTS)
+    @register(Dispatch.BY_DP, reads=POLICY_INPUTS)
     def sp_self_check(self, batch: Batch) -> float:
         """Max |logprob(sp=k) - logprob(unsharded)| on `batch` (collective)."""
         return self.engine.sp_self_check(batch, self.ctx.prompt_len, "logprobs",
@@ -166,12 +177,15 @@ class ActorRole:
         load_engine(self.engine, os.path.join(ckpt_dir, "actor"))
 
     def _save_hf_assets(self, path: str) -> None:
-        """Config, tokenizer and generation config of the model (everything but the weights)."""
+        """Config, tokenizer, generation config and processor files of the model (everything but the weights)."""
         source = self.cfg.actor_rollout_ref.model.path
         self.engine.config.save_pretrained(path)
         AutoTokenizer.from_pretrained(source).save_pretrained(path)
         if os.path.exists(os.path.join(source, "generation_config.json")):  # stop ids for generation
             GenerationConfig.from_pretrained(source).save_pretrained(path)
+        for name in PROCESSOR_FILES:  # a vision-language model's processor, saved beside it for export
+            if os.path.exists(os.path.join(source, name)):
+                shutil.copy2(os.path.join(source, name), os.path.join(path, name))
         if self.lora is not None:  # the adapter's config; its weights are in the sharded state
             self.lora.save_config(os.path.join(path, LORA_ADAPTER_DIR), base_model=os.path.abspath(source))
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 
 from rlsp.data.batch import Batch
-from rlsp.workers.columns import MODEL_INPUTS
+from rlsp.workers.columns import POLICY_INPUTS
 from rlsp.workers.context import RoleContext
 from rlsp.workers.dispatch import Dispatch, register
 from rlsp.workers.roles.actor import ActorRole, build_policy_engine
@@ -29,7 +29,7 @@ class ReferenceRole:
     def _policy(self) -> contextlib.AbstractContextManager[None]:
         return self.actor.base_model() if self.actor is not None else contextlib.nullcontext()
 
-    @register(Dispatch.BY_DP, reads=MODEL_INPUTS, writes=("ref_logprobs",))
+    @register(Dispatch.BY_DP, reads=POLICY_INPUTS, writes=("ref_logprobs",))
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         ref = self.cfg.actor_rollout_ref.ref
         with self._policy():
@@ -38,7 +38,7 @@ class ReferenceRole:
                                    temperature=batch_temperature(batch, self.cfg))
         return Batch.from_dict({"ref_logprobs": lp})
 
-    @register(Dispatch.BY_DP, reads=MODEL_INPUTS)
+    @register(Dispatch.BY_DP, reads=POLICY_INPUTS)
     def sp_self_check(self, batch: Batch) -> float:
         """Max |logprob(sharded) - logprob(unsharded)| of the reference on `batch` (collective); run when
         its layout differs from the actor's."""

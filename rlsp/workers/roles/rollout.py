@@ -28,11 +28,12 @@ import torch
 from rlsp.agent.runner import AgentRunner
 from rlsp.data.batch import Batch
 from rlsp.data.dataset import chat_template_kwargs
+from rlsp.models.vision_inputs import MM_KEY
 from rlsp.rollout import SamplingConfig, build_rollout_engine
 from rlsp.rollout.engine_options import vllm_engine_options
 from rlsp.rollout.segments import SegmentedOutput, generate_in_segments
 from rlsp.workers.agent_rollout import agent_generate
-from rlsp.workers.columns import ROW_FIELDS
+from rlsp.workers.columns import IMAGE_INPUTS, ROW_FIELDS
 from rlsp.workers.context import RoleContext
 from rlsp.workers.dispatch import Dispatch, register
 from rlsp.workers.rollout_rows import build_rollout_rows
@@ -40,7 +41,7 @@ from rlsp.workers.rollout_rows import build_rollout_rows
 # What generation leaves on the worker (rlsp.workers.rollout_rows, rlsp.workers.agent_rollout) and what
 # the driver receives instead: per-row counts and the small per-row entries it groups and reports by.
 ROLLOUT_WRITES = ("input_ids", "attention_mask", "position_ids", "response_mask", "rollout_logprobs", "token_version",
-                  "policy_version", "policy_version_max", "step_rewards", "agent_metrics", *ROW_FIELDS)
+                  "policy_version", "policy_version_max", "step_rewards", "agent_metrics", *ROW_FIELDS, *IMAGE_INPUTS)
 ROLLOUT_REPORTS = ("num_tokens", "response_tokens", "response_length", "step_reward_sum", "policy_version",
                    "policy_version_max", "uid", "data_source", "index", "agent_name", "agent_metrics")
 
@@ -85,7 +86,7 @@ class RolloutRole:
                                           on_gpu=self.ctx.device.type == "cuda")}  # verl's engine options
         return {"device": str(self.ctx.device)}  # resolved (cuda:<i>), like the training engines' device
 
-    @register(Dispatch.BY_DP, reads=("prompt_index", "prompt_ids", *ROW_FIELDS), writes=ROLLOUT_WRITES,
+    @register(Dispatch.BY_DP, reads=("prompt_index", "prompt_ids", *ROW_FIELDS, *IMAGE_INPUTS), writes=ROLLOUT_WRITES,
               reports=ROLLOUT_REPORTS, new_rows=True)
     def generate(self, prompts: Batch, sampling: dict[str, Any]) -> Batch:
         """Sample `n` responses per prompt; rows of one prompt are contiguous and share its meta."""
@@ -101,7 +102,7 @@ class RolloutRole:
         if self.agent is not None:
             rows, meta = self._generate_agent(prompts, cfg)
         else:
-            gen = self._generate(prompt_ids, cfg)
+            gen = self._generate(prompt_ids, cfg, prompts.meta.get(MM_KEY))
             out = gen.out
             rows = build_rollout_rows(
                 [prompt_ids[i] for i in out.prompt_index], out.response_ids, out.response_logprobs,
@@ -121,8 +122,14 @@ class RolloutRole:
         return agent_generate(self.agent, self.engine, prompts, cfg, (self.ctx.prompt_len, cfg.max_tokens),
                               self.ctx.pad_token_id, self.version, on_boundary)
 
-    def _generate(self, prompt_ids: list[list[int]], cfg: SamplingConfig) -> SegmentedOutput:
-        """One-shot generation, or segment-wise with weight pick-ups when following a weight feed."""
+    def _generate(self, prompt_ids: list[list[int]], cfg: SamplingConfig, images: list[Any] | None) -> SegmentedOutput:
+        """One-shot generation, or segment-wise with weight pick-ups when following a weight feed; `images`: each
+        prompt's processor outputs (None: text), for the engines that take them (refused before start-up elsewhere)."""
+        if images is not None and any(entry is not None for entry in images):
+            if self.feed is not None:
+                raise ValueError("prompts with images in partial rollouts (a weight feed) are not supported")
+            out = self.engine.generate(prompt_ids, cfg, images=images)
+            return SegmentedOutput(out, [[self.version] * len(r) for r in out.response_ids])
         if self.feed is None:
             out = self.engine.generate(prompt_ids, cfg)
             return SegmentedOutput(out, [[self.version] * len(r) for r in out.response_ids])

@@ -21,10 +21,10 @@ import torch
 from rlsp.config.run_spec import TeacherSpec
 from rlsp.data.batch import Batch
 from rlsp.engine.fsdp_engine import FSDPEngine
-from rlsp.models.lm import TokenLogprobModel
 from rlsp.models.loading import load_causal_lm
+from rlsp.models.vision_lm import build_logprob_model
 from rlsp.utils.dtypes import resolve_dtype
-from rlsp.workers.columns import MODEL_INPUTS, ROW_FIELDS
+from rlsp.workers.columns import POLICY_INPUTS, ROW_FIELDS
 from rlsp.workers.context import RoleContext
 from rlsp.workers.dispatch import Dispatch, register
 from rlsp.workers.roles.common import batch_temperature, fsdp_offload, token_budget
@@ -35,7 +35,7 @@ def build_teacher_engine(ctx: RoleContext, spec: TeacherSpec) -> FSDPEngine:
     arr = ctx.cfg.actor_rollout_ref
     compute = resolve_dtype(spec.dtype)
     lm = load_causal_lm(spec.model_path, dtype=compute)
-    module = TokenLogprobModel(lm.to(ctx.device), chunk_size=arr.actor.logprob_chunk_size)
+    module = build_logprob_model(lm.to(ctx.device), chunk_size=arr.actor.logprob_chunk_size)
     return FSDPEngine(module, ctx.dims("ref"), ctx.device, compute_dtype=compute,
                       param_offload=fsdp_offload(arr.ref.fsdp_config, "ref", ctx.device))
 
@@ -61,7 +61,7 @@ class TeacherRole:
     def _routes(self, batch: Batch) -> list[str]:
         return route_rows(batch.meta[self.cfg.distillation.teacher_key], self.specs)
 
-    @register(Dispatch.BY_DP, reads=(*MODEL_INPUTS, *ROW_FIELDS), writes=("teacher_logprobs",))
+    @register(Dispatch.BY_DP, reads=(*POLICY_INPUTS, *ROW_FIELDS), writes=("teacher_logprobs",))
     def compute_teacher_log_prob(self, batch: Batch, names: list[str]) -> Batch:
         """`teacher_logprobs` [B, R] of the shard's rows, each from its routed teacher; `names`: the teachers
         the whole batch routes to (the same list on every rank, so every rank runs the same forwards)."""
@@ -76,7 +76,7 @@ class TeacherRole:
             out_BR[rows_B] = lp_BR[rows_B].to(out_BR.dtype)
         return Batch.from_dict({"teacher_logprobs": out_BR})
 
-    @register(Dispatch.BY_DP, reads=(*MODEL_INPUTS, *ROW_FIELDS))
+    @register(Dispatch.BY_DP, reads=(*POLICY_INPUTS, *ROW_FIELDS))
     def sp_self_check(self, batch: Batch) -> float:
         """Max |logprob(sharded) - logprob(unsharded)| over the teachers on `batch` (collective)."""
         return max(engine.sp_self_check(batch, self.ctx.prompt_len, "logprobs",
