@@ -14,7 +14,8 @@ the micro-batch.
 
 `state_dict()` / `load_state_dict()` cover model, optimizer and LR schedule (sharded tensors, as
 torch.distributed.checkpoint saves them); a partly frozen model (LoRA adapters on a frozen base)
-contributes only its trainable parameters.
+contributes only its trainable parameters. They, and the full HF-named weights and gradients, live in
+rlsp.engine.state (`EngineState`).
 
 Legend: B rows, P prompt width, R response width, T packed stream, S a rank's local tokens.
 """
@@ -22,19 +23,12 @@ Legend: B rows, P prompt width, R response width, T packed stream, S a rank's lo
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from rlsp.data.batch import Batch
 from rlsp.engine.adaptive_plan import quadratic_tokens
@@ -46,12 +40,13 @@ from rlsp.engine.optim import OptimSettings, build_optimizer
 from rlsp.engine.parallelize import all_reduce_gradients, parallelize, replicated
 from rlsp.engine.reference import meta_skeleton, run_skeleton
 from rlsp.engine.router_replay import ROUTE_DTYPE, ROUTES_KEY, RouterReplay, recording_routes, replaying_rows
+from rlsp.engine.state import EngineState
 from rlsp.engine.stream import stream_to_last_token, stream_to_response
 from rlsp.models.loading import num_heads
-from rlsp.parallel.ep_state import convert_state
-from rlsp.parallel.expert_parallel import apply_expert_parallel, expert_sharded_names, gather_full
+from rlsp.parallel.expert_parallel import apply_expert_parallel, expert_sharded_names
 from rlsp.parallel.mesh import ParallelDims
-from rlsp.parallel.tensor_parallel import apply_tensor_parallel, local_head_counts
+from rlsp.parallel.tensor_parallel import apply_tensor_parallel
+from rlsp.parallel.tp_checks import local_head_counts
 
 # loss_fn(head outputs {name: local [S] tensor}, micro) -> (loss share of the global mean, metric shares)
 LossFn = Callable[[dict[str, torch.Tensor], MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -67,7 +62,7 @@ def assert_sp_matches(max_abs_diff: float, tol: float, layout: str, what: str = 
         )
 
 
-class FSDPEngine:
+class FSDPEngine(EngineState):
     """`module` is an unsharded head model (on `device`, master dtype); the engine shards it in place
     (or keeps it whole where `rlsp.engine.parallelize.replicated` says FSDP has nothing to do)."""
 
@@ -300,62 +295,3 @@ class FSDPEngine:
                 dist.all_reduce(vec, op=op)
                 out.update(zip(keys, (vec / (replicas if op == dist.ReduceOp.SUM else 1)).tolist()))
         return out
-
-    # ----------------------------------------------------------------- state (checkpoints)
-    def _trainable_only(self) -> set[str] | None:
-        """Names of the trainable parameters when a trainable engine also holds frozen ones (LoRA
-        adapters on a base), else None. Such an engine checkpoints only what training changes: the
-        frozen weights are those it was built from (the model path)."""
-        if self.optimizer is None:
-            return None
-        trainable = {n for n, p in self.module.named_parameters() if p.requires_grad}
-        return trainable if len(trainable) < len(list(self.module.parameters())) else None
-
-    def state_dict(self) -> dict[str, Any]:
-        """Model, optimizer and LR-schedule state; model/optimizer tensors stay sharded (DTensors)."""
-        model = get_model_state_dict(self.module)
-        if (trainable := self._trainable_only()) is not None:
-            model = {k: v for k, v in model.items() if k in trainable}
-        state: dict[str, Any] = {"model": model}
-        if self.optimizer is not None:
-            state["optimizer"] = get_optimizer_state_dict(self.module, self.optimizer)
-            state["scheduler"] = self.scheduler.state_dict()
-        if self.ep_names:  # expert slices as pieces of the whole HF tensors (rlsp.parallel.ep_state)
-            convert_state(state, expert_sharded_names(self.module), self.dims.ep_save_mesh, to_whole=True)
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what `state_dict()` returned; the optimizer keeps (does not copy) the given tensors."""
-        if self.ep_names:
-            convert_state(state, expert_sharded_names(self.module), self.dims.ep_replicate_mesh, to_whole=False)
-        set_model_state_dict(self.module, state["model"],
-                             options=StateDictOptions(strict=self._trainable_only() is None))
-        if self.optimizer is not None:
-            missing = sorted({"optimizer", "scheduler"} - set(state))
-            if missing:
-                raise ValueError(f"state of a trainable engine lacks {missing}; it has {sorted(state)}")
-            set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"])
-            self.scheduler.load_state_dict(state["scheduler"])
-
-    # ----------------------------------------------------------------- weights
-    def _named_params(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return self.hf_root.named_parameters()
-
-    def iter_full_params(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named full tensors, one parameter at a time (collective: every rank must iterate)."""
-        for name, param in self._named_params():
-            param = to_device(param, self.device)  # an offloaded shard is gathered on the device
-            full = param.full_tensor() if hasattr(param, "full_tensor") else param
-            full = gather_full(full, self.ep_names[name]) if name in self.ep_names else full
-            full = full.detach().to(dtype or full.dtype)
-            yield name, full
-            if self.tied and name == "model.embed_tokens.weight":
-                yield "lm_head.weight", full
-
-    def iter_full_grads(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named full gradients (collective); for checks and tests."""
-        for name, param in self._named_params():
-            if param.grad is not None:
-                g = to_device(param.grad, self.device)
-                g = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach()
-                yield name, gather_full(g, self.ep_names[name]) if name in self.ep_names else g

@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from rlsp.parallel.tp_checks import check_tp_support, local_head_counts  # noqa: F401 -- local_head_counts: the engine's import
+from rlsp.parallel.tp_checks import check_tp_support
 from rlsp.parallel.tp_families import (
     HEAD_NORM_FAMILIES,
     REPLICATED_MOE_FAMILIES,

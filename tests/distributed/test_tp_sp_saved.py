@@ -31,7 +31,8 @@ from rlsp.data.packing import pack_sequences  # noqa: E402
 from rlsp.engine.offload import offload_saved_tensors  # noqa: E402
 from rlsp.models.lm import TokenLogprobModel  # noqa: E402
 from rlsp.models.loading import build_causal_lm_from_config  # noqa: E402
-from rlsp.parallel.tensor_parallel import apply_tensor_parallel, local_head_counts  # noqa: E402
+from rlsp.parallel.tensor_parallel import apply_tensor_parallel  # noqa: E402
+from rlsp.parallel.tp_checks import local_head_counts  # noqa: E402
 from rlsp.parallel.ulysses import build_sp_context  # noqa: E402
 
 VOCAB, HIDDEN, LAYERS, TP = 50, 32, 3, 2
