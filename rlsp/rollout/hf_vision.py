@@ -19,13 +19,13 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PreTrainedModel
 
-from rlsp.models.vision_inputs import VISION_ATTN_IMPL, VISION_FAMILIES
+from rlsp.models.vision_inputs import VISION_FAMILIES, attn_implementation_for
 
 
 def load_generation_model(model_path: str, config: Any, dtype: torch.dtype, attn: str | None) -> PreTrainedModel:
     """The model the engine decodes with: a vision-language family with its vision tower, else the causal LM."""
-    if getattr(config, "model_type", None) in VISION_FAMILIES:
-        impl = {"text_config": attn or "sdpa", "vision_config": VISION_ATTN_IMPL, "": VISION_ATTN_IMPL}
+    if getattr(config, "model_type", None) in VISION_FAMILIES:  # the trainer's per-sub-config attention choice
+        impl = attn_implementation_for(config, attn or "sdpa")
         return AutoModelForImageTextToText.from_pretrained(model_path, dtype=dtype, attn_implementation=impl)
     return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=attn)
 

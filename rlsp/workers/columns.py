@@ -27,6 +27,7 @@ from tensordict import TensorDict
 
 from rlsp.algos.aggregation import masked_sum
 from rlsp.data.batch import Batch, response_lengths
+from rlsp.models.vision_inputs import MM_KEY
 
 ROW_SUFFIX = "@row"
 COLUMNS_INFO = "block_columns"  # a row report's note of the (tensor, meta) columns its block holds
@@ -35,7 +36,7 @@ COLUMNS_INFO = "block_columns"  # a row report's note of the (tensor, meta) colu
 MODEL_INPUTS = ("input_ids", "attention_mask", "response_mask")
 # The rows' images a vision-language policy reads (rlsp.models.vision_inputs.MM_KEY): pixel values and grids per row,
 # carried from the prompt into its samples; an optional read (text rows have none).
-IMAGE_INPUTS = ("multi_modal_inputs",)
+IMAGE_INPUTS = (MM_KEY,)
 # What a forward of the policy (actor, reference, teachers) reads: the model inputs and the rows' images.
 POLICY_INPUTS = (*MODEL_INPUTS, *IMAGE_INPUTS)
 # The per-row fields a prompt carries from its dataset row into its samples.

@@ -21,12 +21,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from _launch import run_distributed
-from test_fsdp_engine import LOSS, TOKENS, P, _rollout_batch, policy_engine
-from test_moe_exact import _assert_same_step_and_load, step_and_count
+from test_fsdp_engine import LOSS, P, policy_engine
+from test_moe_exact import _assert_same_step_and_load, margin_checked_batch, step_and_count
 from tiny_deepseek import write_tiny_deepseek
 from tiny_gpt_oss import write_tiny_gpt_oss
-from tiny_moe import MOE_FAMILIES, moe_config, router_margin, write_exact_moe
-from tolerances import assert_grads_close, assert_tensor_close, model_rtol, roundoff_rtol
+from tiny_moe import MOE_FAMILIES, moe_config, write_exact_moe
+from tolerances import assert_grads_close, assert_tensor_close, roundoff_rtol
 
 from rlsp.config.layout import RoleLayout, World
 from rlsp.parallel.mesh import build_parallel_dims
@@ -58,14 +58,8 @@ def _write(family: str, out_dir: str) -> str:
 
 @pytest.fixture(scope="module", params=[*MOE_FAMILIES, "gpt_oss", "deepseek_v3"])
 def ep_model_and_batch(request, tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
     path = _write(request.param, str(tmp_path_factory.mktemp(request.param)))
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    batch = _rollout_batch(model.config.vocab_size)
-    gap, scale = router_margin(model, batch["input_ids"], batch["attention_mask"])
-    roundoff = model_rtol(model.config, TOKENS, backward=False) * scale
-    assert gap > 10 * roundoff, f"{request.param}: a token sits {gap:.3g} from a top-k tie (roundoff {roundoff:.3g})"
+    batch = margin_checked_batch(path, request.param)
     reference = run_distributed(_train_ep, 1, path, 1, 1, len(batch), batch)[0]
     return path, batch, reference
 

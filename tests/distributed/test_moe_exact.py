@@ -54,16 +54,23 @@ def step_and_count(engine, dims, batch, micro: int):
     return metrics, grads, params, counts_LE
 
 
-@pytest.fixture(scope="module", params=MOE_FAMILIES)
-def moe_model_and_batch(request, tmp_path_factory):
+def margin_checked_batch(path: str, family: str):
+    """The rollout batch of the model at `path`, asserted to route every token well clear of a top-k tie (so two
+    layouts cannot pick different experts by roundoff)."""
     from transformers import AutoModelForCausalLM
 
-    path = write_exact_moe(request.param, str(tmp_path_factory.mktemp(request.param)))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     batch = _rollout_batch(model.config.vocab_size)
     gap, scale = router_margin(model, batch["input_ids"], batch["attention_mask"])
     roundoff = model_rtol(model.config, TOKENS, backward=False) * scale
-    assert gap > 10 * roundoff, f"{request.param}: a token sits {gap:.3g} from a top-k tie (roundoff {roundoff:.3g})"
+    assert gap > 10 * roundoff, f"{family}: a token sits {gap:.3g} from a top-k tie (roundoff {roundoff:.3g})"
+    return batch
+
+
+@pytest.fixture(scope="module", params=MOE_FAMILIES)
+def moe_model_and_batch(request, tmp_path_factory):
+    path = write_exact_moe(request.param, str(tmp_path_factory.mktemp(request.param)))
+    batch = margin_checked_batch(path, request.param)
     reference = run_distributed(_train_and_count, 1, path, 1, len(batch), batch)[0]
     return path, batch, reference
 
