@@ -1,6 +1,6 @@
 """Notes of declared verl 0.9 keys that rlsp accepts because they change nothing in what the run computes.
 
-Merged into rlsp.config.verl_compat.VERL_NOTES (fnmatch patterns -> what rlsp does): `rlsp.check` and
+Merged into rlsp.config.verl_notes.VERL_NOTES (fnmatch patterns -> what rlsp does): `rlsp.check` and
 `rlsp.main` print the note of every such key a command sets, and docs/config.md lists them. Each one names
 what rlsp does instead and what it costs, and which values are still refused (a value that would change
 the results).
