@@ -23,9 +23,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.errors import HydraException
-
 VERL_RELEASE = "v0.9.0"
 KEYS_FILE = Path(__file__).resolve().parent / "verl_0_9_keys.json"
 _OFF = (None, False, 0, 0.0, "", [], {}, "disabled")
@@ -34,9 +31,6 @@ _FSDP1 = "verl's FSDP1 setting: rlsp's engine is FSDP2 (fully_shard per decoder 
 _MODEL = "rlsp builds the model its config.json names with transformers' own classes"
 _MOE = ("MoE expert load balancing metrics of the rollout engine are not implemented in rlsp (the actor logs actor/moe/* "
         "from its own forwards); routing replay is actor_rollout_ref.actor.router_replay.mode")
-_R3 = ("routing replay R3 (router_replay.mode=R3, rollout.enable_rollout_routing_replay) needs the rollout engine to "
-       "return each token's experts; neither rlsp engine does (the hf engine's decoding loop keeps no routes, and "
-       "vLLM's CPU backend has no routing capture)")
 _ROUTE_FILES = ("rlsp keeps the routes recorded for R2 in memory, as a column of the step's rows that the update reads; "
                 "no route file is written or read")
 _MTP = "multi-token prediction (MTP) heads are not trained or used for speculative decoding in rlsp"
@@ -141,7 +135,6 @@ UNSUPPORTED_0_9: dict[str, str] = {
     "actor_rollout_ref.ref.router_replay.*": "the reference model is frozen: its routing never moves between passes, "
                                              "so there is nothing to replay",
     "*.router_replay.*": _MOE,
-    "actor_rollout_ref.rollout.enable_rollout_routing_replay": _R3,
     "actor_rollout_ref.rollout.moe_load_balance_metrics_interval": _MOE,
     "actor_rollout_ref.rollout.nnodes": "a rollout pool of its own is rollout.nnodes / rollout.n_gpus_per_node (rlsp's "
                                         "async_training keys); the colocated engine runs on the training workers",
@@ -297,6 +290,10 @@ def accepted_value(key: str, value: Any) -> str | None:
 def not_set_overrides(overrides: list[str], declared: set[str], refused: Any) -> tuple[list[str], list[str]]:
     """(`overrides` without those that set an undeclared, refused verl key (`refused(key)` is its reason) to verl's
     "not set" or to a value rlsp's behaviour already is, one note per override left out)."""
+    # hydra here, not at import: the workers and the GPU checks import rlsp.config without hydra installed
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
     parser = OverridesParser.create()
     kept, notes = [], []
     for text in overrides:
