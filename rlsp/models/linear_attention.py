@@ -30,6 +30,10 @@ W packed width of one group (q K | k K | v r*V | b r | a r), H hidden size.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import re
+import warnings
 from typing import Any
 
 import torch
@@ -197,7 +201,31 @@ def _segments(ctx: SPContext) -> list[tuple[int, int]]:
 
 def _use_fla(x: torch.Tensor) -> bool:
     # fla's chunked kernel runs in half precision only (it asserts q is not float32)
-    return _fla_rule is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+    return (_fla_rule is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and fla_trains_on(x.device.index if x.device.index is not None else torch.cuda.current_device()))
+
+
+@functools.cache
+def fla_trains_on(device_index: int) -> bool:
+    """Whether fla's gated delta rule can run forward AND backward on CUDA device `device_index`: fla refuses the
+    gated backward on Hopper (compute capability 9.x) with Triton >= 3.4.0 and < 3.7.1 (wrong gradients there)
+    unless tilelang is installed. Where it cannot, every pass takes the torch path (one kernel for the old-logprob
+    pass and the update, so their logprobs agree), with one warning."""
+    major, _ = torch.cuda.get_device_capability(device_index)
+    if major != 9 or importlib.util.find_spec("tilelang") is not None:
+        return True
+    try:
+        import triton
+    except ImportError:  # pragma: no cover - fla needs triton; without it fla is not importable either
+        return False
+    version = tuple(int(p) for p in re.findall(r"\d+", triton.__version__)[:3])
+    if (3, 4, 0) <= version < (3, 7, 1):
+        warnings.warn(f"Gated DeltaNet: flash-linear-attention's backward is wrong on Hopper with Triton "
+                      f"{triton.__version__} (>= 3.4.0, < 3.7.1) and fla refuses it; rlsp uses its torch path on "
+                      f"device {device_index} (exact, slower). Triton >= 3.7.1 or tilelang brings fla back.",
+                      stacklevel=2)
+        return False
+    return True
 
 
 def _positions_in_segment(ctx: SPContext, device: torch.device) -> torch.Tensor:
