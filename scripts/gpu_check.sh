@@ -5,6 +5,11 @@
 #
 #   bash scripts/gpu_check.sh            # on a CUDA machine: every check, appended to docs/benchmarks.md
 #   bash scripts/gpu_check.sh --cpu      # the parts that run without a GPU (what CI runs)
+#   bash scripts/gpu_check.sh --only families,moe   # only these check groups (comma-separated)
+#
+# flash-linear-attention (module fla: the Gated DeltaNet kernel on CUDA) is installed from $RLSP_WHEELS too when
+# missing (wheels: flash-linear-attention, fla-core, einops); rlsp uses it only where fla trains (not on a Hopper
+# GPU under Triton 3.4.0 to 3.7.0: rlsp.models.linear_attention.fla_trains_on), else rlsp's torch path.
 #
 # Checks, one JSON line each:
 #   engine     benchmarks/engine_check.py: the actor role's inference and update on one rank of a real
@@ -18,29 +23,59 @@
 #              on CUDA) under long-tailed tool latency, and the engine's logprobs against a full forward
 #   decode     benchmarks/hf_decode.py: the hf rollout engine's lean decoding forward against the model's own
 #              (time per call, logprobs against a full forward) at the tiny and the 0.5B shape
+#   families   benchmarks/gpu_families.py: gemma2, gemma3, gpt_oss, deepseek_v3, qwen3_next and qwen2_5_vl (text) at
+#              mid shapes in bf16: rlsp's packed logprobs against transformers' per-row forward, step time and memory
+#   moe        benchmarks/moe_step.py: the MoE training step
 # The results go to $RLSP_BENCH_DOC (default docs/benchmarks.md) under a dated heading naming the device;
 # --no-record prints them only. Exit status: 0 when every check passed, 1 otherwise, 2 on a set-up error.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 DOC=${RLSP_BENCH_DOC:-docs/benchmarks.md}
-MODE=cuda RECORD=1
-for arg in "$@"; do
-  case "$arg" in
+MODE=cuda RECORD=1 ONLY=""
+GROUPS_LEGAL="engine,attention,logprob,train,agent,decode,families,moe"
+while [ $# -gt 0 ]; do
+  case "$1" in
     --cpu) MODE=cpu ;;
     --no-record) RECORD=0 ;;
-    *) echo "gpu_check.sh: unknown argument '$arg'; legal: --cpu, --no-record" >&2; exit 2 ;;
+    --only) [ $# -ge 2 ] || { echo "gpu_check.sh: --only needs NAME[,NAME] of: $GROUPS_LEGAL" >&2; exit 2; }
+            ONLY=$2; shift ;;
+    --only=*) ONLY=${1#--only=} ;;
+    *) echo "gpu_check.sh: unknown argument '$1'; legal: --cpu, --no-record, --only NAME[,NAME]" >&2; exit 2 ;;
+  esac
+  shift
+done
+for g in ${ONLY//,/ }; do
+  case ",$GROUPS_LEGAL," in
+    *",$g,"*) ;;
+    *) echo "gpu_check.sh: --only: unknown check group '$g'; legal: $GROUPS_LEGAL" >&2; exit 2 ;;
   esac
 done
+if [ -n "$ONLY" ] && [ -z "${ONLY//,/}" ]; then
+  echo "gpu_check.sh: --only needs NAME[,NAME] of: $GROUPS_LEGAL" >&2; exit 2
+fi
+want() { [ -z "$ONLY" ] || [[ ",$ONLY," == *",$1,"* ]]; }
 
 missing=$("$PY" - <<'EOF'
 import importlib.util
 print(" ".join(m for m in ("torch", "transformers", "peft", "omegaconf", "tensordict") if importlib.util.find_spec(m) is None))
 EOF
 )
-if [ -n "$missing" ] && [ -n "${RLSP_WHEELS:-}" ]; then
+# the wheels to install: each missing package (fla: optional) with those of its dependencies that are missing too
+wheels=$("$PY" - <<'EOF'
+import importlib.util
+deps = {"omegaconf": [("omegaconf", "omegaconf"), ("antlr4", "antlr4-python3-runtime"), ("yaml", "PyYAML")],
+        "tensordict": [("tensordict", "tensordict"), ("cloudpickle", "cloudpickle"), ("pyvers", "pyvers")],
+        "fla": [("fla", "flash-linear-attention"), ("fla", "fla-core"), ("einops", "einops")]}
+need = [dist for pkg, pairs in deps.items() if importlib.util.find_spec(pkg) is None
+        for mod, dist in pairs if importlib.util.find_spec(mod) is None]
+print(" ".join(dict.fromkeys(need)))
+EOF
+)
+if [ -n "$wheels" ] && [ -n "${RLSP_WHEELS:-}" ]; then
   site=${TMPDIR:-/tmp}/rlsp_gpu_check_site
-  "$PY" -m pip install -q --no-index --no-deps --target "$site" "$RLSP_WHEELS"/*.whl || exit 2
+  # shellcheck disable=SC2086  # one word per wheel name
+  "$PY" -m pip install -q --no-index --no-deps --find-links "$RLSP_WHEELS" --target "$site" $wheels || exit 2
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
   missing=$("$PY" -c "import importlib.util as u; print(' '.join(m for m in '$missing'.split() if u.find_spec(m) is None))")
 fi
@@ -66,17 +101,25 @@ run() {  # one benchmark: its JSON lines, or one line saying it failed
 
 {
   if [ "$MODE" = cpu ]; then
-    run benchmarks/engine_check.py --device cpu --model tiny
+    if want engine; then run benchmarks/engine_check.py --device cpu --model tiny; fi
   else
-    run benchmarks/engine_check.py --device cuda --model small
-    for t in 8192 32768; do run benchmarks/gpu_attention.py --tokens $t --seq-len 3000 --impl rlsp; done
-    run benchmarks/gpu_attention.py --tokens 32768 --seq-len 3000 --impl rlsp --q-heads 7 --kv-heads 1
-    run benchmarks/gpu_logprob.py --tokens 32768 --vocab 151936 --hidden 896
-    for t in 4096 16384 32768; do run benchmarks/gpu_train_step.py --tokens $t --seq-len 4096; done
-    run benchmarks/gpu_train_step.py --tokens 32768 --seq-len 32768 --grad-ckpt
-    run benchmarks/agent_rollout.py --engine hf --device cuda --trajectories 64 --median-s 0.1
-    run benchmarks/hf_decode.py --device cuda --shape tiny --dtype float32 --samples 64 --max-tokens 32
-    run benchmarks/hf_decode.py --device cuda --shape qwen2.5-0.5b --dtype bfloat16 --samples 64 --max-tokens 128 --rounds 4
+    if want engine; then run benchmarks/engine_check.py --device cuda --model small; fi
+    if want attention; then
+      for t in 8192 32768; do run benchmarks/gpu_attention.py --tokens $t --seq-len 3000 --impl rlsp; done
+      run benchmarks/gpu_attention.py --tokens 32768 --seq-len 3000 --impl rlsp --q-heads 7 --kv-heads 1
+    fi
+    if want logprob; then run benchmarks/gpu_logprob.py --tokens 32768 --vocab 151936 --hidden 896; fi
+    if want train; then
+      for t in 4096 16384 32768; do run benchmarks/gpu_train_step.py --tokens $t --seq-len 4096; done
+      run benchmarks/gpu_train_step.py --tokens 32768 --seq-len 32768 --grad-ckpt
+    fi
+    if want agent; then run benchmarks/agent_rollout.py --engine hf --device cuda --trajectories 64 --median-s 0.1; fi
+    if want decode; then
+      run benchmarks/hf_decode.py --device cuda --shape tiny --dtype float32 --samples 64 --max-tokens 32
+      run benchmarks/hf_decode.py --device cuda --shape qwen2.5-0.5b --dtype bfloat16 --samples 64 --max-tokens 128 --rounds 4
+    fi
+    if want families; then STEP_TIMEOUT=${STEP_TIMEOUT:-480} run benchmarks/gpu_families.py --device cuda --tokens 32768; fi
+    if want moe; then run benchmarks/moe_step.py --device cuda; fi
   fi
 } | tee "$LINES"
 
