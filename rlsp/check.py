@@ -26,7 +26,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from rlsp.config.auto import AutoChoice
+from rlsp.config.auto import AutoChoice, model_shape
 from rlsp.config.compose import DEFAULT_CONFIG, CommandLine, compose_collecting, drop_not_set, parse_command_line
 from rlsp.config.describe import describe_batches, describe_placement, describe_schedule
 from rlsp.config.layout import ParallelLayout
@@ -87,6 +87,9 @@ def _model(cfg: DictConfig, layout: ParallelLayout | None, report: Report) -> An
     except ValueError:
         return None  # preflight_errors names what is missing
     report.add("model", f"{path}: {describe(arch(config))}")
+    if (shape := model_shape(path)[0]) is not None and shape.moe:  # total and active parameters (MoE)
+        active = shape.active_decoder_params + shape.root_params
+        report.add("model", f"parameters: {shape.params:,} total, {active:,} active per token")
     if layout is not None:  # per layer kind, what runs where at the actor's degrees
         report.add(*layer_section(config.to_dict(), layout.actor, plan_head_layout))
     if tokenizer_problem(key, path):

@@ -26,6 +26,10 @@ start-up and `python -m rlsp.check` in its report.
     actor.use_dynamic_bsz (the critic, the reference and the old-logprob pass follow it)
         true -- micro-batches filled to `ppo_max_token_len_per_gpu` tokens: fewer, fuller passes, the
         same result -- unless `ppo_micro_batch_size_per_gpu` was set (then false: fixed rows, as verl).
+    fsdp_config.expert_parallel_size (actor, ref, critic.model; rlsp.config.auto_memory.ep_value)
+        1 for a dense model, or when the rank's training state plus FSDP's gathered experts take at most half of
+        its memory; else the smallest degree dividing both the role's ranks and the experts that fits (the
+        reference follows the actor).
     reward_model.num_workers (rule scoring processes)
         0 -- the policy workers score the rows they generated, between generation and update, when
         they would wait for the scores anyway: no process of its own, which would import torch and
@@ -41,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlsp.config.auto_memory import checkpointing_choice, micro_batch_tokens
+from rlsp.config.auto_memory import EP_ROLES, checkpointing_choice, ep_choices, micro_batch_tokens
 from rlsp.config.choices import VLLM_CPU_HEAD_DIMS
 from rlsp.config.layout import CRITIC_ESTIMATORS
 from rlsp.config.layout_build import has_reference
@@ -67,7 +71,8 @@ FSDP_ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model"
 CHECKPOINTING_KEYS = ("actor_rollout_ref.model.enable_gradient_checkpointing", "critic.model.enable_gradient_checkpointing")
 SCORING_KEY = "reward_model.num_workers"
 AUTO_KEYS = ("actor_rollout_ref.rollout.name", DYNAMIC_BSZ_KEYS[0], *CHECKPOINTING_KEYS, SCORING_KEY,
-             *(f"{role}.fsdp_config.fsdp_size" for role in FSDP_ROLES))
+             *(f"{role}.fsdp_config.fsdp_size" for role in FSDP_ROLES),
+             *(f"{prefix}.fsdp_config.expert_parallel_size" for _, prefix in EP_ROLES))
 
 
 @dataclass(frozen=True)
@@ -287,7 +292,8 @@ def resolve_auto(cfg: Any, errors: list[str], machine: Machine | None = None) ->
         choices.append(_scoring_choice(cfg))
     for c in choices:  # the checkpointing rule reads the sharding and micro-batches chosen above
         _set(cfg, c.key, c.value)
-    gc = _checkpointing_choices(cfg, shapes, machine)
+    gc = [AutoChoice(*c) for c in ep_choices(cfg, shapes, _train_memory(cfg, machine))]  # reads fsdp_size
+    gc += _checkpointing_choices(cfg, shapes, machine)
     for c in gc:
         _set(cfg, c.key, c.value)
     choices += gc

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlsp.config.layer_kinds import LINEAR, Attention, LayerKind
+from rlsp.config.layout_build import has_reference
 from rlsp.config.machine import GIB, Machine
 from rlsp.config.model_shape import ModelShape
 
@@ -151,3 +152,95 @@ def checkpointing_choice(shape: ModelShape | None, why: str, machine: Machine, m
             f"{'>' if saved > room else '<='} half of the {max(0.0, memory - state) / GIB:.1f} GiB the training "
             "state leaves")
     return saved > room, f"{text}: {'on' if saved > room else 'off'}"
+
+
+EP_ROLES = (("actor", "actor_rollout_ref.actor"), ("ref", "actor_rollout_ref.ref"), ("critic", "critic.model"))
+EP_STATE_BYTES, EP_REFERENCE_BYTES = 16, 4  # fp32 weight + gradient + AdamW's two moments; the reference's weights
+
+
+def routed_params(shape: ModelShape) -> tuple[int, int, int]:
+    """(routed-expert parameters of every MoE layer, of the largest one, experts per MoE layer; zeros when dense):
+    gate, up and down per expert, as the planner counts them (rlsp.plan.memory)."""
+    per_layer = [(k.mlp.experts * 3 * shape.hidden * k.mlp.width, k.mlp.experts) for k in shape.layer_list()
+                 if k.mlp.moe]
+    if not per_layer:
+        return 0, 0, 0
+    return sum(p for p, _ in per_layer), max(p for p, _ in per_layer), per_layer[0][1]
+
+
+def ep_rank_bytes(shape: ModelShape, ep: int, ranks: int, fsdp_ranks: int, dtype_bytes: int,
+                  state_bytes: float = EP_STATE_BYTES) -> float:
+    """A rank's training state (`state_bytes` a parameter) plus FSDP2's gathered routed experts at expert-parallel
+    degree `ep`: the experts are sharded over all `ranks` with ep > 1 (over `fsdp_ranks`, like every other
+    parameter, at 1), and one layer's gathered experts, two layers in flight plus its unsharded gradients, are
+    1/ep of them (rlsp.plan.memory's state and buffer terms)."""
+    routed, layer, _ = routed_params(shape)
+    state = (shape.params - routed) * state_bytes / fsdp_ranks + routed * state_bytes / (ranks if ep > 1 else fsdp_ranks)
+    cast = 4 if dtype_bytes < 4 else 0  # gradients are reduced in fp32
+    return state + layer / ep * (3 * dtype_bytes + cast)
+
+
+def ep_value(shape: ModelShape | None, why: str, memory: float | None, ranks: int, fsdp_ranks: int, dtype_bytes: int,
+             state_bytes: float = EP_STATE_BYTES, blocker: str = "") -> tuple[int, str]:
+    """expert_parallel_size for a role of `ranks` ranks (`blocker`: a setting that rules EP out), with the reason:
+    1 for a dense model or when the rank's state and gathered experts take at most half of `memory` (the other
+    half: activations and the backward's working set, as the checkpointing rule keeps it); else the smallest
+    degree dividing both the ranks and the experts that fits (none: the largest such degree)."""
+    if shape is None or memory is None:
+        return 1, f"{why or 'the rank memory is unknown here'}: 1"
+    routed, _, experts = routed_params(shape)
+    if not routed:
+        return 1, f"{shape.name} is dense (no routed experts): 1"
+    if blocker:
+        return 1, f"{blocker}: 1 (expert parallelism needs tensor_model_parallel_size=1 and a fixed Ulysses degree)"
+    budget = memory / 2
+
+    def text(ep: int) -> str:
+        need = ep_rank_bytes(shape, ep, ranks, fsdp_ranks, dtype_bytes, state_bytes)
+        return (f"training state + gathered experts at EP {ep}: {need / GIB:.2f} GiB per rank "
+                f"{'<=' if need <= budget else '>'} half of {memory / GIB:.1f} GiB")
+
+    if ep_rank_bytes(shape, 1, ranks, fsdp_ranks, dtype_bytes, state_bytes) <= budget:
+        return 1, f"{text(1)}: every rank runs every expert"
+    legal = [d for d in range(2, ranks + 1) if ranks % d == 0 and experts % d == 0]
+    if not legal:
+        return 1, f"{text(1)}, and no degree > 1 divides both the {ranks} ranks and the {experts} experts: 1"
+    fits = [d for d in legal if ep_rank_bytes(shape, d, ranks, fsdp_ranks, dtype_bytes, state_bytes) <= budget]
+    ep = fits[0] if fits else legal[-1]
+    because = "the smallest degree dividing" if fits else "none fits: the largest degree dividing"
+    return ep, f"{text(1)}; {text(ep)}: {because} both the {ranks} ranks and the {experts} experts"
+
+
+def _role_ep(cfg: Any, role: str, shape: ModelShape | None, why: str, memory: float | None) -> tuple[int, str]:
+    """ep_value for the trainable role 'actor' or 'critic' of `cfg` (its fsdp_size already resolved)."""
+    section, model = (cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.model) if role == "actor" else \
+        (cfg.critic, cfg.critic.model)
+    fsdp = section.fsdp_config if role == "actor" else cfg.critic.model.fsdp_config
+    own_pool = role == "critic" and not cfg.critic.colocate
+    ranks = section.nnodes * section.n_gpus_per_node if own_pool else cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    tp = max(1, int(section.tensor_model_parallel_size))
+    blockers = [f"{role} tensor_model_parallel_size={tp}"] if tp > 1 else []
+    blockers += ["sequence_parallel_adaptive=true"] if section.sequence_parallel_adaptive else []
+    fsdp_ranks = ranks // tp if fsdp.fsdp_size in (-1, "auto") else int(fsdp.fsdp_size)
+    state = EP_STATE_BYTES + (EP_REFERENCE_BYTES if role == "actor" and has_reference(cfg) else 0)
+    dtype = DTYPE_BYTES.get(str(model.dtype or cfg.actor_rollout_ref.model.dtype), 4)
+    return ep_value(shape, why, memory, ranks, max(1, fsdp_ranks), dtype, state, ", ".join(blockers))
+
+
+def ep_choices(cfg: Any, shapes: dict[str, tuple[ModelShape | None, str]],
+               memory: float | None) -> list[tuple[str, int, str]]:
+    """(key, value, reason) of every `auto` fsdp_config.expert_parallel_size (rlsp.config.auto): the actor's and
+    the critic's by `ep_value`, the reference following the actor (it runs the actor's layout)."""
+    out: list[tuple[str, int, str]] = []
+    fsdp = {"actor": cfg.actor_rollout_ref.actor.fsdp_config, "ref": cfg.actor_rollout_ref.ref.fsdp_config,
+            "critic": cfg.critic.model.fsdp_config}
+    actor_ep = fsdp["actor"].expert_parallel_size
+    for role, prefix in EP_ROLES:
+        if fsdp[role].expert_parallel_size != "auto":
+            continue
+        key = f"{prefix}.fsdp_config.expert_parallel_size"
+        if role == "ref":
+            out.append((key, actor_ep if actor_ep != "auto" else out[0][1], "the reference follows the actor"))
+        else:
+            out.append((key, *_role_ep(cfg, role, *shapes[role], memory)))
+    return out

@@ -62,7 +62,8 @@ def _role_degrees(cfg: Any, role: str) -> tuple[str, dict[str, Any]]:
 
 
 def _check_ep(prefix: str, ep: Any, d: dict[str, Any], ranks: int, errors: list[str]) -> int:
-    """The role's expert-parallel degree (`auto` = 1), after naming what makes it illegal."""
+    """The role's expert-parallel degree (an `auto` that rlsp.config.auto left unresolved: 1), after naming what
+    makes it illegal."""
     key = f"{prefix.replace('critic.', 'critic.model.')}fsdp_config.expert_parallel_size"
     ep = 1 if ep == "auto" else ep
     if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:

@@ -92,6 +92,12 @@ class DataConfig(verl_keys.DataVerlKeys):
 
 
 @dataclass
+class ModelOverrideConfig:
+    output_router_logits: bool | None = None  # None: config.json's; true with router_aux_loss_coef > 0: the actor's loss adds the MoE router auxiliary loss (rlsp.engine.router_aux; qwen2_moe, qwen3_moe, mixtral, olmoe, gpt_oss, qwen3_next, qwen3_5_moe)
+    router_aux_loss_coef: float | None = None  # None: config.json's; the auxiliary loss's weight (transformers' router_aux_loss_coef)
+
+
+@dataclass
 class ModelConfig:
     path: str = TINY_MODEL
     dtype: str = "float32"  # parameter/compute dtype of the trainer: float32 | bfloat16
@@ -109,11 +115,13 @@ class ModelConfig:
     target_modules: Any = "all-linear"  # "all-linear" or a list of linear-layer names (e.g. [q_proj, v_proj])
     exclude_modules: Any = None  # None, or layer names (a list) / a regex (a string) to leave unadapted
     lora_adapter_path: str | None = None  # start from a saved PEFT adapter (its config sets rank and targets)
+    # verl's config.json overrides, of the entries rlsp reads at run time (other entries are refused by name).
+    override_config: ModelOverrideConfig = field(default_factory=ModelOverrideConfig)
 
 
 @dataclass
 class RouterReplayConfig:
-    mode: str = "disabled"  # MoE routing replay (verl's): disabled | R2: the update routes each token to the experts the old-logprob pass chose, weights recomputed from the current router (rlsp.engine.router_replay; qwen2_moe, qwen3_moe, olmoe, mixtral, glm4_moe, deepseek_v3, gpt_oss) | R3: the rollout engine's routes, refused (no rollout engine here returns them)
+    mode: str = "disabled"  # MoE routing replay (verl's): disabled | R2: the update routes each token to the experts the old-logprob pass chose, weights recomputed from the current router (rlsp.engine.router_replay; qwen2_moe, qwen3_moe, olmoe, mixtral, glm4_moe, deepseek_v3, gpt_oss) | R3: the old-logprob pass and the update route by the rollout engine's routes (rollout.name=hf records them; single-turn, no partial rollouts; verl's rollout.enable_rollout_routing_replay=true says the same)
 
 
 @dataclass

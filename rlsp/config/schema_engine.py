@@ -35,7 +35,7 @@ class FSDPConfig:
     # experts and dispatch tokens to them by all-to-all (rlsp.parallel.expert_parallel); must divide the role's ranks
     # and every MoE layer's experts; tensor_model_parallel_size=1 and sequence_parallel_adaptive=false with it.
     # verl FSDP-Turbo's fsdp_config.turbo_config.distributed.expert_parallel_size is read as this key.
-    expert_parallel_size: Any = 1  # 1 (every expert on every rank, FSDP-sharded) | auto (= 1) | a divisor of both
+    expert_parallel_size: Any = 1  # 1 (every expert on every rank, FSDP-sharded) | auto (rlsp.config.auto: 1 unless the training state and gathered experts overflow half a rank's memory, then the smallest fitting divisor; the reward model: 1) | a divisor of both
 
 
 @dataclass

@@ -85,6 +85,7 @@ class RolloutConfig(RolloutVerlKeys):
     load_format: str = "auto"  # vLLM's first weights: auto | safetensors (read model.path) | dummy (random; synced from the actor before generating)
     layered_summon: bool = True  # weight sync gathers one parameter at a time (finer than per layer); false (whole-model gather) is refused
     tensor_model_parallel_size: int = 1  # vLLM TP: k consecutive workers (one node) run one engine, each holding 1/k of the weights; vllm only
+    enable_rollout_routing_replay: bool = False  # verl's R3 switch: true is actor.router_replay.mode=R3 (the same setting; another mode with it is refused)
 
 
 @dataclass

@@ -59,8 +59,9 @@ UNSUPPORTED_KEYS = {
                                      "reward_model.micro_batch_size_per_gpu",
     "reward_model.max_length": "truncating the reward model's input is not supported: rlsp scores whole sequences and "
                                "refuses one longer than the reward model's max_position_embeddings",
-    "*.model.override_config.*": "overriding entries of the model's config.json is not supported: rlsp builds the "
-                                 "model as its config.json says (edit a copy of the checkpoint's config.json, e.g. "
+    "*.model.override_config.*": "overriding entries of the model's config.json is not supported (except the "
+                                 "actor's output_router_logits and router_aux_loss_coef): rlsp builds the model as its "
+                                 "config.json says (edit a copy of the checkpoint's config.json, e.g. "
                                  "max_position_embeddings)",
     "ray_kwargs.ray_init.runtime_env.*": "of Ray's runtime_env rlsp passes env_vars and py_executable (to the run's "
                                          "job); for working_dir, pip, conda or containers start Ray yourself and join "

@@ -1,5 +1,8 @@
-"""MoE routing replay R2 (verl's `actor_rollout_ref.actor.router_replay.mode=R2`): the update pass routes every token
-to the experts the old-logprob pass chose.
+"""MoE routing replay (verl's `actor_rollout_ref.actor.router_replay.mode`). R2: the update pass routes every token to
+the experts the old-logprob pass chose. R3: the old-logprob pass and the update route every token to the experts the
+rollout engine chose while sampling it (the hf engine records them: rlsp.rollout.route_capture; the rows carry them
+under ROUTES_KEY from generation on, rlsp.workers.rollout_rows). The reference model routes freely in both (its own
+engine, or the actor's base with LoRA, never records or replays), as verl's reference does unless configured.
 
 Recording (`RouterReplay.recording`): a forward hook on every router module (`rlsp.engine.moe_load.find_routers`)
 keeps the top-k expert indices of the tokens this rank routes; `recorded_rows(micro)` gathers them over the ranks
@@ -21,6 +24,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,9 +35,12 @@ from rlsp.engine.micro import MicroBatch
 from rlsp.engine.moe_load import find_routers
 from rlsp.parallel.ulysses import gather_from_ranks
 
-ROUTES_KEY = "router_routes"  # the per-row column recorded by compute_log_prob and replayed by update_actor
+ROUTES_KEY = "router_routes"  # the per-row column recorded by compute_log_prob (R2) or the rollout (R3), then replayed
 ROUTE_DTYPE = torch.int16
 MODES = ("disabled", "R2", "R3")
+MODE_KEY = "actor_rollout_ref.actor.router_replay.mode"
+ROLLOUT_SWITCH = "actor_rollout_ref.rollout.enable_rollout_routing_replay"  # verl's R3 switch: the same setting
+R3_ROLLOUT_ENGINES = ("hf",)  # the rollout engines that return each token's routes
 # config.json model_type -> its router class, for the families whose router output R2 reproduces exactly
 REPLAYABLE_TYPES = {"qwen2_moe": "Qwen2MoeTopKRouter", "qwen3_moe": "Qwen3MoeTopKRouter", "olmoe": "OlmoeTopKRouter",
                     "mixtral": "MixtralTopKRouter", "glm4_moe": "Glm4MoeTopkRouter",
@@ -80,16 +88,16 @@ WEIGHT_RULES: dict[str, WeightRule] = {
 
 
 def check_replayable(model: nn.Module, model_type: str = "") -> dict[str, nn.Module]:
-    """The routers of `model` when R2 can replay them exactly; ValueError naming the model type and router class
+    """The routers of `model` when R2 / R3 can replay them exactly; ValueError naming the model type and router class
     otherwise (a dense model, or a router whose output rlsp does not reproduce)."""
     routers = find_routers(model)
     if not routers:
-        raise ValueError(f"actor_rollout_ref.actor.router_replay.mode=R2 needs a mixture-of-experts model; model_type="
+        raise ValueError(f"actor_rollout_ref.actor.router_replay (R2, R3) needs a mixture-of-experts model; model_type="
                          f"{model_type!r} has no router; set router_replay.mode=disabled")
     names = sorted({type(r).__name__ for r in routers.values()})
     unknown = [n for n in names if n not in WEIGHT_RULES]
     if unknown:
-        raise ValueError(f"actor_rollout_ref.actor.router_replay.mode=R2 cannot replay the router {unknown[0]} of "
+        raise ValueError(f"actor_rollout_ref.actor.router_replay (R2, R3) cannot replay the router {unknown[0]} of "
                          f"model_type={model_type!r} exactly; replayable routers: {sorted(WEIGHT_RULES)}; set "
                          "router_replay.mode=disabled")
     return routers
@@ -175,33 +183,100 @@ def recording_routes(replay: RouterReplay | None, record: bool) -> AbstractConte
     return replay.recording()
 
 
+def infer_routing(replay: RouterReplay | None, micro: MicroBatch, record: bool,
+                  replay_rows: bool) -> AbstractContextManager[None]:
+    """The routing of an inference pass over `micro`: recording it (R2's old-logprob pass), replaying the rows' routes
+    (R3's old-logprob pass: the rollout's; the rows must carry them), or free."""
+    if not replay_rows:
+        return recording_routes(replay, record)
+    if record:
+        raise ValueError("record_routes and replay_routes exclude each other: a pass either records routes or replays them")
+    if replay is None:
+        raise RuntimeError("replay_routes=True on an engine built without router_replay (actor.router_replay.mode=R3)")
+    if ROUTES_KEY not in micro.rows.tensors.keys():
+        raise RuntimeError(f"router replay R3: the rows carry no {ROUTES_KEY!r} column (the rollout engine recorded "
+                           "no routes); the rollout must run with actor_rollout_ref.rollout.name=hf")
+    return replay.replaying(micro, micro.rows[ROUTES_KEY])
+
+
 def replaying_rows(replay: RouterReplay | None, micro: MicroBatch) -> AbstractContextManager[None]:
-    """R2 for `micro`: its rows' recorded routes (ROUTES_KEY) when they carry them, else free routing."""
+    """The update of `micro`: its rows' routes (ROUTES_KEY: R2's recorded ones, R3's rollout ones) when they carry them, else
+    free routing."""
     if replay is None or ROUTES_KEY not in micro.rows.tensors.keys():
         return nullcontext()
     return replay.replaying(micro, micro.rows[ROUTES_KEY])
 
 
-def router_replay_errors(mode: str, config, tp: int = 1) -> list[str]:
+def replay_mode(arr: Any) -> str:
+    """The routing replay mode of `actor_rollout_ref` (`arr`): router_replay.mode, or R3 where verl's rollout switch
+    enable_rollout_routing_replay=true says so and the mode is left at disabled (refused against another mode:
+    `replay_config_errors`)."""
+    mode = str(arr.actor.router_replay.mode)
+    return "R3" if bool(getattr(arr.rollout, "enable_rollout_routing_replay", False)) and mode == "disabled" else mode
+
+
+@dataclass(frozen=True)
+class RolloutFacts:
+    """What of the rollout decides whether R3 can run: the engine, its tensor-parallel degree, agent loops (several
+    engine calls per sample) and partial rollouts (generation in segments)."""
+
+    engine: str = "hf"
+    tp: int = 1
+    agent_loops: bool = False
+    partial_rollout: bool = False
+
+
+def replay_config_errors(arr: Any, config, agent_loops: bool = False, partial_rollout: bool = False) -> list[str]:
+    """`router_replay_errors` of `actor_rollout_ref` (`arr`) for the model `config`, verl's R3 switch included."""
+    mode = str(arr.actor.router_replay.mode)
+    if bool(getattr(arr.rollout, "enable_rollout_routing_replay", False)) and mode not in ("disabled", "R3"):
+        return [f"{ROLLOUT_SWITCH}=true (verl's R3 switch) and {MODE_KEY}={mode!r} are the same setting with different "
+                f"values; legal: {MODE_KEY}=R3 with the switch, or the switch unset (false)"]
+    facts = RolloutFacts(str(arr.rollout.name), int(arr.rollout.tensor_model_parallel_size), agent_loops, partial_rollout)
+    return router_replay_errors(replay_mode(arr), config, int(arr.actor.tensor_model_parallel_size), facts)
+
+
+def _r3_errors(rollout: RolloutFacts) -> list[str]:
+    """What of the rollout refuses R3 (the routes must come back with every sampled token)."""
+    key = f"{MODE_KEY}=R3"
+    if rollout.engine not in R3_ROLLOUT_ENGINES:
+        return [f"{key} with actor_rollout_ref.rollout.name={rollout.engine!r}: rlsp's vLLM engine returns no routes "
+                "(vLLM's enable_return_routed_experts is not wired into it); legal: rollout.name=hf, or "
+                "router_replay.mode=R2 (the old-logprob pass's routes)"]
+    if rollout.tp > 1:
+        return [f"{key} with actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tp}: the hf engine records "
+                "routes in one process only; legal: rollout.tensor_model_parallel_size=1"]
+    if rollout.agent_loops:
+        return [f"{key} with agent loops (rollout.multi_turn.enable or an agent loop): a sample's turns come from several "
+                "engine calls with tool tokens between them, whose routes rlsp does not assemble into rows; legal: "
+                "single-turn rollouts, or router_replay.mode=R2"]
+    if rollout.partial_rollout:
+        return [f"{key} with async_training.partial_rollout=true: a sample generated in segments is re-prefilled per "
+                "segment, whose routes rlsp does not assemble into rows; legal: partial_rollout=false, or "
+                "router_replay.mode=R2"]
+    return []
+
+
+def router_replay_errors(mode: str, config, tp: int = 1, rollout: RolloutFacts | None = None) -> list[str]:
     """What refuses actor_rollout_ref.actor.router_replay.mode=`mode` for the model `config` (a transformers config)
-    at tensor-parallel degree `tp`, before any worker starts; [] when the run can use it."""
-    key = "actor_rollout_ref.actor.router_replay.mode"
+    at tensor-parallel degree `tp` with `rollout` (R3; default: the hf engine, single-turn), before any worker starts;
+    [] when the run can use it."""
+    key = MODE_KEY
     model_type = getattr(config, "model_type", None)
     if mode not in MODES:
         return [f"{key}={mode!r}; legal: {', '.join(MODES)}"]
-    if mode == "R3":
-        return [f"{key}=R3 needs the rollout engine to return each token's experts; neither rlsp rollout engine does (the "
-                "hf engine's decoding loop keeps no routes; vLLM's CPU backend has no routing capture); legal: disabled "
-                "or R2 (the old-logprob pass's routes)"]
-    if mode != "R2":
+    if mode == "disabled":
         return []
+    if mode == "R3" and (problems := _r3_errors(rollout or RolloutFacts())):
+        return problems
     if not any(getattr(config, a, None) for a in ("num_experts", "num_local_experts", "n_routed_experts")):
-        return [f"{key}=R2 needs a mixture-of-experts model; model_type={model_type!r} is dense (no router); set "
+        return [f"{key}={mode} needs a mixture-of-experts model; model_type={model_type!r} is dense (no router); set "
                 "router_replay.mode=disabled"]
     if model_type not in REPLAYABLE_TYPES:
-        return [f"{key}=R2: the router of model_type={model_type!r} is not reproduced exactly by rlsp's replay "
+        return [f"{key}={mode}: the router of model_type={model_type!r} is not reproduced exactly by rlsp's replay "
                 f"(replayable: {', '.join(REPLAYABLE_TYPES)}); set router_replay.mode=disabled"]
     if tp > 1:
-        return [f"{key}=R2 with actor.tensor_model_parallel_size={tp} is not supported (the routers see tensor-parallel "
-                "token slices the recorded routes are not laid out for); legal: tensor_model_parallel_size=1"]
+        return [f"{key}={mode} with actor.tensor_model_parallel_size={tp} is not supported (the routers see "
+                "tensor-parallel token slices the recorded routes are not laid out for); legal: "
+                "tensor_model_parallel_size=1"]
     return []

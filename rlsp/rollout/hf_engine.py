@@ -9,6 +9,8 @@ token is drawn by rlsp.rollout.sampling (temperature, top-k, top-p as vLLM appli
 with its logprob under that processed distribution, matching the vLLM engine's `processed_logprobs`.
 The loop is `generate`'s decoding without its per-token machinery (logits processors, stopping
 criteria, score lists), which costs about a third of the time of a small model's rollout on CPU.
+Routing replay R3: given `route_finder`, every call also returns each sample's MoE routes (the top-k experts of
+every prompt and response token, per layer; rlsp.rollout.route_capture) in a RoutedOutput.
 
 Legend: B = prompts in the batch, N = B * n samples, P = padded prompt length, R = new tokens, V = vocab.
 """
@@ -26,6 +28,7 @@ from rlsp.models.loading import SINK_FAMILIES
 from rlsp.rollout.base import RolloutOutput, SamplingConfig
 from rlsp.rollout.hf_vision import check_image_rows, load_generation_model, prefill_inputs, repeat_entries
 from rlsp.rollout.lean_decoder import LeanDecoder, unsupported_reason
+from rlsp.rollout.route_capture import RouteCapture, RouterFinder
 from rlsp.rollout.sampling import sample_next
 from rlsp.utils.dtypes import resolve_dtype
 from rlsp.utils.logging import get_logger
@@ -65,9 +68,11 @@ class HFEngine:
         device: str = "cpu",
         seed: int | None = None,
         max_model_len: int | None = None,
+        route_finder: RouterFinder | None = None,
     ) -> None:
         """`seed` makes unseeded `generate` calls reproducible (call k samples with seed + k, as a
-        seeded vLLM engine's sampler stream would); `max_model_len` bounds prompt + response."""
+        seeded vLLM engine's sampler stream would); `max_model_len` bounds prompt + response; `route_finder`
+        (routing replay R3: rlsp.engine.moe_load.find_routers) records each sample's MoE routes."""
         self.device = torch.device(device)
         self.seed = seed
         self.max_model_len = max_model_len
@@ -75,6 +80,9 @@ class HFEngine:
         config = AutoConfig.from_pretrained(model_path)
         self.model = load_generation_model(model_path, config, resolve_dtype(dtype), generation_attention(config)).to(self.device)
         self.model.eval()
+        self.routes = None if route_finder is None else RouteCapture(self.model, route_finder, config.model_type)
+        if self.routes is not None:
+            log.info("hf rollout engine records the MoE routes of %d layers (routing replay R3)", self.routes.layers)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         eos = self.model.generation_config.eos_token_id
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [tokenizer.eos_token_id])
@@ -121,11 +129,13 @@ class HFEngine:
         if images is not None:
             check_image_rows(self.model, images, len(prompt_ids))
         entries_N = repeat_entries(images, sampling.n) if images is not None else None
-        with _seeded(seed, self.device):
-            new_ids_NR, logprobs_NR = self._decode(input_ids_BP.repeat_interleave(sampling.n, dim=0),
-                                                   attention_mask_BP.repeat_interleave(sampling.n, dim=0), sampling,
-                                                   entries_N)
-        return self._collect(new_ids_NR.tolist(), logprobs_NR.tolist(), sampling.n)
+        mask_NP = attention_mask_BP.repeat_interleave(sampling.n, dim=0)
+        capture = self.routes.capturing() if self.routes is not None else contextlib.nullcontext()
+        with _seeded(seed, self.device), capture:
+            new_ids_NR, logprobs_NR = self._decode(input_ids_BP.repeat_interleave(sampling.n, dim=0), mask_NP,
+                                                   sampling, entries_N)
+        out = self._collect(new_ids_NR.tolist(), logprobs_NR.tolist(), sampling.n)
+        return out if self.routes is None else self.routes.per_sample(out, mask_NP)
 
     def _decode(self, input_ids_NP: torch.Tensor, mask_NP: torch.Tensor, sampling: SamplingConfig,
                 entries_N: Sequence[Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,6 +163,8 @@ class HFEngine:
             if t + 1 == sampling.max_tokens or not bool(running_N.any()):
                 break
             logits_NV = forward(token_N[:, None], next_pos_N1 + t, width + t)
+        if self.routes is not None:  # R3: the last sampled token's routes (it is no input of the loop)
+            forward(token_N[:, None], next_pos_N1 + t, width + t)
         return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
 
     def _forward_fn(self, mask_NP: torch.Tensor, slots: int) -> Callable[..., torch.Tensor]:
@@ -160,7 +172,7 @@ class HFEngine:
         kwargs) -> logits [N, V] of the last token, over a cache of `slots` tokens per row that starts empty."""
         key_valid_NS = torch.ones(mask_NP.shape[0], slots, dtype=torch.bool, device=self.device)
         key_valid_NS[:, : mask_NP.shape[1]] = mask_NP.bool()
-        if self.lean is not None:
+        if self.lean is not None and self.routes is None:  # the lean forward has no routers to capture
             self.lean.start(mask_NP.shape[0], slots, key_valid_NS)
             return self.lean.forward
         cache, mask_NS = DynamicCache(config=self.model.config), key_valid_NS.long()
@@ -168,7 +180,7 @@ class HFEngine:
         def forward(ids_NT: torch.Tensor, positions_NT: torch.Tensor, slot: int, **images: torch.Tensor) -> torch.Tensor:
             return self.model(input_ids=ids_NT, attention_mask=mask_NS[:, : slot + ids_NT.shape[1]], position_ids=positions_NT,
                               past_key_values=cache, use_cache=True, logits_to_keep=1, **images).logits[:, -1]
-        return forward
+        return forward if self.routes is None else self.routes.wrap(forward)
 
     def _collect(self, new_ids: list[list[int]], logprobs: list[list[float]], n: int) -> RolloutOutput:
         out = RolloutOutput()

@@ -1,11 +1,14 @@
 """Turn generated samples into fixed-width padded rows (prompt left-padded to P, response right-padded to R).
 
-Fixed widths make every worker's rows concatenable in the driver without re-padding.
+Fixed widths make every worker's rows concatenable in the driver without re-padding. With routing replay R3 the
+samples' MoE routes (rlsp.rollout.route_capture) become the row column the update replays (rlsp.engine.router_replay).
 """
 
 from __future__ import annotations
 
 import torch
+
+from rlsp.engine.router_replay import ROUTE_DTYPE, ROUTES_KEY
 
 NO_VERSION = -1  # token_version of padding
 
@@ -20,6 +23,7 @@ def build_rollout_rows(
     token_versions: list[list[int]] | None = None,
     version: int = 0,
     response_masks: list[list[int]] | None = None,
+    routes: list[torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Rows [N, P+R]: input_ids, attention_mask, position_ids; [N, R]: response_mask, rollout_logprobs.
 
@@ -28,7 +32,9 @@ def build_rollout_rows(
 
     With `token_versions` (the policy version that generated each response token) also [N, R]
     token_version (NO_VERSION on padding) and [N] policy_version / policy_version_max: the oldest and
-    newest version among the sample's tokens (`version`, the engine's, for a sample without tokens)."""
+    newest version among the sample's tokens (`version`, the engine's, for a sample without tokens).
+
+    With `routes` (R3: each sample's [prompt + response tokens, L, K]) also ROUTES_KEY [N, P+R, L, K]."""
     n = len(prompt_ids)
     P, R = prompt_width, response_width
     input_ids = torch.full((n, P + R), pad_id, dtype=torch.long)
@@ -60,7 +66,23 @@ def build_rollout_rows(
     }
     if token_versions is not None:
         rows.update(_version_rows(token_versions, response_ids, R, version))
+    if routes:
+        rows[ROUTES_KEY] = _route_rows(routes, prompt_ids, response_ids, P, R)
     return rows
+
+
+def _route_rows(routes: list[torch.Tensor], prompt_ids: list[list[int]], response_ids: list[list[int]], P: int,
+                R: int) -> torch.Tensor:
+    """[N, P+R, L, K]: each sample's routes under its tokens (the prompt ends at P, the response starts there), zeros
+    where a row has no token, as the old-logprob pass of R2 records them."""
+    layers, top_k = routes[0].shape[1:]
+    out = torch.zeros((len(routes), P + R, layers, top_k), dtype=ROUTE_DTYPE)
+    for i, (route, prompt, resp) in enumerate(zip(routes, prompt_ids, response_ids, strict=True)):
+        if route.shape != (len(prompt) + len(resp), layers, top_k):
+            raise ValueError(f"sample {i}: routes of shape {tuple(route.shape)} for {len(prompt)} prompt + {len(resp)} "
+                             f"response tokens; expected ({len(prompt) + len(resp)}, {layers}, {top_k})")
+        out[i, P - len(prompt) : P + len(resp)] = route.to(ROUTE_DTYPE)
+    return out
 
 
 def _version_rows(token_versions: list[list[int]], response_ids: list[list[int]], R: int,

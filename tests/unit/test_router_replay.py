@@ -4,7 +4,7 @@ same weights gives the logits and gradients bit for bit, and other routes change
 tiny qwen3_moe of tests/tiny_moe.py `write_exact_moe`: after the router weights move, the replayed forward keeps the
 recorded experts token for token while a free forward picks others, and its weights are qwen3_moe's formula; the
 replay also holds in gradient checkpointing's recomputation; padded rows round-trip through the packed stream. The
-config refusals (R3, dense, unreplayable family, tensor parallelism) name the value."""
+config refusals (R3 with vLLM, dense, unreplayable family, tensor parallelism) name the value."""
 
 from __future__ import annotations
 
@@ -14,7 +14,13 @@ from transformers import AutoModelForCausalLM
 
 from rlsp.data.batch import Batch
 from rlsp.engine.micro import prepare_micro_batch
-from rlsp.engine.router_replay import REPLAYABLE_TYPES, RouterReplay, check_replayable, router_replay_errors
+from rlsp.engine.router_replay import (
+    REPLAYABLE_TYPES,
+    RolloutFacts,
+    RouterReplay,
+    check_replayable,
+    router_replay_errors,
+)
 from tests.tiny_deepseek import deepseek_config
 from tests.tiny_gemma import gemma_config
 from tests.tiny_gpt_oss import gpt_oss_config
@@ -140,7 +146,8 @@ def test_config_refusals_name_the_value():
     assert router_replay_errors("disabled", SimpleNamespace(model_type="qwen2")) == []
     assert router_replay_errors("R2", moe) == []
     assert "legal: disabled, R2, R3" in router_replay_errors("R4", moe)[0]
-    assert "R3 needs the rollout engine" in router_replay_errors("R3", moe)[0]
+    assert router_replay_errors("R3", moe) == []  # the hf rollout engine records the routes
+    assert "rollout.name='vllm'" in router_replay_errors("R3", moe, rollout=RolloutFacts("vllm"))[0]
     assert "model_type='qwen2' is dense" in router_replay_errors("R2", SimpleNamespace(model_type="qwen2"))[0]
     assert "model_type='minimax'" in router_replay_errors("R2", SimpleNamespace(model_type="minimax",
                                                                                  num_local_experts=4))[0]

@@ -15,6 +15,9 @@ polls before it starts and between segments of `async_training.partial_rollout_s
 (rlsp/rollout/segments.py), so a weight change reaches a running generation at the next segment
 boundary instead of queueing behind it (with agent loops: at the next turn boundary). Every sample records the oldest (`policy_version`) and newest
 (`policy_version_max`) version among its tokens, and `token_version` the version of each token.
+
+Routing replay R3 (rlsp.engine.router_replay.replay_mode): the hf engine records each sample's MoE routes, which become
+the rows' ROUTES_KEY column that the old-logprob pass and the update replay (single-turn, one-shot generation only).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import torch
 from rlsp.agent.runner import AgentRunner
 from rlsp.data.batch import Batch
 from rlsp.data.dataset import chat_template_kwargs
+from rlsp.engine.moe_load import find_routers
+from rlsp.engine.router_replay import ROUTES_KEY, replay_mode
 from rlsp.models.vision_inputs import MM_KEY
 from rlsp.rollout import SamplingConfig, build_rollout_engine
 from rlsp.rollout.engine_options import vllm_engine_options
@@ -41,7 +46,8 @@ from rlsp.workers.rollout_rows import build_rollout_rows
 # What generation leaves on the worker (rlsp.workers.rollout_rows, rlsp.workers.agent_rollout) and what
 # the driver receives instead: per-row counts and the small per-row entries it groups and reports by.
 ROLLOUT_WRITES = ("input_ids", "attention_mask", "position_ids", "response_mask", "rollout_logprobs", "token_version",
-                  "policy_version", "policy_version_max", "step_rewards", "agent_metrics", *ROW_FIELDS, *IMAGE_INPUTS)
+                  "policy_version", "policy_version_max", "step_rewards", "agent_metrics", ROUTES_KEY, *ROW_FIELDS,
+                  *IMAGE_INPUTS)
 ROLLOUT_REPORTS = ("num_tokens", "response_tokens", "response_length", "step_reward_sum", "policy_version",
                    "policy_version_max", "uid", "data_source", "index", "agent_name", "agent_metrics")
 
@@ -58,6 +64,7 @@ class RolloutRole:
         self.version = 0  # actor updates behind the weights this engine holds (set by `set_weights`)
         self.feed: WeightFeed | None = None  # partial rollouts: where newer weights are picked up
         r, d = ctx.cfg.actor_rollout_ref.rollout, ctx.cfg.data
+        self.record_routes = replay_mode(ctx.cfg.actor_rollout_ref) == "R3"  # the engine returns each sample's routes
         engine_rank = ctx.layout.role("rollout").dp_rank(ctx.rank)  # the ranks of one tp engine share it
         self.engine = build_rollout_engine(
             r.name, ctx.cfg.actor_rollout_ref.model.path, dtype=r.dtype, seed=ctx.cfg.trainer.seed + engine_rank,
@@ -84,7 +91,8 @@ class RolloutRole:
                     "multi_stage_wake_up": r.multi_stage_wake_up,  # GPU: weights, then the KV cache, per sync
                     **vllm_engine_options(r, self.ctx.prompt_len + self.cfg.data.max_response_length,
                                           on_gpu=self.ctx.device.type == "cuda")}  # verl's engine options
-        return {"device": str(self.ctx.device)}  # resolved (cuda:<i>), like the training engines' device
+        routes = {"route_finder": find_routers} if self.record_routes else {}  # R3: rlsp.rollout.route_capture
+        return {"device": str(self.ctx.device), **routes}  # resolved (cuda:<i>), like the training engines' device
 
     @register(Dispatch.BY_DP, reads=("prompt_index", "prompt_ids", *ROW_FIELDS, *IMAGE_INPUTS), writes=ROLLOUT_WRITES,
               reports=ROLLOUT_REPORTS, new_rows=True)
@@ -107,11 +115,21 @@ class RolloutRole:
             rows = build_rollout_rows(
                 [prompt_ids[i] for i in out.prompt_index], out.response_ids, out.response_logprobs,
                 self.ctx.prompt_len, cfg.max_tokens, self.ctx.pad_token_id, gen.token_versions, self.version,
+                routes=self._routes(out),
             )
             meta = {k: [v[i] for i in out.prompt_index] for k, v in prompts.meta.items() if k != "prompt_ids"}
         # Free the engine's accelerator memory for training (no-op on CPU); weight sync wakes it.
         self.engine.sleep()
         return Batch.from_dict(rows, meta=meta, info={"gen_s": time.perf_counter() - t0})
+
+    def _routes(self, out: Any) -> list[torch.Tensor] | None:
+        """R3: each sample's routes from the engine's output (rlsp.rollout.route_capture.RoutedOutput), else None."""
+        if not self.record_routes:
+            return None
+        if getattr(out, "routes", None) is None:
+            raise RuntimeError(f"router replay R3: the {self.cfg.actor_rollout_ref.rollout.name} rollout returned no "
+                               "routes (one-shot generation with rollout.name=hf records them)")
+        return out.routes
 
     def _generate_agent(self, prompts: Batch, cfg: SamplingConfig) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Agent loops (multi-turn): with a weight feed, newer weights are picked up at turn boundaries."""
