@@ -5,6 +5,11 @@ of 2 layers with 6 q / 2 kv heads of dim 8 (Ulysses 4 splits them 2+2+1+1), mrop
 Qwen2.5-VL's tower mixes a windowed and a full-attention block; Qwen3-VL's feeds deepstack features from both blocks
 into both text layers; Qwen3-VL-MoE is Qwen3-VL with 4 experts, 2 per token, in both text layers. Token ids 60-63 are the image, video, vision-start and vision-end tokens; text tokens are
 drawn from 3..59.
+
+Qwen3.5 / Qwen3.5-MoE (HYBRID_VL_FAMILIES, loaded with their tower): tests/tiny_linear.py's hybrid text model (Gated
+DeltaNet, gated full attention, 4 q / 2 kv heads of dim 16; the MoE one with 3 experts and a shared expert) over the
+same vocabulary, rotary on the whole head (8 frequencies, interleaved mrope sections [3, 3, 2]: every section
+rotates), its conditioning (initializer_range 0.08, decay rates A in [0.3, 3]); the tower as above (no deepstack).
 """
 
 from __future__ import annotations
@@ -46,13 +51,48 @@ def vl_config(family: str):
     raise ValueError(f"family={family!r}; legal: {VL_FAMILIES}")
 
 
-def write_tiny_vl(family: str, out_dir: str, seed: int = 0) -> str:
-    """A loadable model directory (fp32 random weights) of the tiny `family` model."""
+HYBRID_VL_FAMILIES = ("qwen3_5", "qwen3_5_moe")
+
+
+def hybrid_vl_config(family: str, tie_word_embeddings: bool = False):
+    """The tiny Qwen3.5 (`family` one of HYBRID_VL_FAMILIES) vision-language config."""
+    from tiny_linear import linear_config
+    from transformers import Qwen3_5Config, Qwen3_5MoeConfig
+
+    if family not in HYBRID_VL_FAMILIES:
+        raise ValueError(f"family={family!r}; legal: {HYBRID_VL_FAMILIES}")
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0, "mrope_section": [3, 3, 2],
+            "mrope_interleaved": True}
+    text = linear_config(f"{family}_text", vocab=64, initializer_range=0.08, pad_token_id=0, bos_token_id=None,
+                         eos_token_id=None, rope_parameters=rope, tie_word_embeddings=tie_word_embeddings)
+    vision = {**VISION, "out_hidden_size": text.hidden_size, "num_position_embeddings": 16}
+    config_cls = Qwen3_5Config if family == "qwen3_5" else Qwen3_5MoeConfig
+    return config_cls(text_config=text.to_dict(), vision_config=vision,
+                      **{**TOKEN_IDS, "tie_word_embeddings": tie_word_embeddings})
+
+
+def build_tiny_vl(config, seed: int = 0):
+    """transformers' random-init model of a tiny config (fp32; a Qwen3.5 one's decay rates conditioned)."""
     from transformers import AutoModelForImageTextToText
 
     torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(vl_config(family), dtype=torch.float32)
-    model.save_pretrained(out_dir)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("linear_attn.A_log"):
+                param.copy_(torch.linspace(0.3, 3.0, param.numel()).log())
+    return model
+
+
+def write_tiny_vl(family: str, out_dir: str, seed: int = 0, tie_word_embeddings: bool = False) -> str:
+    """A loadable model directory (fp32 random weights) of the tiny `family` model (VL_FAMILIES, HYBRID_VL_FAMILIES)."""
+    hybrid = family in HYBRID_VL_FAMILIES
+    if tie_word_embeddings and not hybrid:  # on the top-level config only, as Qwen2.5-VL / Qwen3-VL checkpoints say it
+        config = vl_config(family)
+        config.tie_word_embeddings = True
+    else:
+        config = hybrid_vl_config(family, tie_word_embeddings) if hybrid else vl_config(family)
+    build_tiny_vl(config, seed).save_pretrained(out_dir)
     return out_dir
 
 
@@ -88,6 +128,21 @@ def vl_rows(grids_per_row: list[list[list[int]]], prompt_len: int, response_len:
               for name, scale, shift in (("old_logprobs", 0.3, 3.0), ("ref_logprobs", 0.3, 3.0), ("advantages", 1.0, 0.0))}
     return Batch.from_dict({"input_ids": input_ids, "attention_mask": mask, "response_mask": resp_mask, **fields},
                            meta={"multi_modal_inputs": entries})
+
+
+def hf_row_logprobs(model, rows: Batch) -> torch.Tensor:
+    """transformers' own forward of each row alone (its real tokens, its images): log p(next token) [B, L-1], zero
+    where the row has no real token pair."""
+    ids_BL, mask_BL = rows["input_ids"], rows["attention_mask"]
+    out = torch.zeros(ids_BL.shape[0], ids_BL.shape[1] - 1)
+    for b, entry in enumerate(rows.meta["multi_modal_inputs"]):
+        cols = mask_BL[b].nonzero()[:, 0]
+        ids_1L = ids_BL[b, cols][None]
+        kwargs = {} if entry is None else dict(pixel_values=entry["pixel_values"], image_grid_thw=entry["image_grid_thw"],
+                                                mm_token_type_ids=(ids_1L == IMAGE).int())
+        logits = model(input_ids=ids_1L, use_cache=False, **kwargs).logits.float()[0]
+        out[b, cols[:-1]] = torch.log_softmax(logits[:-1], -1).gather(-1, ids_1L[0, 1:, None])[:, 0]
+    return out
 
 
 def hf_logprobs(model, rows: Batch) -> torch.Tensor:

@@ -10,6 +10,10 @@ layer (q/k/v/o projections, a gated MLP of three matrices, two RMSNorms per laye
 architecture has them). Multi-latent attention (deepseek_v2/v3): `head_dim` is the q/k head dim
 (qk_nope + qk_rope), `v_head_dim` the value head dim, and kv heads equal q heads (after the latent expansion).
 
+Vision-language checkpoints (qwen2_5_vl, qwen3_vl, qwen3_vl_moe) read as their text model (the layers of its text
+equivalent, rlsp.config.vision_shape.TEXT_EQUIVALENT) plus their vision tower (`vision`), whose parameters count in
+the root unit (FSDP2 shards the text layers one by one and the rest, the tower included, at once).
+
 No torch, no transformers: the planner answers in well under a second.
 """
 
@@ -17,11 +21,12 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from rlsp.config.layer_kinds import LINEAR, LayerKind, layer_kinds, uniform_layers
+from rlsp.config.vision_shape import TEXT_EQUIVALENT, VisionTower, vision_tower
 
 # Multimodal wrappers whose text model rlsp trains (text-only RL) -> their text model_type: AutoModelForCausalLM loads
 # it (config = text_config; `model.language_model.*` read as `model.*`, the vision tower's `model.visual.*` skipped).
@@ -51,6 +56,7 @@ class ModelShape:
     # one per decoder layer, read from config.json (empty: every layer the Llama / Qwen2 layer above)
     kinds: tuple[LayerKind, ...] = field(default=(), compare=False, repr=False)
     model_type: str = field(default="", compare=False)
+    vision: VisionTower | None = field(default=None, compare=False)  # a vision-language model's tower
 
     @property
     def v_dim(self) -> int:
@@ -92,8 +98,8 @@ class ModelShape:
 
     @property
     def root_params(self) -> int:
-        """Parameters outside the decoder layers (FSDP2's root unit): embedding, lm_head, final norm."""
-        return self.matrix_params + self.hidden
+        """Parameters outside the decoder layers (FSDP2's root unit): embedding, lm_head, final norm, vision tower."""
+        return self.matrix_params + self.hidden + (self.vision.params if self.vision else 0)
 
     @property
     def params(self) -> int:
@@ -132,7 +138,10 @@ class ModelShape:
 
     def legal_tp(self) -> list[int]:
         """Tensor-parallel sizes that split q heads, kv heads and the MLP width evenly (the same rule
-        as rlsp.parallel.tensor_parallel.legal_tp_sizes, which needs torch)."""
+        as rlsp.parallel.tensor_parallel.legal_tp_sizes, which needs torch); 1 alone for a vision-language model
+        (rlsp's tensor parallelism refuses it: rlsp.models.loading.check_tp_windowed)."""
+        if self.vision is not None:
+            return [1]
         common = math.gcd(self.q_heads, self.kv_heads, self.intermediate)
         return [d for d in range(1, common + 1) if common % d == 0]
 
@@ -141,9 +150,10 @@ class ModelShape:
         dims = f"dim {self.head_dim}" if self.v_dim == self.head_dim else f"q/k dim {self.head_dim}, v dim {self.v_dim}"
         active = (f" ({(self.active_decoder_params + self.root_params) / 1e9:.2f} B active per token)"
                   if self.active_decoder_params != self.decoder_params else "")
+        tower = (f", vision tower {self.vision.params / 1e6:.1f} M ({self.vision.depth} blocks)" if self.vision else "")
         return (f"{self.name}: {self.layers} layers, hidden {self.hidden}, {self.q_heads} q / {self.kv_heads} kv "
                 f"heads of {dims}, intermediate {self.intermediate}, vocab {self.vocab} ({tie}); "
-                f"{self.params / 1e9:.2f} B parameters{active}" +
+                f"{self.params / 1e9:.2f} B parameters{active}{tower}" +
                 (f"; {self.max_positions} positions" if self.max_positions else ""))
 
 
@@ -189,6 +199,14 @@ def read_model_shape(path: str | Path) -> ModelShape:
     if not file.is_file():
         raise ValueError(f"no config.json at {file}: pass a model directory (Hugging Face layout) or its config.json")
     config = json.loads(file.read_text())
+    name = p.name if p.is_dir() else p.parent.name
     if config.get("model_type") in TEXT_WRAPPERS and isinstance(config.get("text_config"), dict):
         config = config["text_config"]  # a Qwen3.5 wrapper checkpoint: rlsp trains its text model alone
-    return shape_from_config(config, name=p.name if p.is_dir() else p.parent.name)
+    mt = config.get("model_type")
+    if mt in TEXT_EQUIVALENT and isinstance(config.get("text_config"), dict):  # trained with its vision tower
+        # transformers ties by the top-level config's word (Qwen3-VL-MoE's text config may say otherwise)
+        tied = config.get("tie_word_embeddings", config["text_config"].get("tie_word_embeddings", False))
+        text = {**config["text_config"], "model_type": TEXT_EQUIVALENT[mt], "tie_word_embeddings": tied}
+        shape = shape_from_config(text, name=name)
+        return replace(shape, model_type=mt, vision=vision_tower(mt, config.get("vision_config") or {}))
+    return shape_from_config(config, name=name)

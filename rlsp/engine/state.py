@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from rlsp.engine.fsdp_offload import to_device
+from rlsp.models.vision_inputs import TIED_EMBED_NAMES
 from rlsp.parallel.ep_state import convert_state
 from rlsp.parallel.expert_parallel import expert_sharded_names, gather_full
 
@@ -73,7 +74,7 @@ class EngineState:
             full = gather_full(full, self.ep_names[name]) if name in self.ep_names else full
             full = full.detach().to(dtype or full.dtype)
             yield name, full
-            if self.tied and name == "model.embed_tokens.weight":
+            if self.tied and name in TIED_EMBED_NAMES:  # a vision-language model's too (model.language_model.*)
                 yield "lm_head.weight", full
 
     def iter_full_grads(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -27,7 +27,7 @@ from torch import nn
 
 from rlsp.models.attention import ULYSSES_ATTN_IMPL
 from rlsp.models.logprobs import compute_token_logprobs, compute_token_logprobs_sum_pi_squared
-from rlsp.models.vision_inputs import VISION_FAMILIES
+from rlsp.models.vision_inputs import TOWER_FAMILIES
 from rlsp.parallel.tensor_parallel import TPInfo, tp_local_param, tp_local_tokens
 from rlsp.parallel.ulysses import SPContext
 
@@ -78,7 +78,7 @@ class TokenLogprobModel(nn.Module):
     def __init__(self, lm: nn.Module, chunk_size: int = 1024, compiled: bool = False) -> None:
         super().__init__()
         model_type = getattr(getattr(lm, "config", None), "model_type", None)
-        if model_type in VISION_FAMILIES and type(self) is TokenLogprobModel:
+        if model_type in TOWER_FAMILIES and type(self) is TokenLogprobModel:
             raise ValueError(f"{model_type} is a vision-language model: build its head with "
                              "rlsp.models.vision_lm.build_logprob_model (VisionLogprobModel), not TokenLogprobModel")
         self.lm = lm

@@ -12,7 +12,8 @@ compute
 layers named by `config.layer_types` and attention soft-capping run in rlsp.models.window_attention
 (Gemma 2, Gemma 3, gpt-oss, whose attention sinks run there too); ring attention runs them too for these families (`check_ring_support`). An architecture that passes these checks but
 routes some layer around the attention interface is caught at runtime by the layer-count check of
-`rlsp.models.lm.TokenLogprobModel`. Qwen3.5 vision-language wrapper checkpoints (`TEXT_WRAPPERS`) train as their text model;
+`rlsp.models.lm.TokenLogprobModel`. Qwen3.5 vision-language wrapper checkpoints (`TEXT_WRAPPERS`) train as their text model
+(with `vision_tower=True`, `TOWER_OPTIONAL`: with their tower, as below);
 Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE (`VISION_FAMILIES`) load with their vision tower (AutoModelForImageTextToText; the text model
 through rlsp_ulysses, the tower through its own attention) and train through rlsp.models.vision_lm.
 
@@ -49,7 +50,13 @@ from rlsp.models.linear_attention import (
     apply_linear_attention,
     has_linear_layers,
 )
-from rlsp.models.vision_inputs import VISION_FAMILIES, VISION_TEXT_TYPES, attn_implementation_for
+from rlsp.models.vision_inputs import (
+    TOWER_FAMILIES,
+    TOWER_OPTIONAL,
+    VISION_FAMILIES,
+    VISION_TEXT_TYPES,
+    attn_implementation_for,
+)
 
 log = logging.getLogger(__name__)
 
@@ -255,31 +262,46 @@ def check_sp_support(config: PretrainedConfig, sp_size: int) -> None:
 
 
 def build_causal_lm_from_config(
-    config: PretrainedConfig, *, dtype: torch.dtype = torch.float32, attn_implementation: str = ULYSSES_ATTN_IMPL
+    config: PretrainedConfig, *, dtype: torch.dtype = torch.float32, attn_implementation: str = ULYSSES_ATTN_IMPL,
+    vision_tower: bool = False,
 ) -> PreTrainedModel:
-    """Random-init causal LM from a config with the given attention implementation (tests, tiny models).
+    """Random-init causal LM from a config with the given attention implementation (tests, tiny models);
+    `vision_tower`: a Qwen3.5 wrapper config (TOWER_OPTIONAL) builds its ForConditionalGeneration class.
 
     The config is copied: transformers records the attention implementation on the config object,
     and a model built later from the same object must not change this one's.
     """
     config = copy.deepcopy(config)
     _prepare(config, attn_implementation)
-    auto = AutoModelForImageTextToText if config.model_type in VISION_FAMILIES else AutoModelForCausalLM
+    auto = _auto_class(config, vision_tower)
     model = auto.from_config(config, attn_implementation=attn_implementation_for(config, attn_implementation), dtype=dtype)
     return _finish(model, attn_implementation)
 
 
 def load_causal_lm(
-    path: str, *, dtype: torch.dtype = torch.float32, attn_implementation: str = ULYSSES_ATTN_IMPL, **kwargs: Any
+    path: str, *, dtype: torch.dtype = torch.float32, attn_implementation: str = ULYSSES_ATTN_IMPL,
+    vision_tower: bool = False, **kwargs: Any
 ) -> PreTrainedModel:
-    """Load a causal LM from a local path; registers rlsp_ulysses first and checks the architecture."""
+    """Load a causal LM from a local path; registers rlsp_ulysses first and checks the architecture.
+    `vision_tower`: a Qwen3.5 wrapper checkpoint (TOWER_OPTIONAL) loads with its tower (images) instead of as its
+    text model; the families of VISION_FAMILIES always load with theirs."""
     config = AutoConfig.from_pretrained(path)
     _prepare(config, attn_implementation)
-    _log_text_only(config, path)
-    auto = AutoModelForImageTextToText if config.model_type in VISION_FAMILIES else AutoModelForCausalLM
+    auto = _auto_class(config, vision_tower)
+    if auto is AutoModelForCausalLM:
+        _log_text_only(config, path)
     model = auto.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation_for(config, attn_implementation),
                                  **kwargs)
     return _finish(model, attn_implementation)
+
+
+def _auto_class(config: PretrainedConfig, vision_tower: bool) -> type:
+    """AutoModelForImageTextToText for a model loaded with its vision tower, else AutoModelForCausalLM."""
+    if vision_tower and config.model_type not in TOWER_FAMILIES:
+        raise ValueError(f"vision_tower=True: {config.model_type} has no vision tower rlsp trains; legal: "
+                         f"{list(TOWER_FAMILIES)}")
+    with_tower = config.model_type in VISION_FAMILIES or (vision_tower and config.model_type in TOWER_OPTIONAL)
+    return AutoModelForImageTextToText if with_tower else AutoModelForCausalLM
 
 
 def load_backbone(

@@ -24,15 +24,22 @@ MM_KEY = "multi_modal_inputs"
 # Vision-language families rlsp trains with their vision tower (rlsp.models.vision_lm); the tower keeps its own
 # attention (VISION_ATTN_IMPL), the text model runs rlsp_ulysses.
 VISION_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+# Qwen3.5 wrappers (hybrid Gated DeltaNet text models): text-only unless loaded with their tower (`load_causal_lm(...,
+# vision_tower=True)`); then rlsp.models.vision_lm trains them with images like VISION_FAMILIES.
+TOWER_OPTIONAL = ("qwen3_5", "qwen3_5_moe")
+TOWER_FAMILIES = (*VISION_FAMILIES, *TOWER_OPTIONAL)  # what VisionLogprobModel wraps
 VISION_TEXT_TYPES = ("qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text")  # their text configs (what read_model_config returns)
 VISION_ATTN_IMPL = "sdpa"
+# HF names of the input embedding that a tied output layer (`lm_head.weight`) shares: a text causal LM's, and a
+# vision-language model's text model's (transformers' module tree, what the trainer's weight sync sends).
+TIED_EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
 ENTRY_KEYS = ("pixel_values", "image_grid_thw")
 
 
 def attn_implementation_for(config: Any, attn_implementation: str) -> str | dict[str, str]:
     """What to pass as `attn_implementation` when building a model of `config`: per sub-config for a vision-language
     family (the text model's the given one, the vision tower's its own), else `attn_implementation` itself."""
-    if getattr(config, "model_type", None) not in VISION_FAMILIES:
+    if getattr(config, "model_type", None) not in TOWER_FAMILIES:
         return attn_implementation
     return {"text_config": attn_implementation, "vision_config": VISION_ATTN_IMPL, "": VISION_ATTN_IMPL}
 

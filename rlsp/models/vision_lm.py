@@ -1,4 +1,5 @@
-"""VisionLogprobModel: a HF vision-language model (Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE) on this rank's shard of a packed stream.
+"""VisionLogprobModel: a HF vision-language model (Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE; Qwen3.5 and Qwen3.5-MoE loaded
+with their tower) on this rank's shard of a packed stream.
 
 It keeps `rlsp.models.lm.TokenLogprobModel`'s calling convention and output layer, and also takes the micro-batch's
 images (`StreamImages`, rlsp.models.vision_inputs). Per forward:
@@ -27,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rlsp.models.lm import TokenLogprobModel, check_local_inputs, compute_hidden_states
-from rlsp.models.vision_inputs import VISION_FAMILIES, MultiModalRows, StreamImages, rope_positions, stream_images
+from rlsp.models.vision_inputs import TOWER_FAMILIES, MultiModalRows, StreamImages, rope_positions, stream_images
 from rlsp.parallel.ulysses import SPContext, shard_for_rank
 
 
@@ -67,14 +68,15 @@ def assign_images(patches: list[int], ranks: int) -> list[int]:
 
 
 class VisionLogprobModel(TokenLogprobModel):
-    """Wraps a HF `*ForConditionalGeneration` of VISION_FAMILIES (`self.lm`); forward also takes `multi_modal`."""
+    """Wraps a HF `*ForConditionalGeneration` of TOWER_FAMILIES (`self.lm`); forward also takes `multi_modal`."""
 
     def __init__(self, lm: nn.Module, chunk_size: int = 1024, compiled: bool = False,
                  freeze_vision_tower: bool = False) -> None:
         model_type = getattr(lm.config, "model_type", None)
-        if model_type not in VISION_FAMILIES:
+        if model_type not in TOWER_FAMILIES:
             raise ValueError(f"model_type={model_type!r} is not a vision-language family rlsp trains; legal: "
-                             f"{list(VISION_FAMILIES)} (text models: rlsp.models.lm.TokenLogprobModel)")
+                             f"{list(TOWER_FAMILIES)} (text models: rlsp.models.lm.TokenLogprobModel; qwen3_5 / "
+                             "qwen3_5_moe with images: load_causal_lm(..., vision_tower=True))")
         super().__init__(lm, chunk_size, compiled)
         self.freeze_vision_tower = freeze_vision_tower
         if freeze_vision_tower:  # no gradients, hence no optimizer state (build_optimizer takes requires_grad ones)
@@ -172,7 +174,8 @@ class VisionLogprobModel(TokenLogprobModel):
 def build_logprob_model(lm: nn.Module, *, chunk_size: int = 1024, compiled: bool = False,
                         freeze_vision_tower: bool = False) -> TokenLogprobModel:
     """The policy head model of a loaded `lm` (rlsp.models.loading.load_causal_lm): VisionLogprobModel for the
-    vision-language families, else TokenLogprobModel (which has no vision tower: `freeze_vision_tower` is moot)."""
-    if getattr(lm.config, "model_type", None) in VISION_FAMILIES:
+    vision-language families (a Qwen3.5 wrapper loaded with its tower), else TokenLogprobModel (which has no vision
+    tower: `freeze_vision_tower` is moot)."""
+    if getattr(lm.config, "model_type", None) in TOWER_FAMILIES:
         return VisionLogprobModel(lm, chunk_size, compiled, freeze_vision_tower=freeze_vision_tower)
     return TokenLogprobModel(lm, chunk_size, compiled)

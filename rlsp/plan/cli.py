@@ -77,6 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--all", action="store_true")
     p.add_argument("--no-flash-attn", action="store_true", help="GPUs without flash_attn: windowed and soft-capped "
                    "layers run rlsp's torch banded kernel, which keeps O(tokens x window) probabilities for backward")
+    p.add_argument("--image-tokens", type=int, default=0, help="image tokens per sequence of vision-language data "
+                   "(its prompt's images); the vision tower's activations are counted for them (default 0: text)")
     p.add_argument("--overrides", action="store_true", help="print the recommended plan's Hydra overrides last")
     return p.parse_args(argv)
 
@@ -95,6 +97,9 @@ def build_request(a: argparse.Namespace) -> tuple[Request, RunShape]:
     prompt = a.prompt_len if a.prompt_len is not None else min(1024, seq // 4)
     if not 1 <= prompt < seq:
         raise ValueError(f"--prompt-len={prompt} must be in [1, {seq - 1}] (the response gets the rest of --seq-len)")
+    if a.image_tokens and (shape.vision is None or not 0 < a.image_tokens <= prompt):
+        raise ValueError(f"--image-tokens={a.image_tokens}: legal: 0, or 1..--prompt-len ({prompt}) for a "
+                         f"vision-language model (qwen2_5_vl, qwen3_vl, qwen3_vl_moe); {a.model} is a {shape.model_type}")
     algo = "ppo" if a.critic else a.algo
     cluster = Cluster(a.nodes, a.gpus_per_node, a.gpu_memory_gib, a.headroom, a.host_memory_gib)
     req = Request(shape, cluster, seq, critic=algo == "ppo", dtype_bytes=2 if a.dtype == "bfloat16" else 4,
@@ -102,7 +107,7 @@ def build_request(a: argparse.Namespace) -> tuple[Request, RunShape]:
                   speeds=Speeds(a.tflops, a.intra_gbps, a.inter_gbps, a.pcie_gbps),
                   tiled_mlp=schema_has(TILED_KEY), activation_offload=schema_has(OFFLOAD_KEY),
                   reference=not a.no_reference, param_offload=schema_has(PARAM_OFFLOAD_KEY),
-                  lean_norm=schema_has(LEAN_NORM_KEY), flash=not a.no_flash_attn)
+                  lean_norm=schema_has(LEAN_NORM_KEY), flash=not a.no_flash_attn, image_tokens=a.image_tokens)
     run = RunShape(a.model, prompt, seq - prompt, 0, 0, a.rollout_n, algo)
     return req, run
 

@@ -52,6 +52,7 @@ from rlsp.config.auto_memory import RankSpan, attention_saved_bytes, block_bytes
 from rlsp.config.layer_kinds import LayerKind
 from rlsp.config.layout import RoleLayout
 from rlsp.config.model_shape import ModelShape
+from rlsp.config.vision_shape import tower_saved_bytes
 from rlsp.parallel.ring_heads import acc_bytes, kv_heads_per_pass
 
 GIB = 2**30
@@ -90,6 +91,13 @@ class Workload:
     budget: int
     seq_len: int
     heads: HeadShare
+    image_tokens: int = 0  # image tokens per sequence (its prompt's images); 0: text-only data
+
+    @property
+    def rank_image_tokens(self) -> int:
+        """Image tokens whose patches this rank encodes: its share of the stream's images (rlsp.models.vision_lm
+        spreads them over the ranks of a stream by patches)."""
+        return -(-self.shard * min(self.image_tokens, self.seq_len) // self.seq_len)
 
     @property
     def stream(self) -> int:
@@ -242,6 +250,8 @@ def activation_terms(shape: ModelShape, w: Workload, role: str, opts: MemoryOpti
     else:
         saved, recompute = decoder_saved_bytes(shape, w, opts) + shared, 0.0
     working = max(_backward_working_set(shape, w, opts, k) for k in set(kinds))
+    if shape.vision is not None and w.image_tokens and role != "critic":  # the rank's share of the images' patches
+        saved += tower_saved_bytes(shape.vision, w.rank_image_tokens, e, checkpointed=opts.checkpointing)
     return {"saved": saved, "final_norm": final_norm, "recompute": recompute, "layer_backward": working,
             "head": _head_bytes(shape, w, role, opts)}
 

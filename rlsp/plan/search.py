@@ -87,6 +87,7 @@ class Request:
     param_offload: bool = True  # whether FSDP parameter offload is enumerated
     lean_norm: bool = False  # whether the schema has model.lean_rmsnorm (enumerated with checkpointing)
     flash: bool = True  # flash_attn installed: windowed / soft-capped layers run it (else rlsp's torch banded kernel)
+    image_tokens: int = 0  # image tokens per sequence (vision-language data); the tower's activations scale with them
 
 
 @dataclass(frozen=True)
@@ -203,7 +204,7 @@ def _flops(req: Request, w: Workload, s: Settings) -> float:
 
 def evaluate(req: Request, layout: RoleLayout, s: Settings, split: HeadSplit) -> Plan:
     share = HeadShare(max(split.q_counts), max(split.kv_counts))
-    w = Workload(layout, s.budget, req.seq_len, share)
+    w = Workload(layout, s.budget, req.seq_len, share, image_tokens=req.image_tokens)
     opts = MemoryOptions(req.dtype_bytes, s.checkpointing, s.tiled_mlp_shards, s.activation_offload, req.logprob_chunk,
                          param_offload=s.param_offload, lean_norm=s.lean_norm, flash=req.flash)
     memory = plan_memory(req.shape, w, opts, critic=req.critic, ref=req.reference)

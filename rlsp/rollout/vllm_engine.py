@@ -36,10 +36,11 @@ from typing import Any
 
 import torch
 
+from rlsp.models.vision_inputs import TIED_EMBED_NAMES
 from rlsp.rollout.base import RolloutOutput, SamplingConfig
 from rlsp.rollout.moe_names import build_checkpoint_names
 
-EMBED_NAME = "model.embed_tokens.weight"
+EMBED_NAMES = TIED_EMBED_NAMES  # a text LM's embedding and a vision-language model's (model.language_model.*)
 LM_HEAD_NAME = "lm_head.weight"
 
 
@@ -77,7 +78,7 @@ def _with_tied_head(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterat
     embed: torch.Tensor | None = None
     for name, tensor in named_tensors:
         sent_head = sent_head or name == LM_HEAD_NAME
-        if name == EMBED_NAME:
+        if name in EMBED_NAMES:
             embed = tensor
         yield name, tensor
     if embed is not None and not sent_head:

@@ -6,7 +6,9 @@ on rows with 0, 1 and 2 images, two micro-batches of 3 rows (so some ranks encod
 blank one). At Ulysses 2, Ulysses 4 (uneven 2+2+1+1 q heads), ring 2 and Ulysses 2 x ring 2 the loss metrics, every
 parameter's full gradient (the vision tower's included) and the AdamW step equal one process's within
 tests/tolerances.py's bounds; the bounds count the tower's layers as stages of the chain. With the tower frozen
-(Ulysses 2) no tower parameter gets a gradient or a step, and the text model's equal the reference's.
+(Ulysses 2) no tower parameter gets a gradient or a step, and the text model's equal the reference's. Qwen3.5 (a
+hybrid Gated DeltaNet text model, loaded with its tower) the same at Ulysses 2 (Qwen3.5-MoE at one rank:
+tests/unit/test_qwen3_5_vision.py).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ TOKENS = len(GRIDS) * (P + R)
 
 def _train_once(rank: int, world: int, path: str, ulysses: int, ring: int, batch, freeze: bool = False):
     dims = layout_dims(ulysses=ulysses, ring=ring)
-    module = VisionLogprobModel(load_causal_lm(path, dtype=torch.float32), freeze_vision_tower=freeze)
+    module = VisionLogprobModel(load_causal_lm(path, dtype=torch.float32, vision_tower=True), freeze_vision_tower=freeze)
     engine = FSDPEngine(module, dims, torch.device("cpu"), optim=OptimSettings(lr=LR, grad_clip=0.0))
     loss_fn = make_actor_loss(LOSS, *global_counts(batch, dims.dp_group))
     engine.optimizer.zero_grad(set_to_none=True)
@@ -63,10 +65,12 @@ def vl_model_and_batch(request, tmp_path_factory):
     return path, batch, run_distributed(_train_once, 1, path, 1, 1, batch)[0]
 
 
-# Qwen3-VL at every layout; Qwen2.5-VL (its windowed tower and rope) at the uneven Ulysses 4; Qwen3-VL-MoE at Ulysses 2
+# Qwen3-VL at every layout; Qwen2.5-VL (its windowed tower and rope) at the uneven Ulysses 4; Qwen3-VL-MoE and Qwen3.5
+# (Gated DeltaNet layers: no ring) at Ulysses 2
 @pytest.mark.parametrize("vl_model_and_batch,world,ulysses,ring", [
     ("qwen3_vl", 2, 2, 1), ("qwen3_vl", 4, 4, 1), ("qwen3_vl", 2, 1, 2), ("qwen3_vl", 4, 2, 2),
-    ("qwen2_5_vl", 4, 4, 1), ("qwen3_vl_moe", 2, 2, 1)], indirect=["vl_model_and_batch"])
+    ("qwen2_5_vl", 4, 4, 1), ("qwen3_vl_moe", 2, 2, 1), ("qwen3_5", 2, 2, 1)],
+    indirect=["vl_model_and_batch"])
 def test_vision_language_loss_gradients_and_step_exact(vl_model_and_batch, world, ulysses, ring):
     path, batch, ref = vl_model_and_batch
     metrics, grads, params = run_distributed(_train_once, world, path, ulysses, ring, batch)[0]
