@@ -6,13 +6,21 @@
     python benchmarks/driver_bytes.py --workload small-grpo  # grpo_step.py's small workload (256 tokens, vLLM), 2 steps
     python benchmarks/driver_bytes.py --workload small-ppo   # the same with a critic
     python benchmarks/driver_bytes.py --workload large-grpo  # tiny model, 128 prompts x 8 samples x 1024 forced tokens, 2 steps
+    python benchmarks/driver_bytes.py --workload stage-grpo-kl --response-length 64  # the step stage's algorithms:
+    #   stage-grpo-kl, stage-rloo-kl, stage-gpg-kl, stage-otb, stage-grpo-overlong (dapo's shaping): the tiny model,
+    #   8 prompts x 4 samples, forced lengths
 
 Each workload runs `python -m rlsp.main` in a subprocess (cwd and PYTHONPATH: `--root`, this checkout by
 default, so another checkout of rlsp can be measured with the same workloads) and reads the run's
 metrics.jsonl: `perf/driver_bytes` (sent + received: arguments of worker calls and objects put, results
 read), its split, `timing/step_s` and `perf/driver_peak_rss_gib` (the driver's peak resident memory,
 the whole run so far). Step 1 also carries start-up traffic (worker set-up), so the JSON gives it apart
-from the mean over steps 2..N. Extra argv entries are config overrides (key=value).
+from the mean over steps 2..N, and `bytes_per_row` (that mean over the step's rows). Extra argv entries are
+config overrides (key=value).
+
+The `stage-*` workloads run an algorithm of the step stage (rlsp.workers.step_stage: an estimator with KL in
+the reward, the optimal token baselines, GRPO with dapo's overlong shaping) at a forced response length (`--response-length`, vLLM with
+ignore_eos): run one at two lengths; `bytes_per_row` stays the same when nothing crosses the driver per token.
 """
 
 from __future__ import annotations
@@ -37,17 +45,31 @@ ASYNC = {"trainer.n_gpus_per_node": 1, "rollout.n_gpus_per_node": 1}
 LARGE = {"data.train_batch_size": 128, "actor_rollout_ref.actor.ppo_mini_batch_size": 128,
          "data.max_response_length": 1024, "actor_rollout_ref.rollout.ignore_eos": True,
          "actor_rollout_ref.rollout.name": "vllm"}
+# The step stage's workloads: forced lengths (vLLM, ignore_eos), a reference model for the KL in the reward.
+STAGE = {"data.train_batch_size": 8, "actor_rollout_ref.rollout.n": 4, "actor_rollout_ref.actor.ppo_mini_batch_size": 8,
+         "actor_rollout_ref.rollout.ignore_eos": True, "actor_rollout_ref.rollout.name": "vllm"}
+KL = {"algorithm.use_kl_in_reward": True, "algorithm.kl_ctrl.kl_coef": 0.05, "actor_rollout_ref.actor.use_kl_loss": False}
+OTB = {"algorithm.adv_estimator": "optimal_token_baseline", "actor_rollout_ref.actor.calculate_sum_pi_squared": True}
+OVERLONG = {"reward.reward_manager.name": "dapo", "reward.reward_kwargs.overlong_buffer_cfg.enable": True,
+            "reward.reward_kwargs.overlong_buffer_cfg.len": 4, "reward.reward_kwargs.overlong_buffer_cfg.penalty_factor": 0.5}
 WORKLOADS = {  # name: (grpo_step.py workload, overrides on top, steps)
     "tiny-grpo": ("tiny", {}, 4), "tiny-ppo": ("tiny", PPO, 4), "tiny-async": ("tiny", ASYNC, 4),
     "small-grpo": ("small", {}, 2), "small-ppo": ("small", PPO, 2), "large-grpo": ("tiny", LARGE, 2),
+    "stage-grpo-kl": ("tiny", {**STAGE, **KL, "algorithm.adv_estimator": "grpo"}, 3),
+    "stage-rloo-kl": ("tiny", {**STAGE, **KL, "algorithm.adv_estimator": "rloo"}, 3),
+    "stage-gpg-kl": ("tiny", {**STAGE, **KL, "algorithm.adv_estimator": "gpg"}, 3),
+    "stage-otb": ("tiny", {**STAGE, **OTB}, 3),
+    "stage-grpo-overlong": ("tiny", {**STAGE, **OVERLONG, "algorithm.adv_estimator": "grpo"}, 3),
 }
 
 
-def overrides(name: str, cache: str, steps: int | None, run_dir: str) -> dict:
+def overrides(name: str, cache: str, steps: int | None, run_dir: str, response_length: int | None = None) -> dict:
     base, extra, default_steps = WORKLOADS[name]
     args = {**overrides_for(base, cache), **extra, "trainer.total_training_steps": steps or default_steps,
             "trainer.default_local_dir": run_dir}
-    if name.startswith("large"):  # the tiny model with room for long responses (same weights: rope has none)
+    if response_length is not None:
+        args["data.max_response_length"] = response_length
+    if name.startswith(("large", "stage")):  # the tiny model with room for long responses (same weights: rope has none)
         spec = TinyModelSpec(**{**MODELS["tiny"].__dict__, "max_position_embeddings": 4096})
         args["actor_rollout_ref.model.path"] = ensure_tiny_model(os.path.join(cache, "bench-tiny-long"), spec)
     return args
@@ -92,7 +114,9 @@ def summary(name: str, args: dict, rows: list[dict], wall: float, root: str) -> 
             "step_s": mean("timing/step_s"), "step1_s": round(rows[0]["timing/step_s"], 3),
             "driver_peak_rss_gib": round(max(r.get("perf/driver_peak_rss_gib", 0.0) for r in rows), 3),
             # samples of a step, and their tokens (prompt + response, mean over steps 2..N)
-            "rows": int(args["data.train_batch_size"]) * int(args["actor_rollout_ref.rollout.n"]),
+            "rows": (rows := int(args["data.train_batch_size"]) * int(args["actor_rollout_ref.rollout.n"])),
+            "bytes_per_row": round(mean("perf/driver_bytes") / rows, 1),
+            "response_length": args.get("data.max_response_length"),
             "tokens": round(sum(r["throughput/tokens_per_s"] * r["timing/step_s"] for r in later) / len(later)),
             "wall_s": round(wall, 1)}
 
@@ -101,6 +125,7 @@ def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload", choices=list(WORKLOADS), required=True)
     p.add_argument("--steps", type=int, default=None, help="training steps (default: the workload's)")
+    p.add_argument("--response-length", type=int, default=None, help="data.max_response_length (default: the workload's)")
     p.add_argument("--root", default=ROOT, help="the rlsp checkout to run (cwd and PYTHONPATH of the run)")
     p.add_argument("--out", default="/tmp/rlsp_driver_bytes", help="run directories go under here")
     p.add_argument("--timeout", type=float, default=1800, help="seconds before the run is interrupted")
@@ -111,7 +136,7 @@ def main(argv: list[str]) -> None:
     os.makedirs(args.out, exist_ok=True)
     shutil.rmtree(run_dir, ignore_errors=True)
     root = os.path.abspath(args.root)
-    run_args = overrides(args.workload, args.cache_dir, args.steps, run_dir)
+    run_args = overrides(args.workload, args.cache_dir, args.steps, run_dir, args.response_length)
     run_args.update(a.split("=", 1) for a in extra)  # extra overrides replace the workload's (rows counted from them)
     rows, wall = run(run_args, root, args.timeout)
     print(json.dumps(summary(args.workload, run_args, rows, wall, root)))

@@ -34,7 +34,8 @@ class AdvantageInputs:
     index: Sequence[Any] | np.ndarray | None = None  # one group id per row (samples of one prompt share it)
     eps: float = 1e-6
     # None: the rows are the whole batch. Else they are one shard of it and `reduce` sums a tensor over the
-    # shards (rlsp.algos.whiten); only an estimator that declares it (batch-wide sums, no groups) takes a shard.
+    # shards (rlsp.algos.whiten); only an estimator that declares it (batch-wide sums) takes it. An estimator
+    # without batch-wide statistics takes a shard without it; one that reads groups needs them whole in a shard.
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
     # settings (algorithm.*)
     norm_adv_by_std: bool = True  # algorithm.norm_adv_by_std_in_grpo

@@ -15,15 +15,15 @@ With actor_rollout_ref.rollout.n >= 2 (required for both) the last case does not
 from __future__ import annotations
 
 from rlsp.algos import grpo, rloo  # noqa: F401  (registers the targets first)
-from rlsp.algos.registry import estimator_uses, get_adv_estimator, register_adv_estimator
+from rlsp.algos.registry import estimator_uses, get_adv_estimator, reads_groups, register_adv_estimator
 
 # alias -> the registered estimator it runs.
 ESTIMATOR_ALIASES: dict[str, str] = {"grpo_vectorized": "grpo", "rloo_vectorized": "rloo"}
 
 
 def register_alias(alias: str, target: str) -> None:
-    """Register ``alias`` to run estimator ``target``, reading exactly the settings ``target`` reads."""
-    register_adv_estimator(alias, uses=estimator_uses(target))(get_adv_estimator(target))
+    """Register ``alias`` to run estimator ``target``, reading exactly the settings (and groups) ``target`` reads."""
+    register_adv_estimator(alias, uses=estimator_uses(target), groups=reads_groups(target))(get_adv_estimator(target))
 
 
 for _alias, _target in ESTIMATOR_ALIASES.items():

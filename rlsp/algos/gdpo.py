@@ -39,7 +39,7 @@ def component_weights(names: list[str], weights: tuple[float, ...] | None) -> li
     return [float(w) for w in weights]
 
 
-@register_adv_estimator("gdpo", uses=("gdpo_reward_weights", "reward_components"))
+@register_adv_estimator("gdpo", uses=("gdpo_reward_weights", "reward_components"), groups=True)
 def compute_gdpo_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages_BR, returns_BR); returns equal the advantages (an outcome estimator, as in verl).
 

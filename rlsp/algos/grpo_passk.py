@@ -56,7 +56,7 @@ def best_rows_and_margins(
     return best_B, top_G - second_G
 
 
-@register_adv_estimator("grpo_passk", uses=("norm_adv_by_std",))
+@register_adv_estimator("grpo_passk", uses=("norm_adv_by_std",), groups=True)
 def compute_grpo_passk_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages_BR, returns_BR); returns equal the advantages (an outcome estimator, as in verl).
 

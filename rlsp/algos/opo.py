@@ -44,7 +44,7 @@ def length_weighted_baseline(
     return baseline_G[gid_B]
 
 
-@register_adv_estimator("opo", uses=())
+@register_adv_estimator("opo", uses=(), groups=True)
 def compute_opo_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages_BR, returns_BR); returns equal the advantages (an outcome estimator, as in verl).
 

@@ -116,7 +116,7 @@ def _otb(inputs: AdvantageInputs, compact: bool, zero_tail: bool) -> tuple[torch
     return advantages_BR, returns_BR
 
 
-@register_adv_estimator("optimal_token_baseline", uses=USES)
+@register_adv_estimator("optimal_token_baseline", uses=USES, groups=True)
 def compute_otb_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages_BR, returns_BR): A_t = G_t - B_t by response column (module docstring); returns the
     reward-to-go G. Masked-out tokens get 0 in both. ``old_logprobs_BR`` and ``sum_pi_squared_BR`` are
@@ -124,7 +124,7 @@ def compute_otb_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch
     return _otb(inputs, compact=False, zero_tail=False)
 
 
-@register_adv_estimator("tir_optimal_token_baseline", uses=USES)
+@register_adv_estimator("tir_optimal_token_baseline", uses=USES, groups=True)
 def compute_tir_otb_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages_BR, returns_BR): as optimal_token_baseline, tokens lined up by rank among each row's
     policy tokens, rows without policy tokens outside the groups, and the zero tail (module docstring)."""

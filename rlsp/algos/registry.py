@@ -6,8 +6,9 @@ alike::
     fn(inputs: AdvantageInputs) -> (advantages_BR, returns_BR)
 
 ``inputs.index`` holds one group id per row (samples of one prompt share it). An estimator declares the
-settings of the record it reads (``uses``: keys of :data:`ESTIMATOR_DEFAULTS`); one it does not read
-must be at its default (``None`` for the optional inputs such as ``values_BR``): the registration wraps
+settings of the record it reads (``uses``: keys of :data:`ESTIMATOR_DEFAULTS`) and whether it reads the
+groups (``groups``: statistics over the rows of one prompt; a caller that splits the rows must keep every
+group whole, rlsp.workers.step_stage); a setting it does not read must be at its default (``None`` for the optional inputs such as ``values_BR``): the registration wraps
 every estimator in that guard (:func:`unused_settings`, which preflight also runs on the config), so a
 setting never gets silently dropped.
 
@@ -34,6 +35,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 _ADV_ESTIMATORS: dict[str, Callable[..., Any]] = {}
 _ADV_USES: dict[str, tuple[str, ...]] = {}
+_ADV_GROUPS: set[str] = set()
 _POLICY_LOSSES: dict[str, Callable[..., Any]] = {}
 
 __all__ = ["ESTIMATOR_DEFAULTS", "AdvantageInputs"]
@@ -55,13 +57,16 @@ def _lookup(table: dict[str, Callable[..., Any]], kind: str, name: str) -> Calla
     return table[name]
 
 
-def register_adv_estimator(name: str, uses: tuple[str, ...] = ()) -> Callable[[F], F]:
+def register_adv_estimator(name: str, uses: tuple[str, ...] = (), groups: bool = False) -> Callable[[F], F]:
     """Decorator registering an advantage estimator ``fn(inputs: AdvantageInputs)`` under ``name``;
-    ``uses`` names the settings (keys of :data:`ESTIMATOR_DEFAULTS`) it reads."""
+    ``uses`` names the settings (keys of :data:`ESTIMATOR_DEFAULTS`) it reads, ``groups`` whether it reads
+    ``inputs.index`` (statistics within prompt groups)."""
     unknown = sorted(set(uses) - set(ESTIMATOR_DEFAULTS))
     if unknown:
         raise ValueError(f"estimator {name!r} declares unknown settings {unknown}; legal: {sorted(ESTIMATOR_DEFAULTS)}")
     _ADV_USES[name] = tuple(uses)
+    if groups:
+        _ADV_GROUPS.add(name)
 
     def decorator(fn: F) -> F:
         @functools.wraps(fn)
@@ -96,6 +101,13 @@ def estimator_uses(name: str) -> tuple[str, ...]:
     """The settings estimator ``name`` reads (e.g. ("gamma", "lam", "values_BR") for GAE)."""
     _lookup(_ADV_ESTIMATORS, "advantage estimator", name)
     return _ADV_USES[name]
+
+
+def reads_groups(name: str) -> bool:
+    """Whether estimator ``name`` computes statistics within prompt groups (``inputs.index``): rows given to
+    it in parts must hold every group whole."""
+    _lookup(_ADV_ESTIMATORS, "advantage estimator", name)
+    return name in _ADV_GROUPS
 
 
 def compute_advantages(name: str, inputs: AdvantageInputs) -> tuple[Any, Any]:

@@ -2,7 +2,8 @@
 variant (outcome score minus its group mean, whitened over the batch).
 
 The plain variant runs on the whole batch or on a shard of its rows (``inputs.reduce``: the whitening's
-statistics are batch-wide sums, rlsp.algos.whiten); the baseline variant needs whole groups and the whole batch.
+statistics are batch-wide sums, rlsp.algos.whiten); so does the baseline variant, given shards that hold
+whole groups (its group means are local, its whitening a batch-wide sum).
 
 Shape legend: B rows (samples), R response length.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from rlsp.algos.adv_inputs import AdvantageInputs
-from rlsp.algos.aggregation import group_mean_std, masked_sum, masked_whiten
+from rlsp.algos.aggregation import group_mean_std, masked_sum
 from rlsp.algos.registry import register_adv_estimator
 from rlsp.algos.whiten import masked_whiten as whiten_shards
 
@@ -49,17 +50,18 @@ def compute_reinforce_pp_advantages(inputs: AdvantageInputs) -> tuple[torch.Tens
     return advantages_BR, returns_BR
 
 
-@register_adv_estimator("reinforce_plus_plus_baseline")
+@register_adv_estimator("reinforce_plus_plus_baseline", uses=("reduce",), groups=True)
 def compute_reinforce_pp_baseline_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages_BR, returns_BR).
 
     Row score s = summed token rewards; s - mean_g (group mean; 0 for a group of size 1, as in GRPO)
     is broadcast over the row's response tokens (returns), then whitened over all masked-in tokens
-    of the batch (advantages). Outcome-level, so no discounting: ``gamma``, ``lam``,
+    of the batch (advantages; over every shard with ``reduce``, each group whole in one shard). Outcome-level,
+    so no discounting: ``gamma``, ``lam``,
     ``norm_adv_by_std`` and ``values_BR`` must stay at their defaults.
     """
     scores_B = masked_sum(inputs.token_level_rewards_BR, inputs.response_mask_BR, dim=-1)
     mean_B, _, _ = group_mean_std(scores_B, inputs.index)
     returns_BR = (scores_B - mean_B).unsqueeze(-1) * inputs.response_mask_BR.to(scores_B.dtype)
-    advantages_BR = masked_whiten(returns_BR, inputs.response_mask_BR, eps=inputs.eps)
+    advantages_BR = whiten_shards(returns_BR, inputs.response_mask_BR, eps=inputs.eps, reduce=inputs.reduce)
     return advantages_BR, returns_BR

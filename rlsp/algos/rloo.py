@@ -12,7 +12,7 @@ from rlsp.algos.aggregation import group_mean_std, masked_sum
 from rlsp.algos.registry import register_adv_estimator
 
 
-@register_adv_estimator("rloo", uses=())
+@register_adv_estimator("rloo", uses=(), groups=True)
 def compute_rloo_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages_BR, returns_BR); returns equal the advantages.
 

@@ -11,8 +11,8 @@ listed here against it, on masks with holes and empty rows).
 
 Anything that makes token rewards differ from "the row's reward on its last token" (a KL penalty in
 the reward, tool step rewards, overlong shaping) or an estimator that reads per-token inputs (GAE,
-REINFORCE++, the optimal token baselines) takes the token-level path: the driver reads the columns
-it needs.
+REINFORCE++, the optimal token baselines) takes the token-level path: on the policy workers
+(rlsp.trainer.stage_advantages), or on the driver for what the workers cannot compute.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def row_level(cfg: Any, batch: Any) -> bool:
     alg, rollout = cfg.algorithm, cfg.actor_rollout_ref.rollout
     return (alg.adv_estimator in ROW_LEVEL_ESTIMATORS and not alg.use_kl_in_reward
             and not rollout.multi_turn.use_step_rewards and "row_reward" in batch and "response_tokens" in batch
-            and "token_level_scores" not in getattr(batch, "table", batch))
+            and "overlong_reward" not in batch and "token_level_scores" not in getattr(batch, "table", batch))
 
 
 def compact_rows(batch: Any) -> Batch:

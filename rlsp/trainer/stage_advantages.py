@@ -4,13 +4,20 @@ Where a step's rewards and advantages are computed:
 
 - outcome estimators (GRPO, RLOO, ...) without anything that changes the token rewards: on the driver,
   from per-row values (rlsp.trainer.row_advantages);
-- `gae` and `reinforce_plus_plus`, with or without KL in the reward: on the workers, in one call
+- every other estimator, with or without KL in the reward: on the workers, in one call
   (`ActorRole.compute_advantages`, rlsp.workers.step_stage); the driver sends the request and receives
-  each row's KL and the row sums of its metrics;
-- any other estimator with KL in the reward: the KL penalty on the workers, the estimator on the driver
-  (it reads the token rewards);
-- the rest (group estimators with step rewards or overlong shaping, the optimal token baselines,
-  distillation, rollout correction): on the driver, reading the columns they need.
+  each row's KL and the row sums of its metrics. An estimator that reads groups gets shards cut on group
+  boundaries (`group_aligned_order`: the step's rows reordered for this call only, no data moves);
+- the token scores themselves: the driver keeps their per-row parts (each row's reward, dapo's overlong
+  penalty `overlong_reward`) and the agent loop's step rewards stay a worker column; the workers build the
+  [rows x response] scores from them (rlsp.rewards.token_scores), the driver only if it reads them;
+- on the driver, reading the token-level columns they need: gdpo (its reward is the named components of
+  the reward function's per-row dicts, held here), the optimal token baselines with rollout-correction
+  importance weights, and an estimator reading groups when the groups cannot be split evenly over the dp
+  ranks (`group_aligned_order` gives None). trainer.balance_batch keeps groups whole on one dp rank when
+  the workers need them (`balanced_step_order`), so the stage's shards are the step's own;
+- after the advantages, on the driver: the rollout correction of the actor's batch (rlsp.trainer.off_policy)
+  and distillation's term (rlsp.trainer.distill).
 
 The adaptive KL controller stays on the driver: it is updated with the mean over rows of each row's
 token-mean KL, the workers' per-row values (the same number as the one-process computation).
@@ -18,37 +25,144 @@ token-mean KL, the workers' per-row values (the same number as the one-process c
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from rlsp.algos.kl_ctrl import KLController, batch_kl
-from rlsp.algos.registry import compute_advantages
+from rlsp.algos.registry import compute_advantages, estimator_uses, reads_groups
+from rlsp.data.balance import balanced_order
 from rlsp.data.batch import Batch
 from rlsp.trainer.estimator_inputs import advantage_inputs, config_settings
-from rlsp.workers.step_stage import STAGE_ESTIMATORS, StageRequest
+from rlsp.trainer.off_policy import rollout_correction_settings
+from rlsp.trainer.row_advantages import ROW_LEVEL_ESTIMATORS
+from rlsp.workers.step_stage import StageRequest, stage_estimators
 
 
-def advantages_on_workers(cfg: Any) -> bool:
-    """Whether the step's advantages are computed by the workers (see the module docstring)."""
-    return cfg.algorithm.adv_estimator in STAGE_ESTIMATORS
+def _rows_by_group(uids: Sequence[Any]) -> dict[Any, list[int]]:
+    """uid -> the rows of that prompt group, in order."""
+    groups: dict[Any, list[int]] = {}
+    for row, uid in enumerate(uids):
+        groups.setdefault(uid, []).append(row)
+    return groups
+
+
+def group_aligned_order(uids: Sequence[Any], parts: int) -> list[int] | None:
+    """A permutation of the rows after which `parts` equal contiguous chunks each hold whole groups (rows
+    sharing a uid, kept in their order); None when the group sizes allow no such cut (first fit, largest
+    group first: with equal groups, exactly when a chunk's size is a multiple of the group size)."""
+    n = len(uids)
+    if parts < 1 or n % parts:
+        return None
+    groups = _rows_by_group(uids)
+    bins: list[list[list[int]]] = [[] for _ in range(parts)]
+    room = [n // parts] * parts
+    for rows in sorted(groups.values(), key=lambda r: (-len(r), r[0])):
+        part = next((p for p in range(parts) if room[p] >= len(rows)), None)
+        if part is None:
+            return None
+        bins[part].append(rows)
+        room[part] -= len(rows)
+    return [row for chunk in bins for rows in sorted(chunk) for row in rows]
+
+
+def whole_groups(uids: Sequence[Any], parts: int) -> bool:
+    """Whether `parts` equal contiguous chunks of the rows (in this order) each hold whole groups."""
+    n = len(uids)
+    if parts < 1 or n % parts:
+        return False
+    chunk_of: dict[Any, int] = {}
+    return all(chunk_of.setdefault(uid, row * parts // n) == row * parts // n for row, uid in enumerate(uids))
+
+
+def balanced_group_order(tokens: Sequence[int], uids: Sequence[Any], parts: int) -> list[int] | None:
+    """rlsp.data.balance.balanced_order with a group's rows as one unit: `parts` equal contiguous chunks with
+    near-equal token sums, each holding whole groups (greedy: heaviest group first, into the lightest chunk
+    that still has room); None when that greedy finds no exact fill."""
+    n = len(uids)
+    if parts < 1 or n % parts:
+        return None
+    groups = _rows_by_group(uids)
+    members: list[list[int]] = [[] for _ in range(parts)]
+    loads, room = [0] * parts, [n // parts] * parts
+    for rows in sorted(groups.values(), key=lambda r: (-sum(tokens[i] for i in r), r[0])):
+        fits = [p for p in range(parts) if room[p] >= len(rows)]
+        if not fits:
+            return None
+        part = min(fits, key=lambda q: (loads[q], q))
+        members[part] += rows
+        loads[part] += sum(tokens[i] for i in rows)
+        room[part] -= len(rows)
+    return [i for m in members for i in sorted(m)]
+
+
+def needs_group_shards(cfg: Any) -> bool:
+    """Whether the step's estimator reads groups and runs on the workers (the outcome estimators that the
+    driver computes from per-row values, rlsp.trainer.row_advantages, do not need group shards)."""
+    alg, name = cfg.algorithm, cfg.algorithm.adv_estimator
+    if name not in stage_estimators() or not reads_groups(name):
+        return False
+    shaped = bool(OmegaConf.select(cfg, "reward.reward_kwargs.overlong_buffer_cfg.enable", default=False))
+    return (name not in ROW_LEVEL_ESTIMATORS or bool(alg.use_kl_in_reward) or shaped
+            or bool(cfg.actor_rollout_ref.rollout.multi_turn.use_step_rewards))
+
+
+def balanced_step_order(cfg: Any, tokens: Sequence[int], uids: Sequence[Any], parts: int) -> list[int]:
+    """trainer.balance_batch's row order: near-equal token sums over the dp ranks, every group whole in one
+    rank's rows when the workers compute a group estimator (so its shards need no reordering)."""
+    if needs_group_shards(cfg):
+        order = balanced_group_order(tokens, uids, parts) or group_aligned_order(uids, parts)
+        if order is not None:
+            return order
+    return balanced_order(list(tokens), parts)
+
+
+def _dp_size(wg: Any) -> int:
+    return wg.world_size // wg.layout.role("actor").ranks_per_dp
+
+
+def stage_order(batch: Any, cfg: Any, dp: int) -> list[int] | None:
+    """The row order in which the workers compute this step's advantages (None: the driver computes them;
+    see the module docstring)."""
+    name = cfg.algorithm.adv_estimator
+    if name not in stage_estimators():
+        return None
+    if "rollout_is_weights_BR" in estimator_uses(name) and rollout_correction_settings(cfg).rollout_is is not None:
+        return None  # the optimal token baselines with importance weights: on the driver
+    uids = list(batch.meta["uid"]) if reads_groups(name) else []
+    if not uids or whole_groups(uids, dp):
+        return list(range(len(batch)))
+    return group_aligned_order(uids, dp)
 
 
 def compute_token_rewards(wg: Any, batch: Any, cfg: Any, kl_ctrl: KLController) -> dict[str, float]:
-    """`token_level_rewards` (and, for the estimators of `advantages_on_workers`, `advantages` and `returns`)
-    of `batch`, a step whose rows are held by `wg`'s workers; the KL metrics with use_kl_in_reward."""
+    """`token_level_rewards` (and, where `stage_order` allows, `advantages` and `returns`) of `batch`, a step
+    whose rows are held by `wg`'s workers; the KL metrics with use_kl_in_reward."""
     alg = cfg.algorithm
-    on_workers = advantages_on_workers(cfg)
-    if not on_workers and not alg.use_kl_in_reward:
+    order = stage_order(batch, cfg, _dp_size(wg))
+    if order is None and not alg.use_kl_in_reward:
         batch.set("token_level_rewards", batch["token_level_scores"])
         return {}
     beta = kl_ctrl.value if alg.use_kl_in_reward else None
-    request = StageRequest(alg.adv_estimator if on_workers else None, config_settings(cfg) if on_workers else {},
-                           beta, alg.kl_penalty)
-    batch.update(wg.call("actor", "compute_advantages", batch, request))
+    step = bool(cfg.actor_rollout_ref.rollout.multi_turn.use_step_rewards) and "step_rewards" in batch
+    request = StageRequest(alg.adv_estimator if order is not None else None,
+                           config_settings(cfg) if order is not None else {}, beta, alg.kl_penalty, step)
+    if order is None or order == list(range(len(batch))):
+        batch.update(wg.call("actor", "compute_advantages", batch, request))
+    else:  # the call's rows in group-aligned shards, its columns put back in the step's order
+        back = sorted(range(len(order)), key=order.__getitem__)
+        batch.update(wg.call("actor", "compute_advantages", batch.select_rows(order), request).select_rows(back))
     if beta is None:
         return {}
     current_kl = batch_kl(batch["reward_kl"])
     kl_ctrl.update(current_kl, n_steps=len(batch))
     return {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
+
+
+def advantages_on_workers(batch: Any) -> bool:
+    """Whether the workers computed this step's advantages with its token rewards (`compute_token_rewards`)."""
+    return "advantages" in batch
 
 
 def compute_driver_advantages(batch: Batch, cfg: Any) -> None:

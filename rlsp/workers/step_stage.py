@@ -1,16 +1,22 @@
-"""The algorithm between the passes, on the policy workers: the KL penalty in the reward and the
-token-level advantage estimators whose batch-wide statistics are sums (GAE, REINFORCE++).
+"""The algorithm between the passes, on the policy workers: the KL penalty in the reward and every advantage
+estimator whose inputs the workers hold.
 
 The driver calls `ActorRole.compute_advantages` (Dispatch.BY_DP) with a `StageRequest`. Every dp group
 gets a shard of the step's rows (the Ulysses / ring / tp ranks of a group the same shard), and every
 rank runs the same rlsp.algos functions on it as the driver would on the whole batch:
 
+- the token scores (`token_scores`): each row's reward on its last policy token (or the reward model's
+  token scores), plus dapo's overlong penalty and the agent loop's step rewards, from the per-row parts
+  (rlsp.rewards.token_scores); the driver sends [rows x response] scores only when it built them itself;
 - KL in the reward (`compute_kl_penalty`): row by row, so a shard gives the batch's values for its rows;
   each row's token-mean KL is reported, and the driver takes their mean for the adaptive controller
   (the same numbers as the one-process computation, bit for bit);
-- the estimator (`compute_advantages`), given a `reduce` that all-reduces a sum over the data-parallel
-  group only: the ranks of one dp group hold the same rows, so summing over them would count rows twice.
-  GAE's recursion is per row; its whitening, like REINFORCE++'s, needs batch-wide sums (rlsp.algos.whiten).
+- the estimator (`compute_advantages`). Statistics within a prompt group (GRPO's mean and std, RLOO's
+  leave-one-out mean, the optimal token baselines, ...; `reads_groups`) are local: the driver cuts the
+  shards on group boundaries (rlsp.trainer.stage_advantages.group_aligned_order). Batch-wide statistics
+  (the whitening of GAE, REINFORCE++ and its group-baseline variant, GPG's row counts) are sums, taken by
+  a `reduce` that all-reduces over the data-parallel group only: the ranks of one dp group hold the same
+  rows, so summing over them would count rows twice (rlsp.algos.whiten).
 
 The advantages, returns and token rewards stay here as block columns (the updates read them worker to
 worker); the driver receives per-row values only (`STAGE_REPORTS`: the row's KL and the row sums its
@@ -31,14 +37,19 @@ import torch.distributed as dist
 from rlsp.algos.adv_inputs import AdvantageInputs
 from rlsp.algos.aggregation import masked_sum
 from rlsp.algos.kl_ctrl import compute_kl_penalty
-from rlsp.algos.registry import compute_advantages, estimator_uses
+from rlsp.algos.registry import compute_advantages, estimator_uses, list_adv_estimators, reads_groups
 from rlsp.data.batch import Batch
-from rlsp.rewards.scoring import place_scores
+from rlsp.rewards.token_scores import shaped_token_scores
 
-# Estimators whose whole input is per row or a batch-wide sum: they run on a dp shard.
-STAGE_ESTIMATORS = ("gae", "reinforce_plus_plus")
-STAGE_READS = ("token_level_scores", "row_reward", "rm_scores", "response_mask", "old_logprobs", "ref_logprobs",
-               "values")
+# The estimators' optional per-row inputs the stage provides -> the column it reads them from.
+STAGE_INPUTS = {"values_BR": "values", "reward_baselines_B": "reward_baselines", "old_logprobs_BR": "old_logprobs",
+                "sum_pi_squared_BR": "sum_pi_squared"}
+# Inputs the stage does not provide: the reward function's named components (gdpo reads them from the per-row
+# dicts the driver holds), and the rollout-correction weights (the optimal token baselines run here only
+# without them: rlsp.trainer.stage_advantages).
+NOT_ON_WORKERS = ("reward_components",)
+STAGE_READS = ("token_level_scores", "row_reward", "rm_scores", "overlong_reward", "step_rewards", "response_mask",
+               "old_logprobs", "ref_logprobs", "values", "reward_baselines", "sum_pi_squared", "uid")
 # Per-row sums over the row's response tokens (masked) that the driver's metrics read (scores and rewards
 # summed over the whole row, as the driver sums them).
 ROW_SUMS = ("score_sum", "reward_sum", "advantages_sum", "returns_sum", "values_sum", "returns_sq_sum",
@@ -47,21 +58,32 @@ STAGE_REPORTS = ("reward_kl", *ROW_SUMS)
 STAGE_WRITES = ("token_level_rewards", "advantages", "returns", *STAGE_REPORTS)
 
 
+def stage_estimators() -> tuple[str, ...]:
+    """The registered estimators that run on the workers' shards: every one whose inputs they hold."""
+    return tuple(n for n in list_adv_estimators() if not set(estimator_uses(n)) & set(NOT_ON_WORKERS))
+
+
 @dataclass(frozen=True)
 class StageRequest:
-    """What the workers compute: `estimator` (one of STAGE_ESTIMATORS, or None: the token rewards only) with
-    its `settings` (algorithm.*: rlsp.trainer.estimator_inputs.config_settings), and the KL penalty in the
-    reward with coefficient `kl_coef` and estimate `kl_kind` (None: no KL in the reward)."""
+    """What the workers compute: `estimator` (one of `stage_estimators()`, or None: the token rewards only)
+    with its `settings` (algorithm.*: rlsp.trainer.estimator_inputs.config_settings), the KL penalty in
+    the reward with coefficient `kl_coef` and estimate `kl_kind` (None: no KL in the reward), and whether
+    the scores get the agent loop's `step_rewards` (when the driver has not built them, `token_scores`). An estimator
+    that reads groups needs shards holding whole groups (the caller's cut); the optimal token baselines
+    get no rollout-correction weights here."""
 
     estimator: str | None
     settings: dict[str, Any] = field(default_factory=dict)
     kl_coef: float | None = None
     kl_kind: str = "kl"
+    step_rewards: bool = False  # add the agent loop's step rewards to the scores (multi_turn.use_step_rewards)
 
     def __post_init__(self) -> None:
-        if self.estimator is not None and self.estimator not in STAGE_ESTIMATORS:
-            raise ValueError(f"advantage estimator {self.estimator!r} does not run on the workers' shards (it needs "
-                             f"whole groups or the whole batch); estimators that do: {list(STAGE_ESTIMATORS)}")
+        legal = stage_estimators()
+        if self.estimator is not None and self.estimator not in legal:
+            raise ValueError(f"advantage estimator {self.estimator!r} does not run on the workers' shards (it reads "
+                             f"{sorted(set(estimator_uses(self.estimator)) & set(NOT_ON_WORKERS))}, which the "
+                             f"driver holds); estimators that do: {list(legal)}")
 
 
 def dp_sum(group: dist.ProcessGroup | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -77,19 +99,23 @@ def dp_sum(group: dist.ProcessGroup | None) -> Callable[[torch.Tensor], torch.Te
     return reduce
 
 
-def token_scores(rows: Batch) -> torch.Tensor:
-    """token_level_scores [B, R] of these rows: the driver's own when it changed them (step rewards, overlong
-    shaping: sent by value), else built here as the driver builds them when it reads them
-    (rlsp.trainer.reward_workers.set_row_scores, rlsp.rewards.scoring.apply_rm_scores): the reward model's
-    token scores, or each row's score on its last policy token."""
+def token_scores(rows: Batch, step_rewards: bool = False) -> torch.Tensor:
+    """token_level_scores [B, R] of these rows: the driver's own when it built them (sent by value), else built
+    here from the per-row parts it keeps, as it builds them when it reads them (rlsp.rewards.token_scores):
+    the reward model's token scores or each row's reward on its last policy token, plus the row's overlong
+    penalty (`overlong_reward`, dapo's shaping) and, with `step_rewards`, the agent loop's step rewards."""
     if "token_level_scores" in rows:
         return rows["token_level_scores"]
-    if "rm_scores" in rows:
-        return rows["rm_scores"]
-    if "row_reward" in rows:
-        return place_scores(rows["row_reward"].tolist(), rows["response_mask"])
-    raise RuntimeError(f"the step stage found no scores in its rows (they have {sorted(rows.keys())}): score the "
-                       "rows first (token_level_scores, rm_scores or row_reward)")
+    if "rm_scores" not in rows and "row_reward" not in rows:
+        raise RuntimeError(f"the step stage found no scores in its rows (they have {sorted(rows.keys())}): score the "
+                           "rows first (token_level_scores, rm_scores or row_reward)")
+    if step_rewards and "step_rewards" not in rows:
+        raise RuntimeError("the step stage was asked for tool step rewards (multi_turn.use_step_rewards) but its rows "
+                           f"have no step_rewards (they have {sorted(rows.keys())})")
+    parts = {"row_reward_B": "row_reward", "rm_scores_BR": "rm_scores", "overlong_B": "overlong_reward"}
+    given = {arg: rows[key] for arg, key in parts.items() if key in rows}
+    return shaped_token_scores(rows["response_mask"], **given,
+                               step_rewards_BR=rows["step_rewards"] if step_rewards else None)
 
 
 def row_sums(columns: dict[str, torch.Tensor], mask_BR: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -107,11 +133,29 @@ def row_sums(columns: dict[str, torch.Tensor], mask_BR: torch.Tensor) -> dict[st
     return out
 
 
+def estimator_inputs(rows: Batch, rewards_BR: torch.Tensor, request: StageRequest,
+                     reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> AdvantageInputs:
+    """The estimator's record for these rows: its settings, the per-row inputs it reads (`STAGE_INPUTS`), the
+    rows' groups (uid) when it reads them, and `reduce` when it declares batch-wide sums."""
+    name = request.estimator
+    uses = estimator_uses(name)
+    missing = [k for f, k in STAGE_INPUTS.items() if f in uses and k not in rows]
+    if missing:
+        raise RuntimeError(f"advantage estimator {name!r} needs {missing} in the step stage's rows (they have "
+                           f"{sorted(rows.keys())}): produce them before the advantages")
+    extra = {f: rows[k] for f, k in STAGE_INPUTS.items() if f in uses}
+    index = rows.meta.get("uid") if reads_groups(name) else None
+    if reads_groups(name) and index is None:
+        raise RuntimeError(f"advantage estimator {name!r} needs each row's group (meta 'uid'); the rows have none")
+    return AdvantageInputs(rewards_BR, rows["response_mask"], index, reduce=reduce if "reduce" in uses else None,
+                           **request.settings, **extra)
+
+
 def run_step_stage(rows: Batch, request: StageRequest,
                    reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> Batch:
     """The columns `request` asks for on `rows` (a shard when `reduce` is given; see the module docstring)."""
     mask_BR = rows["response_mask"]
-    columns = {"scores": token_scores(rows)}
+    columns = {"scores": token_scores(rows, request.step_rewards)}
     out: dict[str, torch.Tensor] = {}
     if request.kl_coef is not None:
         rewards_BR, out["reward_kl"] = compute_kl_penalty(columns["scores"], rows["old_logprobs"], rows["ref_logprobs"],
@@ -120,10 +164,9 @@ def run_step_stage(rows: Batch, request: StageRequest,
         rewards_BR = columns["scores"]
     columns["token_level_rewards"] = rewards_BR
     if request.estimator is not None:
-        extra = {"values_BR": rows["values"]} if "values_BR" in estimator_uses(request.estimator) else {}
-        if extra:
-            columns["values"] = rows["values"]
-        inputs = AdvantageInputs(rewards_BR, mask_BR, reduce=reduce, **request.settings, **extra)
+        inputs = estimator_inputs(rows, rewards_BR, request, reduce)
+        if inputs.values_BR is not None:
+            columns["values"] = inputs.values_BR
         columns["advantages"], columns["returns"] = compute_advantages(request.estimator, inputs)
     out.update({k: v for k, v in columns.items() if k in STAGE_WRITES})
     out.update(row_sums(columns, mask_BR))

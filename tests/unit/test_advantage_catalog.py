@@ -168,7 +168,8 @@ def test_aliases_equal_their_targets_exactly(alias: str, target: str, settings: 
 def test_registry_and_declared_settings() -> None:
     assert set(NEW_NAMES) <= set(list_adv_estimators())
     assert set(GROUP_ESTIMATORS) <= set(list_adv_estimators())
-    assert estimator_uses("opo") == estimator_uses("gpg") == estimator_uses("rloo_vectorized") == ()
+    assert estimator_uses("opo") == estimator_uses("rloo_vectorized") == ()
+    assert estimator_uses("gpg") == ("reduce",)  # its alpha counts rows over every shard (rlsp.workers.step_stage)
     assert estimator_uses("grpo_passk") == estimator_uses("grpo_vectorized") == ("norm_adv_by_std",)
 
 

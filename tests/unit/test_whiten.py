@@ -40,9 +40,12 @@ def test_a_reduction_that_sums_two_copies_gives_the_statistics_of_both():
     assert torch.allclose(mean, ref_mean, rtol=1e-14) and torch.allclose(var, ref_var, rtol=1e-14)
 
 
-def test_estimators_with_group_statistics_refuse_a_shard():
+def test_estimators_without_batch_wide_sums_refuse_a_reduction():
+    # grpo's statistics are per group (a shard holding whole groups needs no reduction); a reduction given to
+    # it is refused, naming the estimators with batch-wide sums that take one.
     values, mask = _rows(3)
     inputs = AdvantageInputs(torch.nan_to_num(values), mask, index=["a", "a", "b", "b", "c", "c"], reduce=lambda x: x)
-    with pytest.raises(ValueError, match=r"'grpo' does not use reduce.*\['gae', 'reinforce_plus_plus'\]"):
+    with pytest.raises(ValueError, match=r"'grpo' does not use reduce.*\['gae', 'gpg', 'reinforce_plus_plus', "
+                                         r"'reinforce_plus_plus_baseline'\]"):
         compute_advantages("grpo", inputs)
-    assert users_of("reduce") == ["gae", "reinforce_plus_plus"]
+    assert users_of("reduce") == ["gae", "gpg", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]

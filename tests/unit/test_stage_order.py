@@ -1,0 +1,78 @@
+"""Where the driver sends a step's advantages (rlsp.trainer.stage_advantages.stage_order): to the workers, in
+shards that keep every prompt group whole when the estimator reads groups, or to the driver's own computation
+when the workers lack an input (gdpo's reward components, the optimal token baselines' importance weights) or
+the groups cannot be cut evenly over the dp ranks. (The numbers of the stage: tests/distributed/test_stage_estimators.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from rlsp.config.schema import RLSPConfig
+from rlsp.data.balance import balanced_order
+from rlsp.data.batch import Batch
+from rlsp.trainer.stage_advantages import balanced_group_order, balanced_step_order, stage_order, whole_groups
+from rlsp.workers.step_stage import StageRequest, stage_estimators
+
+
+def _cfg(name: str, **correction):
+    cfg = OmegaConf.structured(RLSPConfig)
+    cfg.algorithm.adv_estimator = name
+    for key, value in correction.items():
+        cfg.algorithm.rollout_correction[key] = value
+    return cfg
+
+
+def _rows(uids: list[str]) -> Batch:
+    return Batch.from_dict({"response_mask": torch.ones(len(uids), 3)}, meta={"uid": uids})
+
+
+INTERLEAVED = [f"p{i % 4}" for i in range(8)]  # 4 groups of 2, a group's rows apart
+
+
+def _whole_groups(order: list[int], uids: list[str], parts: int) -> bool:
+    size = len(order) // parts
+    chunks = [{uids[r] for r in order[p * size:(p + 1) * size]} for p in range(parts)]
+    return sorted(order) == list(range(len(uids))) and all(not a & b for i, a in enumerate(chunks) for b in chunks[i + 1:])
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo", "gpg", "opo", "grpo_passk", "reinforce_plus_plus_baseline",
+                                  "optimal_token_baseline", "tir_optimal_token_baseline"])
+def test_group_estimators_get_group_aligned_shards(name):
+    order = stage_order(_rows(INTERLEAVED), _cfg(name), dp=2)
+    assert order is not None and order != list(range(8)) and _whole_groups(order, INTERLEAVED, 2)
+    assert stage_order(_rows(INTERLEAVED), _cfg(name), dp=1) == list(range(8))
+    assert stage_order(_rows(INTERLEAVED), _cfg(name), dp=8) is None  # one row a shard: a group of 2 cannot fit
+
+
+@pytest.mark.parametrize("name", ["gae", "reinforce_plus_plus", "remax"])
+def test_estimators_without_groups_keep_the_step_order(name):
+    assert stage_order(_rows(INTERLEAVED), _cfg(name), dp=8) == list(range(8))
+
+
+def test_what_the_workers_cannot_compute_stays_on_the_driver():
+    assert "gdpo" not in stage_estimators() and stage_order(_rows(INTERLEAVED), _cfg("gdpo"), dp=2) is None
+    with pytest.raises(ValueError, match=r"'gdpo' does not run on the workers' shards.*reward_components"):
+        StageRequest("gdpo")
+    with_weights = _cfg("optimal_token_baseline", rollout_is="token")
+    assert stage_order(_rows(INTERLEAVED), with_weights, dp=2) is None
+    assert stage_order(_rows(INTERLEAVED), _cfg("optimal_token_baseline", rollout_rs="token_k1"), dp=2) is not None
+
+
+def test_balancing_keeps_groups_whole_when_the_workers_need_them():
+    tokens = [9, 1, 8, 2, 7, 3, 6, 4]  # rows 0..7 of groups p0..p3 (interleaved)
+    order = balanced_step_order(_cfg("grpo"), tokens, INTERLEAVED, 2)  # plain grpo: per-row values, rows balanced
+    assert order == balanced_order(tokens, 2)
+    kl = _cfg("grpo")
+    kl.algorithm.use_kl_in_reward = True
+    order = balanced_step_order(kl, tokens, INTERLEAVED, 2)
+    assert _whole_groups(order, INTERLEAVED, 2) and whole_groups([INTERLEAVED[r] for r in order], 2)
+    loads = [sum(tokens[r] for r in order[:4]), sum(tokens[r] for r in order[4:])]
+    assert loads == [20, 20]  # groups weigh 16, 10, 8, 6: heaviest first into the lighter half
+    assert stage_order(_rows([INTERLEAVED[r] for r in order]), kl, dp=2) == list(range(8))  # no reordering then
+    assert not whole_groups(INTERLEAVED, 2) and whole_groups(INTERLEAVED, 1)
+    # Two heavy single rows first, one into each half, leave no room for the third pair: first fit by size then.
+    uneven, heavy = ["s1", "a", "a", "b", "b", "c", "c", "s2"], [50, 1, 1, 1, 1, 1, 1, 40]
+    assert balanced_group_order(heavy, uneven, 2) is None
+    assert balanced_step_order(kl, heavy, uneven, 2) == [1, 2, 3, 4, 0, 5, 6, 7]
