@@ -42,12 +42,12 @@ import psutil  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 # Only what `python -m rlsp.main` imports before its checks: torch, transformers and the worker stack come
-# with the checks, while Ray starts beside them (rlsp.trainer.ray_session), as in a user's run.
+# with the checks, while Ray starts beside them (rlsp.controller.ray_session), as in a user's run.
 from rlsp.config.schema import RLSPConfig  # noqa: E402
 from rlsp.config.validate import validate_config  # noqa: E402
+from rlsp.controller.ray_session import RayStart  # noqa: E402
 from rlsp.main import _prepare_checked, train  # noqa: E402
 from rlsp.models.tiny import TinyModelSpec, ensure_tiny_model  # noqa: E402
-from rlsp.trainer.ray_session import RayStart  # noqa: E402
 from rlsp.utils.fast_exit import run_and_exit  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))

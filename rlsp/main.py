@@ -18,7 +18,7 @@ the trainer. The resume stage (`rlsp.trainer.resume_check`) decides what the run
 refuses a checkpoint this command cannot load (another model, a critic added or dropped, a damaged file
 with no whole checkpoint before it); a run that is already complete says so and exits 0. Once the config
 stage passed and the run is not already complete, Ray and then the worker processes start on a thread of
-their own while the preflight, data and resume checks run (rlsp.trainer.ray_session: the checks import
+their own while the preflight, data and resume checks run (rlsp.controller.ray_session: the checks import
 torch and transformers here while the workers import them there); no worker gets the config before every
 check passed, and a refused check stops those processes and that Ray before the exit. Exit codes: 0 done, 1 a fault during the run, 2 a refused config or resume,
 130 Ctrl-C, 143 SIGTERM (both after one line naming the last complete checkpoint). torch, Ray and
@@ -54,15 +54,15 @@ from rlsp.config.schema_policy_loss import rewrite_policy_loss_overrides
 from rlsp.config.store import register_schema
 from rlsp.config.validate import validate_config
 from rlsp.config.verl_compat import verl_key_notes
-from rlsp.trainer.checkpoint import finished_step, latest_checkpoint
-from rlsp.trainer.ray_session import RayStart
-from rlsp.trainer.stopping import (
+from rlsp.controller.ray_session import RayStart
+from rlsp.controller.stopping import (
     SIGTERM_EXIT_CODE,
     catch_sigterm,
     ray_start_signals,
     signals_deferred,
     stop_exit_code,
 )
+from rlsp.trainer.checkpoint import finished_step, latest_checkpoint
 from rlsp.utils.fast_exit import run_and_exit
 from rlsp.utils.logging import RUN_LOG_NAME, get_logger, log_to_run_file
 
@@ -106,7 +106,7 @@ def train(cfg: DictConfig, layout: ParallelLayout, prepared: tuple[RayTrainer, s
           ray_start: RayStart | None = None) -> list[dict[str, Any]]:
     """Start the workers (once Ray is up: `ray_start`, begun while the checks ran, else started here), train,
     and stop everything this run started."""
-    from rlsp.trainer.worker_pools import PoolSettings  # ray: imported once a run gets this far
+    from rlsp.controller.worker_pools import PoolSettings  # ray: imported once a run gets this far
 
     trainer, resume = prepared or prepare(cfg, layout)
     log.info("run dir: %s | %s", cfg.trainer.default_local_dir, layout.describe())

@@ -9,9 +9,13 @@ Row order and selection (balancing, filtering) are decided by the driver on its 
 `select_rows` reorders handles, nothing moves.
 
 StepData reads like a Batch for the driver's own computations (`data[key]`, `data.meta[...]`,
-`select_rows`, `update`, `concat`): a column the driver does not hold is fetched from its blocks when
-first read (and counted: rlsp.controller.traffic), so a driver-side computation pays for exactly the
-columns it touches. A *row broadcast* (`set_row`: one value per row for every response token, e.g. an
+`select_rows`, `update`, `concat`) on the columns the driver holds. A column the workers hold comes to
+the driver only by an explicit call, `read_columns(wg, data, names)` (rlsp.controller.reads): one call
+on a worker group whose rank 0 builds just those columns from the blocks (counted:
+rlsp.controller.traffic), so a driver-side computation pays for exactly the columns it names. Indexing
+a column nobody read raises `ColumnNotRead` naming it: nothing is fetched as a side effect of indexing.
+A column built on the driver (`derive`) is built from the row's own columns, so selecting rows carries
+the build along. A *row broadcast* (`set_row`: one value per row for every response token, e.g. an
 outcome advantage) travels as one number per row and becomes `value * response_mask` where it is used.
 
 Rows have ids unique in the driver process, so the rows of several generation calls (asynchronous
@@ -25,20 +29,19 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import ray
 import torch
 from tensordict import TensorDict
 
-from rlsp.controller.step_meta import LazyMeta
-from rlsp.controller.traffic import TRAFFIC
+from rlsp.controller.step_meta import ColumnNotRead, LazyMeta
 from rlsp.data.batch import Batch
-from rlsp.workers.columns import ROW_SUFFIX, Piece, RowsSpec, assemble
+from rlsp.workers.columns import ROW_SUFFIX, Piece, RowsSpec
 
 _ROW_IDS = itertools.count()
 
 
 def new_row_ids(n: int) -> list[int]:
     return [next(_ROW_IDS) for _ in range(n)]
+
 
 
 @dataclass(frozen=True)
@@ -61,10 +64,8 @@ class StepData:
         self.table = table  # the driver's columns, rows in `ids` order
         self.blocks = list(blocks)
         self._tensor_keys = set(tensor_keys)  # block keys that are tensors (the rest are per-row meta)
-        self._fetched: dict[int, Batch] = {}  # id(block ref) -> the block, once the driver read it
         self._derived: dict[str, Callable[[StepData], torch.Tensor]] = {}  # built on the driver when first read
         self._aliases: dict[str, str] = {}  # name -> the block column that serves as it
-        self.reader: Callable[..., Any] | None = None  # reader(spec, *refs) -> ref of those rows (a worker's)
         if len(self.table) != len(self.ids):
             raise ValueError(f"{len(self.table)} driver rows for {len(self.ids)} row ids")
 
@@ -83,6 +84,12 @@ class StepData:
     def block_keys(self) -> set[str]:
         return {k for b in self.blocks for k in b.keys}
 
+    def unread(self, names: Iterable[str]) -> list[str]:
+        """The block columns among `names` (aliases resolved) the driver does not hold yet, sorted."""
+        held = set(self.table.tensors.keys()) | set(self.table.meta)
+        blocks = self.block_keys()
+        return sorted({k for k in (self._aliases.get(n, n) for n in names) if k in blocks and k not in held})
+
     def is_tensor(self, key: str) -> bool:
         return key in self._tensor_keys
 
@@ -98,14 +105,15 @@ class StepData:
             self.table.set(key, values_B.unsqueeze(-1) * self["response_mask"])
             return self.table[key]
         if key in self._derived:
-            self.set(key, self._derived.pop(key)(self))
+            value = self._derived[key](self)  # may raise ColumnNotRead: the build stays until its inputs are here
+            del self._derived[key]
+            self.set(key, value)
             return self.table[key]
         if key in self._aliases:
             return self[self._aliases[key]]
         if key not in self.block_keys():
             raise KeyError(f"{key!r} is not a column of this step (it has {sorted(self.keys())})")
-        self.fetch([key])
-        return self.table[key]
+        raise ColumnNotRead(key)
 
     def keys(self) -> set[str]:
         return ({k.removesuffix(ROW_SUFFIX) for k in self.table.tensors.keys()} | set(self.table.meta)
@@ -126,9 +134,14 @@ class StepData:
         self._aliases[name] = source
 
     def derive(self, key: str, build: Callable[[StepData], torch.Tensor]) -> None:
-        """Column `key` = build(self), computed on the driver only if something reads it."""
+        """Column `key` = build(self), computed on the driver only if something reads it. `build` computes each
+        row from that row's own columns (and values it keeps by row id), so a selection of the rows keeps it."""
         self.table.tensors.pop(key, None)
         self._derived[key] = build
+
+    def builds(self, name: str) -> bool:
+        """Whether the driver builds column `name` from others when it is read (`derive`, `set_row`)."""
+        return name in self._derived or self.row_value(name) is not None
 
     def source_of(self, name: str) -> str:
         """The column `name` is read from (itself unless it is an alias)."""
@@ -183,24 +196,8 @@ class StepData:
                   for (b, src, dst), cols in routes.items()]
         return RowsSpec(len(positions), pieces, by_value, dict(self.info)), [self.blocks[b].ref for b in used]
 
-    def fetch(self, keys: Iterable[str]) -> None:
-        """Bring block columns `keys` to the driver (every row, current order). With a reader (a worker
-        process) only those columns cross: the reader builds them from the blocks; else the blocks come whole."""
-        spec, refs = self.spec(range(len(self)), [self._aliases.get(k, k) for k in keys])
-        spec.by_value = None
-        if self.reader is not None:
-            rows = ray.get(self.reader(spec, *refs))
-            TRAFFIC.wait()
-            TRAFFIC.send(spec)
-            TRAFFIC.receive(rows)
-        else:
-            missing = [r for r in refs if id(r) not in self._fetched]
-            if missing:
-                got = ray.get(missing)
-                TRAFFIC.wait()
-                TRAFFIC.receive(*got)
-                self._fetched.update({id(r): g for r, g in zip(missing, got)})
-            rows = assemble(spec, [self._fetched[id(r)] for r in refs])
+    def store(self, rows: Batch) -> None:
+        """Columns of every row (current order) read from the workers: the driver holds them from now on."""
         for key in rows.tensors.keys():
             self.table.set(key, rows[key])
         self.table.meta.update(rows.meta)
@@ -236,42 +233,35 @@ class StepData:
                     self.table.meta.pop(key, None)
                 self.blocks.append(block)
         self.update(other.table)
-        self._fetched.update(other._fetched)
-        self.reader = self.reader or other.reader
         return self
 
     def select_rows(self, index: Sequence[int] | torch.Tensor | slice) -> StepData:
         rows = list(range(len(self)))[index] if isinstance(index, slice) else [int(i) for i in index]
-        for key in list(self._derived):  # built for these rows: build before the rows change
-            self[key]
         out = StepData([self.ids[i] for i in rows], self.table.select_rows(rows), self.blocks, self._tensor_keys)
-        out._fetched, out._aliases, out.reader = self._fetched, dict(self._aliases), self.reader
+        out._derived, out._aliases = dict(self._derived), dict(self._aliases)  # builds are row-wise (`derive`)
         return out
 
     def copy(self) -> StepData:
         """Another view of the same rows whose driver columns can change independently."""
         table = Batch(self.table.tensors.clone(recurse=False), dict(self.table.meta), dict(self.info))
         out = StepData(self.ids, table, self.blocks, self._tensor_keys)
-        out._fetched, out._derived, out._aliases = self._fetched, dict(self._derived), dict(self._aliases)
-        out.reader = self.reader
+        out._derived, out._aliases = dict(self._derived), dict(self._aliases)
         return out
 
     @staticmethod
     def concat(parts: Sequence[StepData]) -> StepData:
         if not parts:
             raise ValueError("cannot concatenate an empty list of steps")
+        for p in parts:  # each part's own builds, before their tables are joined
+            for key in list(p._derived):
+                p[key]
         table = Batch.concat([p.table for p in parts]) if any(len(p.table.tensors.keys()) for p in parts) else \
             _empty(sum(len(p) for p in parts), {k: [x for p in parts for x in p.table.meta[k]] for k in parts[0].table.meta},
                    parts[0].info)
         blocks = [b for p in parts for b in p.blocks]
-        for p in parts:
-            for key in list(p._derived):
-                p[key]
         out = StepData([i for p in parts for i in p.ids], table, blocks, set().union(*(p._tensor_keys for p in parts)))
         for p in parts:
-            out._fetched.update(p._fetched)
             out._aliases.update(p._aliases)
-            out.reader = out.reader or p.reader
         return out
 
 
@@ -281,8 +271,7 @@ def from_batch(batch: Batch) -> StepData:
 
 
 def from_results(source: StepData | None, groups: Sequence[Sequence[int]], stays: Sequence[Any],
-                 reports: Sequence[Batch], keys: Iterable[str], tensor_keys: Iterable[str],
-                 reader: Callable[..., Any] | None = None) -> StepData:
+                 reports: Sequence[Batch], keys: Iterable[str], tensor_keys: Iterable[str]) -> StepData:
     """The step after a call: blocks `stays` (one per group of rows) and the groups' row reports.
     With a `source` the results are columns of its rows (positions `groups`); without, new rows."""
     table = Batch.concat(list(reports))
@@ -297,5 +286,4 @@ def from_results(source: StepData | None, groups: Sequence[Sequence[int]], stays
         data = StepData(source.ids, _empty(len(source), info=table.info))
     data.add_blocks(stays, keys, groups, tensor_keys)
     data.update(table)  # the reported per-row values: held by the driver
-    data.reader = reader
     return data

@@ -1,4 +1,5 @@
-"""The per-row entries (`meta`) of a StepData: the driver's own, and the workers' read when first used."""
+"""The per-row entries (`meta`) of a StepData: the driver's own, and those read from the workers
+(rlsp.controller.step_data.read_columns)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,17 @@ if TYPE_CHECKING:
     from rlsp.controller.step_data import StepData
 
 
+class ColumnNotRead(RuntimeError):
+    """A driver computation indexed a column the workers hold that nobody read to the driver."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"column {key!r} is held by the workers, not the driver: read it first with "
+                         f"rlsp.controller.step_data.read_columns(wg, data, [{key!r}])")
+        self.key = key
+
+
 class LazyMeta(Mapping):
-    """`StepData.meta`: the driver's per-row entries, others fetched from the blocks when read."""
+    """`StepData.meta`: the driver's per-row entries; one the workers hold raises ColumnNotRead until it is read."""
 
     def __init__(self, data: StepData) -> None:
         self.data = data
@@ -19,7 +29,7 @@ class LazyMeta(Mapping):
         if key not in self.data.table.meta:
             if key not in self.data.block_keys():
                 raise KeyError(key)
-            self.data.fetch([key])
+            raise ColumnNotRead(key)
         return self.data.table.meta[key]
 
     def __setitem__(self, key: str, values: list[Any]) -> None:

@@ -114,8 +114,7 @@ class PendingCall:
         source = None if self.fields.new_rows else self.source
         held = ray.get([self.stays[r] for r in self.firsts])  # each a [reference] to a block its worker owns
         TRAFFIC.receive(*held)
-        return from_results(source, self.groups, [h[0] for h in held], firsts, [*tensors, *meta], tensors,
-                            self.group.read_rows)
+        return from_results(source, self.groups, [h[0] for h in held], firsts, [*tensors, *meta], tensors)
 
 class RayWorker(Worker):
     """The Worker as a Ray actor: what a BY_DP method returns is put into the object store by the worker
@@ -140,10 +139,11 @@ class RayWorkerGroup:
         self.world_size = pool.world_size
         self.workers = workers
 
-    def read_rows(self, spec: Any, *refs: Any) -> Any:
-        """A reference to the rows `spec` builds from the blocks `refs`, built by rank 0 (see RayWorker)."""
+    def read_rows(self, spec: Any, *refs: Any) -> Batch:
+        """The rows `spec` builds from the blocks `refs`, built by rank 0 (see RayWorker): how
+        rlsp.controller.reads.read_columns brings worker-held columns to the driver."""
         TRAFFIC.call("read_rows")
-        return self.workers[0].read_rows.remote(spec, *refs)
+        return ray.get(self.workers[0].read_rows.remote(spec, *refs))
 
     def rank_env(self, rank: int) -> dict[str, str]:
         return rank_env(self.pool, self.group, rank)

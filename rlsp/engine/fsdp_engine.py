@@ -39,7 +39,8 @@ from rlsp.engine.offload import ActivationOffload
 from rlsp.engine.optim import OptimSettings, build_optimizer
 from rlsp.engine.parallelize import all_reduce_gradients, parallelize, replicated
 from rlsp.engine.reference import meta_skeleton, run_skeleton
-from rlsp.engine.router_replay import ROUTE_DTYPE, ROUTES_KEY, RouterReplay, recording_routes, replaying_rows
+from rlsp.engine.router_aux import RouterAux
+from rlsp.engine.router_replay import ROUTE_DTYPE, ROUTES_KEY, RouterReplay, infer_routing, replaying_rows
 from rlsp.engine.state import EngineState
 from rlsp.engine.stream import stream_to_last_token, stream_to_response
 from rlsp.models.loading import num_heads
@@ -68,19 +69,22 @@ class FSDPEngine(EngineState):
 
     def __init__(self, module: nn.Module, dims: ParallelDims, device: torch.device, *,
                  compute_dtype: torch.dtype = torch.float32, optim: OptimSettings | None = None,
-                 activation_offload: bool = False, param_offload: bool = False, router_replay: bool = False) -> None:
+                 activation_offload: bool = False, param_offload: bool = False, router_replay: bool = False,
+                 router_aux_coef: float = 0.0) -> None:  # > 0: + MoE router aux loss x it (rlsp.engine.router_aux)
         """`param_offload`: FSDP2's CPUOffloadPolicy (shards, gradients, optimizer state in host memory);
-        `router_replay`: MoE routing replay R2 (rlsp.engine.router_replay: `infer_many(record_routes=True)`
-        returns the routes, `backward_batch` replays the rows' `router_routes`)."""
+        `router_replay`: MoE routing replay R2/R3 (rlsp.engine.router_replay: `infer_many(record_routes=True)`
+        returns the routes, `infer_many(replay_routes=True)` and `backward_batch` replay the rows' `router_routes`)."""
         self.dims, self.device, self.compute_dtype = dims, device, compute_dtype
-        config = module.decoder.config
-        self.config = config
+        self.config = config = module.decoder.config
         layout = dims.layout
         # Heads one rank's attention sees (a tp rank's share under tensor parallelism).
         self.num_q_heads, self.num_kv_heads = local_head_counts(config, layout.tp)
         # The HF-named parameter tree (policy: the causal LM; critic: backbone + value head).
         self.hf_root: nn.Module = getattr(module, "lm", module)
-        self.tied = bool(getattr(config, "tie_word_embeddings", False)) and hasattr(self.hf_root, "lm_head")
+        # Tied: the output layer holds the input embedding's tensor (a vision-language model's text config may not say
+        # so: Qwen2.5-VL keeps tie_word_embeddings on the top-level config only).
+        head = getattr(self.hf_root, "lm_head", None)
+        self.tied = head is not None and head.weight is self.hf_root.get_input_embeddings().weight
         # Tensor parallelism shards the layers in place: keep a weightless skeleton for the self-check.
         self.skeleton = meta_skeleton(module) if dims.tp_mesh is not None else None
         if dims.tp_mesh is not None:
@@ -97,6 +101,7 @@ class FSDPEngine(EngineState):
         # tokens per expert of a trainable MoE model's forwards (actor metrics; rlsp.engine.moe_load)
         self.expert_load = ExpertLoad(module if optim is not None else None, device)
         self.router_replay = RouterReplay(module, getattr(config, "model_type", "")) if router_replay else None
+        self.router_aux = RouterAux(self.module, self.hf_root, router_aux_coef if optim is not None else 0.0)
         self.offload = ActivationOffload(activation_offload, self.module, device)  # rlsp.engine.offload
         if optim is None:
             self.module.requires_grad_(False)
@@ -145,16 +150,16 @@ class FSDPEngine(EngineState):
     @torch.no_grad()
     def infer_many(self, batch: Batch, prompt_len: int, micro_size: int, keys: tuple[str, ...],
                    max_tokens: int | None = None, *, last_token: bool = False, record_routes: bool = False,
-                   **head_kwargs: Any) -> dict[str, torch.Tensor]:
+                   replay_routes: bool = False, **head_kwargs: Any) -> dict[str, torch.Tensor]:
         """`infer` for several head outputs of the same forward passes: {key: [B, R] (or [B])}; with
-        `record_routes` also the MoE routes under ROUTES_KEY, [B, P+R, L, K] (rlsp.engine.router_replay)."""
+        `record_routes` also the MoE routes under ROUTES_KEY, [B, P+R, L, K]; `replay_routes` routes by the rows' (R3)."""
         self.module.eval()
         width = 1 if last_token else batch["input_ids"].shape[1] - prompt_len
         outs = {key: torch.zeros(len(batch), width) for key in keys}
         adaptive = False
         for plan, rows in self._micro_batches(batch, micro_size, max_tokens):
             micro = self.prepare(rows, prompt_len, plan.degree)
-            with self.expert_load.recording(micro), recording_routes(self.router_replay, record_routes):
+            with self.expert_load.recording(micro), infer_routing(self.router_replay, micro, record_routes, replay_routes):
                 head = self.forward(micro, **head_kwargs)
             values = {key: self._to_rows(head[key], micro, last_token) for key in keys}
             if record_routes:  # int32 rows: merge_reported sums them
@@ -232,6 +237,7 @@ class FSDPEngine(EngineState):
                        max_tokens: int | None = None, **head_kwargs: Any) -> dict[str, float]:
         """Accumulate gradients of `loss_fn` over the micro-batches of `batch`; returns reduced metrics."""
         self.module.train()
+        loss_fn = self.router_aux.wrap(loss_fn, batch, self.dims.dp_group)  # + the MoE router auxiliary loss
         sums: dict[str, torch.Tensor] = {}
         sp_local = torch.zeros(4, dtype=torch.float64)  # local tokens, pad tokens, a2a seconds, total seconds
         timing = {"time_forward_s_max": torch.zeros((), dtype=torch.float64),

@@ -47,13 +47,14 @@ from omegaconf import DictConfig, OmegaConf
 from rlsp.config.layout import ParallelLayout
 from rlsp.controller.step_data import StepData
 from rlsp.controller.traffic import TRAFFIC
+from rlsp.controller.training_workers import start_pool
 from rlsp.controller.weight_board import BoardFeed, start_weight_board
 from rlsp.controller.worker_group import PendingCall, RayWorkerGroup
+from rlsp.controller.worker_pools import PoolSettings, StartedPool
 from rlsp.data.batch import Batch
-from rlsp.trainer.ray_trainer import RayTrainer, _prompt_batch
+from rlsp.trainer.ray_trainer import RayTrainer
+from rlsp.trainer.rollout_inputs import prompt_batch, sampling_params
 from rlsp.trainer.staleness import max_units_ahead
-from rlsp.trainer.training_workers import start_pool
-from rlsp.trainer.worker_pools import PoolSettings, StartedPool
 from rlsp.utils.logging import get_logger
 
 log = get_logger("rlsp.trainer")
@@ -153,7 +154,8 @@ class AsyncTrainer(RayTrainer):
                 batch = StepData.concat(parts)
             else:  # dynamic sampling: more units until enough groups are informative
                 take = lambda extra: self._take_unit(stream, total, extra)  # noqa: E731
-                units, parts, batch, sampled = self.sampler.collect_units(take, self.units_per_step, self.reward, timing)
+                units, parts, batch, sampled = self.sampler.collect_units(take, self.units_per_step, self.reward, timing,
+                                                                          self.read)
             waited = time.perf_counter() - t0 - timing.get("timing/reward_s", 0.0)
             self._check_syncs()
             gen_s = [float(p.info["gen_s"]) for p in parts]
@@ -180,10 +182,10 @@ class AsyncTrainer(RayTrainer):
             if k == 0:
                 self._step_items, self._step_pos = next(stream), self.data_pos
             items = self._step_items[k * self.unit_size:(k + 1) * self.unit_size]
-            prompts = _prompt_batch(items)
+            prompts = prompt_batch(items)
             # The prompts' indices in the step's batch: the sampling seed of each follows from it.
             prompts.set("prompt_index", torch.arange(k * self.unit_size, k * self.unit_size + len(items)))
-            call = self.rollout_wg.submit("rollout", "generate", prompts, self._sampling(step + 1))
+            call = self.rollout_wg.submit("rollout", "generate", prompts, sampling_params(self.cfg, step + 1))
             self.queue.append(InFlight(step + 1, self._step_pos, call))
             self.next_unit += 1
 

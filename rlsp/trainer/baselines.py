@@ -39,7 +39,7 @@ def greedy_sampling(sampling: dict[str, Any]) -> dict[str, Any]:
     return dataclasses.asdict(SamplingConfig(**sampling).greedy())
 
 
-# The prompt fields of a sample's meta (rlsp.trainer.ray_trainer._prompt_batch) a greedy pass needs again.
+# The prompt fields of a sample's meta (rlsp.trainer.rollout_inputs.prompt_batch) a greedy pass needs again.
 PROMPT_META = ("uid", "data_source", "ground_truth", "extra_info", "index", "messages", "agent_name")
 
 

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rlsp.config.choices import FILTER_GROUP_METRICS
+from rlsp.controller.reads import Read, held
 from rlsp.data.batch import Batch
 from rlsp.utils.timing import timed
 
@@ -97,6 +98,7 @@ class GroupCollector:
     generated_prompts: int = 0
     filtered: int = 0
     errors: int = 0
+    read: Read = held  # worker-held columns to the driver (rlsp.controller.reads)
 
     @property
     def ready(self) -> bool:
@@ -108,6 +110,8 @@ class GroupCollector:
 
     def add(self, batch: Batch, scores_B: np.ndarray, errors: int = 0) -> None:
         """Keep the informative groups of a scored batch; `scores_B` are the reward function's values."""
+        # The token-level scores scoring left to build (select_rows builds them; seq_* metrics sum them).
+        self.read(batch, ["token_level_scores"])
         uids = list(batch.meta["uid"])
         kept, dropped = informative_groups(uids, sample_metric(self.metric, batch, scores_B))
         keep = set(kept)
@@ -151,14 +155,16 @@ class DynamicSampler:
         self.metric, self.train_batch_size, self.max_num_gen_batches = metric, train_batch_size, max_num_gen_batches
         self.gen_batch_size = gen_batch_size or train_batch_size  # prompts per generation round (data batch)
 
-    def collector(self) -> GroupCollector:
-        return GroupCollector(self.metric, self.train_batch_size, self.gen_batch_size, self.max_num_gen_batches)
+    def collector(self, read: Read = held) -> GroupCollector:
+        return GroupCollector(self.metric, self.train_batch_size, self.gen_batch_size, self.max_num_gen_batches,
+                              read=read)
 
     def collect(self, generate: Generate, reward: Reward, items: list[dict[str, Any]], batches: Iterator,
-                timing: dict[str, float]) -> tuple[Batch, dict[str, float]]:
+                timing: dict[str, float], read: Read = held) -> tuple[Batch, dict[str, float]]:
         """Generate (`generate(items, first_index)`) and score (`reward`) data batches -- the first is `items`,
-        then the next ones of `batches` -- until the step has train_batch_size prompts with informative groups."""
-        collector, first_index = self.collector(), 0
+        then the next ones of `batches` -- until the step has train_batch_size prompts with informative groups;
+        `read` brings the worker-held columns the filter reads to the driver."""
+        collector, first_index = self.collector(read), 0
         while True:
             with timed("timing/gen_s", timing):
                 # Continuing prompt indices: each round's samples get seeds of their own.
@@ -173,11 +179,12 @@ class DynamicSampler:
             items = _next_batch(batches, collector)
 
     def collect_units(self, take_unit: Callable[[bool], InFlight], units_per_step: int, reward: Reward,
-                      timing: dict[str, float]) -> tuple[list[InFlight], list[Batch], Batch, dict[str, float]]:
+                      timing: dict[str, float], read: Read = held
+                      ) -> tuple[list[InFlight], list[Batch], Batch, dict[str, float]]:
         """Take the pool's units (`take_unit(extra)`: the next one; `extra` when it replaces filtered groups, so
         beyond the step's `units_per_step`) until the step has train_batch_size prompts with informative groups:
         (units taken, their batches, the trimmed batch, the sampling metrics)."""
-        collector = self.collector()
+        collector = self.collector(read)
         units: list[InFlight] = []
         parts: list[Batch] = []
         while not collector.ready:

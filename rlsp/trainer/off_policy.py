@@ -56,6 +56,21 @@ def uses_rollout_logprobs(cfg: Any) -> bool:
     return bool(a.use_rollout_log_probs and not a.compute_prox_log_prob) or bool(cfg.algorithm.rollout_correction.bypass_mode)
 
 
+def reuses_update_logprobs(cfg: Any, step: int, correction: RolloutCorrection, *, distilling: bool) -> bool:
+    """On-policy update (one epoch over one mini-batch, no KL in the reward): the old logprobs are the actor's own
+    forward in the update, so the separate pass is skipped (as TRL does)."""
+    a = cfg.actor_rollout_ref.actor
+    return bool(a.reuse_update_logprobs and a.ppo_epochs == 1 and a.ppo_mini_batch_size == cfg.data.train_batch_size
+                and not cfg.algorithm.use_kl_in_reward and step > cfg.trainer.critic_warmup
+                and not correction.enabled and not distilling  # correction, distillation: on the driver
+                and not a.calculate_sum_pi_squared)  # the optimal token baseline reads it from the separate pass
+
+
+def correction_reads(settings: RolloutCorrection) -> tuple[str, ...]:
+    """The columns `apply_rollout_correction` reads of the batch (none when the correction is off)."""
+    return ("old_logprobs", "rollout_logprobs", "response_mask") if settings.enabled else ()
+
+
 def apply_rollout_correction(batch: Batch, settings: RolloutCorrection) -> tuple[Batch, dict[str, float]]:
     """(the actor's batch, rollout_corr/* metrics); `batch` itself is left as it is."""
     if not settings.enabled:

@@ -19,8 +19,10 @@ from rlsp.config.checks import CheckContext, register, run_checks
 from rlsp.config.layout import CRITIC_ESTIMATORS, ParallelLayout
 from rlsp.config.run_spec import agent_loops_enabled, distillation_enabled
 from rlsp.config.validate import validate_config
+from rlsp.controller.ray_session import launcher_problem
 from rlsp.data.vision_processor import image_rows, image_run_errors, vision_data_errors
-from rlsp.engine.router_replay import router_replay_errors
+from rlsp.engine.router_aux import router_aux_errors, with_overrides
+from rlsp.engine.router_replay import replay_config_errors
 from rlsp.models.feature_support import run_feature_errors
 from rlsp.models.loading import (
     TEXT_WRAPPERS,
@@ -40,7 +42,6 @@ from rlsp.trainer.estimator_inputs import estimator_errors
 from rlsp.trainer.off_policy import check_rollout_correction_names
 from rlsp.trainer.preflight_agent import agent_errors
 from rlsp.trainer.preflight_reward import reward_input_errors, reward_model_errors, reward_model_in_use
-from rlsp.trainer.ray_session import launcher_problem
 from rlsp.trainer.trackers import check_trackers
 from rlsp.utils.device import resolve_device_type
 from rlsp.utils.logging import get_logger
@@ -183,7 +184,9 @@ def _check_text_only_data(cfg: DictConfig, errors: list[str]) -> None:
                                        .column(column).to_pylist()):
                 errors.append(f"{key}={column!r}: rows of {file!r} carry {column}, and actor_rollout_ref.model.path="
                               f"{path!r} is a {family} (vision-language) checkpoint that rlsp trains text-only (its "
-                              "text model: images are read for the vision-language families with their tower, qwen2_5_vl and qwen3_vl); "
+                              "text model: the trainer, the hf rollout engine and the export load it without its tower; "
+                              "rlsp.models.vision_lm trains it with images only when loaded with load_causal_lm(..., "
+                              "vision_tower=True); images are read for qwen2_5_vl, qwen3_vl and qwen3_vl_moe); "
                               "legal: a dataset without "
                               f"{column} in its rows")
 
@@ -204,9 +207,16 @@ def _check_vision_data(cfg: DictConfig, ctx: CheckContext, errors: list[str]) ->
 
 @register("router_replay", "preflight", needs=("model_dir",))
 def _check_router_replay(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None:
-    """MoE routing replay: R2 on a family whose router output rlsp reproduces; R3 is refused (rlsp.engine.router_replay)."""
-    a = cfg.actor_rollout_ref.actor
-    errors += router_replay_errors(a.router_replay.mode, ctx.results["model_config"], a.tensor_model_parallel_size)
+    """MoE routing replay R2 / R3 (verl's rollout switch included) where rlsp can run it (rlsp.engine.router_replay)."""
+    errors += replay_config_errors(cfg.actor_rollout_ref, ctx.results["model_config"], agent_loops_enabled(cfg),
+                                   bool(cfg.async_training.partial_rollout))
+
+
+@register("router_aux", "preflight", needs=("model_dir",))
+def _check_router_aux(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None:
+    """The MoE router auxiliary loss the model config asks for, model.override_config applied (rlsp.engine.router_aux)."""
+    config = with_overrides(ctx.results["model_config"], cfg.actor_rollout_ref.model.override_config)
+    errors += router_aux_errors(config, ctx.layout.role("actor") if ctx.layout is not None else None)
 
 
 def resolve_assets(cfg: DictConfig) -> None:

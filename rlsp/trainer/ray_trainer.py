@@ -10,10 +10,9 @@ until enough groups are informative (rlsp/trainer/dynamic_sampling.py); the rest
 
 from __future__ import annotations
 
-import itertools
 import os
 import time
-import uuid
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -23,52 +22,47 @@ from transformers import AutoTokenizer
 
 from rlsp.algos.kl_ctrl import build_kl_controller
 from rlsp.config.layout import ParallelLayout
-from rlsp.config.run_length import data_batch, resolve_total_steps
-from rlsp.config.schema_verl_runtime import HF_MODEL
+from rlsp.config.run_length import resolve_total_steps
+from rlsp.controller.reads import read_columns
+from rlsp.controller.stopping import Terminated
 from rlsp.controller.traffic import TRAFFIC
+from rlsp.controller.training_workers import check_sharded_forwards, start_training_workers
 from rlsp.controller.worker_group import RayWorkerGroup
-from rlsp.data.balance import balanced_order
+from rlsp.controller.worker_pools import StartedPool
 from rlsp.data.batch import Batch
-from rlsp.data.dataset import PromptDataset, chat_template_kwargs, iterate_batches
-from rlsp.data.multimodal import multimodal_meta
 from rlsp.engine.export import export_hf
 from rlsp.trainer.baselines import add_greedy_baselines, greedy_sampling, needs_greedy_baseline
-from rlsp.trainer.batch_metrics import check_finite, compute_agent_metrics, compute_batch_metrics, row_tokens
+from rlsp.trainer.batch_metrics import check_finite, compute_batch_metrics, row_tokens
 from rlsp.trainer.checkpoint import CheckpointWriter, TrainerState, latest_checkpoint, read_metrics_lines
 from rlsp.trainer.distill import Distillation
+from rlsp.trainer.driver_reads import DISTILL_READS, GREEDY_READS, ReadResults, advantage_reads
 from rlsp.trainer.dynamic_sampling import build_dynamic_sampler
 from rlsp.trainer.metrics import MetricsLogger
-from rlsp.trainer.off_policy import apply_rollout_correction, rollout_correction_settings, uses_rollout_logprobs
-from rlsp.trainer.preflight_agent import agent_rows, check_agent_names
+from rlsp.trainer.off_policy import (
+    apply_rollout_correction,
+    correction_reads,
+    reuses_update_logprobs,
+    rollout_correction_settings,
+    uses_rollout_logprobs,
+)
 from rlsp.trainer.progress import RunProgress
 from rlsp.trainer.reward import Reward, build_reward, start_rule_scorers
+from rlsp.trainer.rollout_inputs import batch_stream, load_datasets, prompt_batch, sampling_params
 from rlsp.trainer.row_advantages import compute_row_advantages, row_level
-from rlsp.trainer.stage_advantages import advantages_on_workers, compute_driver_advantages, compute_token_rewards
-from rlsp.trainer.stopping import Terminated
-from rlsp.trainer.training_workers import check_sharded_forwards, start_training_workers
+from rlsp.trainer.run_checkpoint import load_run, save_run
+from rlsp.trainer.stage_advantages import (
+    advantages_on_workers,
+    balanced_step_order,
+    compute_driver_advantages,
+    compute_token_rewards,
+    stage_order,
+)
 from rlsp.trainer.val_generations import ValGenerationLog
-from rlsp.trainer.worker_pools import StartedPool
+from rlsp.trainer.validation import run_validation
 from rlsp.utils.logging import get_logger
 from rlsp.utils.timing import timed
 
 log = get_logger("rlsp.trainer")
-
-
-def _prompt_batch(items: list[dict[str, Any]], uids: list[str] | None = None) -> Batch:
-    return Batch.from_dict(
-        {"prompt_index": torch.arange(len(items))},
-        meta={
-            "prompt_ids": [it["prompt_ids"] for it in items],
-            "uid": uids or [uuid.uuid4().hex for _ in items],
-            "data_source": [it["data_source"] for it in items],
-            "ground_truth": [it["ground_truth"] for it in items],
-            "extra_info": [it.get("extra_info") for it in items],
-            "index": [it.get("index") for it in items],
-            "messages": [it.get("messages") for it in items],  # chat turns, for a reward model's own template
-            "agent_name": [it.get("agent_name") for it in items],  # the agent loop of each row (None: single turn)
-            **multimodal_meta(items),  # a vision-language dataset's images (processor outputs and raw bytes)
-        },
-    )
 
 
 class RayTrainer:
@@ -76,16 +70,7 @@ class RayTrainer:
         self.cfg, self.layout = cfg, layout
         self.run_dir = cfg.trainer.default_local_dir
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.path)
-        d, agent = cfg.data, agent_rows(cfg)
-        def dataset(files: Any) -> PromptDataset:
-            return PromptDataset(files, self.tokenizer, d.max_prompt_length, d.prompt_key, d.filter_overlong_prompts,
-                                 chat_template=d.apply_chat_template, truncation=d.truncation, agent=agent,
-                                 template_kwargs=chat_template_kwargs(cfg))
-
-        self.train_set = dataset(d.train_files)
-        self.val_set = dataset(d.val_files) if d.val_files else None
-        if agent is not None:
-            check_agent_names(cfg, [self.train_set, self.val_set])
+        self.train_set, self.val_set = load_datasets(cfg, self.tokenizer)
         self.distill = Distillation.build(cfg, self.tokenizer, [self.train_set, self.val_set])  # None when off
         resolve_total_steps(cfg, len(self.train_set))  # verl's rule; from here on the config holds the run length
         self.metrics = MetricsLogger(self.run_dir, list(cfg.trainer.logger))
@@ -107,7 +92,7 @@ class RayTrainer:
 
     # ------------------------------------------------------------------ workers
     def start_workers(self, pools: list[StartedPool] | None = None) -> list[dict[str, Any]]:
-        """Start (or take `pools`, started while the checks ran: rlsp.trainer.ray_session) and initialise
+        """Start (or take `pools`, started while the checks ran: rlsp.controller.ray_session) and initialise
         the workers; each worker's init result."""
         scorers = start_rule_scorers(self.cfg)  # its processes (if any) start while the training workers do
         workers = start_training_workers(self.cfg, self.layout, pools)
@@ -125,6 +110,11 @@ class RayTrainer:
         """The actor's weights after `step` steps into the rollout engines (colocated: each worker's own)."""
         self.wg.call_worker("sync_weights")
 
+    def read(self, data: Batch, names: Iterable[str]) -> Batch:
+        """The step's worker-held columns `names` to the driver, built by a policy worker (idle meanwhile): the
+        driver reads a worker-held column only through this (rlsp.controller.reads)."""
+        return read_columns(self.wg, data, names)
+
     def _groups(self) -> list[RayWorkerGroup]:
         return list({id(g): g for g in (self.wg, self.critic_wg) if g is not None}.values())
 
@@ -141,68 +131,36 @@ class RayTrainer:
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, step: int) -> str:
         """Every role's sharded state, worker RNGs and the driver's state, made visible atomically."""
-        tmp = self.ckpt.begin(step)
-        self.wg.call("actor", "save_checkpoint", tmp)
-        if self.critic_wg is not None:
-            self.critic_wg.call("critic", "save_checkpoint", tmp)
-        for wg in self._groups():
-            wg.call_worker("save_rng", tmp)
         state = TrainerState(step=step, epoch=self.data_pos[0], batch_in_epoch=self.data_pos[1],
                              kl_ctrl=self.kl_ctrl.state_dict(), layout=self.layout.describe())
-        path = self.ckpt.commit(tmp, step, state, self.metrics.jsonl_lines(), OmegaConf.to_yaml(self.cfg, resolve=True))
-        if HF_MODEL in self.cfg.actor_rollout_ref.actor.checkpoint.save_contents:  # verl's HF copy per checkpoint
-            export_hf(path, os.path.join(path, "actor_hf"))
-        return path
+        return save_run(self.ckpt, self.cfg, state, self.metrics.jsonl_lines(), self.wg, self.critic_wg, self._groups())
 
     def load_checkpoint(self, path: str) -> None:
         """Continue from `path`: weights, optimizers, schedules (resharded if the layout changed), data
         position, KL controller, metrics so far; then the rollout engines get the loaded weights."""
-        state = TrainerState.read(path)
-        self.wg.call("actor", "load_checkpoint", path)
-        if self.critic_wg is not None:
-            self.critic_wg.call("critic", "load_checkpoint", path)
-        restored = [all(wg.call_worker("load_rng", path)) for wg in self._groups()]
+        state, restored = load_run(path, self.wg, self.critic_wg, self._groups())
         self.sync_rollout(state.step)
         self.kl_ctrl.load_state_dict(state.kl_ctrl)
         self.start_step, self.data_pos = state.step + 1, (state.epoch, state.batch_in_epoch)
         self.metrics.restore(read_metrics_lines(path))
         log.info("resumed from %s at step %d (written with %s; worker RNG states %s)", path, state.step,
-                 state.layout, "restored" if all(restored) else "reseeded: the layout changed")
+                 state.layout, "restored" if restored else "reseeded: the layout changed")
 
     # ------------------------------------------------------------------ one step
-    def _sampling(self, step: int, *, validate: bool = False) -> dict[str, Any]:
-        r, d = self.cfg.actor_rollout_ref.rollout, self.cfg.data
-        if validate:
-            v = r.val_kwargs
-            greedy = {"temperature": 0.0, "top_p": 1.0, "top_k": -1}
-            chosen = {"temperature": v.temperature, "top_p": v.top_p, "top_k": v.top_k} if v.do_sample else greedy
-            return {"n": v.n, **chosen, "max_tokens": d.max_response_length, "seed": 0}
-        # Far-apart bases per step: the samples of one step use base .. base + prompts * n - 1.
-        seed = (self.cfg.trainer.seed * 100_003 + step) * 1_000_003 % 2**62
-        return {"n": r.n, "temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
-                "max_tokens": d.max_response_length, "seed": seed, "ignore_eos": r.ignore_eos}
-
-    def _reuses_update_logprobs(self, step: int) -> bool:
-        """On-policy update (one epoch over one mini-batch, no KL in the reward): the old logprobs are
-        the actor's own forward in the update, so the separate pass is skipped (as TRL does)."""
-        a, cfg = self.cfg.actor_rollout_ref.actor, self.cfg
-        return bool(a.reuse_update_logprobs and a.ppo_epochs == 1 and a.ppo_mini_batch_size == cfg.data.train_batch_size
-                    and not cfg.algorithm.use_kl_in_reward and step > cfg.trainer.critic_warmup
-                    and not self.correction.enabled and self.distill is None  # correction, distillation: on the driver
-                    and not a.calculate_sum_pi_squared)  # the optimal token baseline reads it from the separate pass
-
     def _rewards(self, batch: Batch) -> dict[str, float]:
         """token_level_rewards = scores, minus beta * KL(old || ref) per token with use_kl_in_reward; on the
         workers, with the advantages of the estimators that run there (rlsp.trainer.stage_advantages)."""
         if row_level(self.cfg, batch):  # outcome advantages from per-row values (rlsp.trainer.row_advantages)
             return {}
+        if not self.cfg.algorithm.use_kl_in_reward and stage_order(batch, self.cfg, self.layout.dp_size) is None:
+            self.read(batch, ["token_level_scores"])  # the token rewards are the scores, on the driver
         return compute_token_rewards(self.wg, batch, self.cfg, self.kl_ctrl)
 
     def _advantages(self, batch: Batch) -> None:
         if row_level(self.cfg, batch):
             compute_row_advantages(batch, self.cfg)
-        elif not advantages_on_workers(self.cfg):  # computed with the rewards otherwise
-            compute_driver_advantages(batch, self.cfg)
+        elif not advantages_on_workers(batch):  # computed with the rewards otherwise
+            compute_driver_advantages(self.read(batch, advantage_reads(self.cfg)), self.cfg)
 
     def train_step(self, step: int, items: list[dict[str, Any]]) -> dict[str, float]:
         timing: dict[str, float] = {}
@@ -210,7 +168,7 @@ class RayTrainer:
         TRAFFIC.reset()  # perf/driver_bytes: this step's traffic (not start-up's, validation's or a checkpoint's)
         if self.sampler is not None:  # generate more prompt batches until enough groups are informative
             generate = lambda rows, first: self.generate(step, rows, first)  # noqa: E731
-            batch, sampled = self.sampler.collect(generate, self.reward, items, self._batches, timing)
+            batch, sampled = self.sampler.collect(generate, self.reward, items, self._batches, timing, self.read)
             return {**self.train_on(step, batch, t0, timing), **sampled}
         with timed("timing/gen_s", timing):
             batch = self.generate(step, items)
@@ -218,30 +176,32 @@ class RayTrainer:
 
     def generate(self, step: int, items: list[dict[str, Any]], first_index: int = 0) -> Batch:
         """Samples of `items`; a prompt's sampling seed follows from its index (first_index + position)."""
-        prompts = _prompt_batch(items)
+        prompts = prompt_batch(items)
         prompts.set("prompt_index", torch.arange(first_index, first_index + len(items)))
-        return self.rollout_wg.call("rollout", "generate", prompts, self._sampling(step))
+        return self.rollout_wg.call("rollout", "generate", prompts, sampling_params(self.cfg, step))
 
     def train_on(self, step: int, batch: Batch, t0: float, timing: dict[str, float]) -> dict[str, float]:
         """Everything after generation: score, logprobs, advantages, updates, weights to the engines."""
         metrics: dict[str, float] = {}
         batch.info.update(temperature=self.cfg.actor_rollout_ref.rollout.temperature, global_step=step)
-        batch.reader = self.wg.read_rows  # columns the driver reads are built by a policy worker (idle meanwhile)
         if self.cfg.trainer.balance_batch and self.layout.dp_size > 1:
-            batch = batch.select_rows(balanced_order(row_tokens(batch).tolist(), self.layout.dp_size))
+            batch = batch.select_rows(balanced_step_order(self.cfg, row_tokens(batch, self.read).tolist(), batch.meta["uid"],
+                                                          self.layout.dp_size))  # groups whole where the workers need it
         if step == 1 and self.cfg.trainer.sp_self_check:
             self.check_sp(batch)
         if needs_greedy_baseline(self.cfg):  # ReMax: a prompt's greedy response is its samples' baseline
-            greedy = greedy_sampling(self._sampling(step))
-            generate = lambda prompts: self.rollout_wg.call("rollout", "generate", prompts, greedy)  # noqa: E731
-            metrics.update(add_greedy_baselines(generate, self.rollout_wg.world_size, self.reward, batch, timing))
+            greedy = greedy_sampling(sampling_params(self.cfg, step))
+            generate = lambda prompts: self.read(self.rollout_wg.call("rollout", "generate", prompts, greedy),  # noqa: E731
+                                                 ["response_mask"])  # the greedy responses' lengths are read
+            metrics.update(add_greedy_baselines(generate, self.rollout_wg.world_size, self.reward,
+                                                self.read(batch, GREEDY_READS), timing))
         with timed("timing/reward_s", timing):
             # Rows collected by dynamic sampling were scored before filtering.
             scores = np.asarray(batch.meta["row_score"]) if "row_score" in batch else self.reward.score(batch)
         metrics.update(self.reward.metrics(batch))
         if uses_rollout_logprobs(self.cfg):  # the engine's logprobs are the behaviour policy of the loss
             batch.alias("old_logprobs", "rollout_logprobs")
-        elif not self._reuses_update_logprobs(step):
+        elif not reuses_update_logprobs(self.cfg, step, self.correction, distilling=self.distill is not None):
             with timed("timing/old_logprob_s", timing):
                 batch.update(self.wg.call("actor", "compute_log_prob", batch))
         if self.layout.has_reference:
@@ -254,12 +214,14 @@ class RayTrainer:
             metrics.update(self._rewards(batch))
             self._advantages(batch)
         if self.distill is not None:  # the teachers' logprobs; advantages get the distillation term
-            metrics.update(self.distill.apply(self.wg, batch, timing))
+            self.read(batch, [self.distill.key, *DISTILL_READS])
+            metrics.update(self.distill.apply(ReadResults(self.wg, self.read), batch, timing))
         if self.critic_wg is not None:
             with timed("timing/update_critic_s", timing):
                 metrics.update(self.critic_wg.call("critic", "update_critic", batch)[0])
         if step > self.cfg.trainer.critic_warmup:
-            actor_batch, corrected = apply_rollout_correction(batch, self.correction)
+            actor_batch, corrected = apply_rollout_correction(self.read(batch, correction_reads(self.correction)),
+                                                              self.correction)
             metrics.update(corrected)
             with timed("timing/update_actor_s", timing):
                 metrics.update(self.wg.call("actor", "update_actor", actor_batch)[0])
@@ -267,7 +229,7 @@ class RayTrainer:
                 self.sync_rollout(step)
         timing["timing/step_s"] = time.perf_counter() - t0
         width = self.cfg.data.max_response_length
-        return {**compute_batch_metrics(batch, scores, timing["timing/step_s"], width), **metrics, **timing,
+        return {**compute_batch_metrics(batch, scores, timing["timing/step_s"], width, self.read), **metrics, **timing,
                 **TRAFFIC.take()}
 
     def check_sp(self, batch: Batch) -> float:
@@ -276,18 +238,7 @@ class RayTrainer:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:
-        items = [self.val_set[i] for i in range(len(self.val_set))]
-        world = self.rollout_wg.world_size
-        padded = items + items[: (-len(items)) % world]
-        sampling = self._sampling(0, validate=True)
-        batch = self.rollout_wg.call("rollout", "generate", _prompt_batch(padded), sampling)
-        batch = batch.select_rows(slice(0, len(items) * sampling["n"]))  # each prompt's samples are contiguous
-        scores = self.reward.score_validation(batch)
-        if self.val_log is not None:
-            self.val_log.write(batch, scores)
-        agent = {f"val/{k}": v for k, v in compute_agent_metrics(batch).items()}
-        return {"val/accuracy": float((scores >= 1.0).mean()), "val/reward_mean": float(scores.mean()),
-                "val/num_prompts": float(len(items)), "val/num_samples": float(len(scores)), **agent}
+        return run_validation(self.cfg, self.rollout_wg, self.reward, self.val_set, self.val_log)
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> list[dict[str, Any]]:
@@ -340,13 +291,6 @@ class RayTrainer:
 
     def _batch_stream(self):
         """Training batches from the current data position on; `data_pos` follows what was consumed."""
-        d = self.cfg.data
-        first_epoch, skip = self.data_pos
-        # Dynamic sampling consumes extra batches: its steps may need epochs beyond total_epochs.
-        epochs = range(first_epoch, self.cfg.trainer.total_epochs) if self.sampler is None else itertools.count(first_epoch)
-        for epoch in epochs:
-            for i, items in enumerate(iterate_batches(self.train_set, data_batch(self.cfg)[1], d.seed, epoch, d.shuffle)):
-                if epoch == first_epoch and i < skip:
-                    continue
-                self.data_pos = (epoch, i + 1)
-                yield items
+        for pos, items in batch_stream(self.train_set, self.cfg, self.data_pos, endless=self.sampler is not None):
+            self.data_pos = pos
+            yield items

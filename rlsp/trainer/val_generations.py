@@ -19,6 +19,8 @@ FILE_NAME = "val_generations.jsonl"
 
 
 class ValGenerationLog:
+    reads = ("input_ids", "response_mask", "attention_mask")  # what `write` reads of the rows
+
     def __init__(self, path: str, num_samples: int, tokenizer: Any) -> None:
         self.path, self.num_samples, self.tokenizer = path, num_samples, tokenizer
         self.validations = 0  # validations written by this run

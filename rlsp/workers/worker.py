@@ -62,7 +62,7 @@ def loopback_interface() -> str | None:
 class Worker:
     def __init__(self, layout: ParallelLayout, group: str, rank: int) -> None:
         # The run's config comes with `init_worker`: the process (its imports) may start while the driver
-        # still checks the config (rlsp.trainer.ray_session).
+        # still checks the config (rlsp.controller.ray_session).
         self.cfg: DictConfig | None = None
         self.layout, self.group, self.rank = layout, group, rank
         self.world = layout.world_of(group)
@@ -179,7 +179,7 @@ class Worker:
 
     def score(self, spec: RowsSpec, *blocks: Batch) -> tuple[Any, int, list[dict[str, Any]]]:
         """Rule scores of the rows `spec` builds from `blocks`, as a scoring process returns them
-        (rlsp.trainer.reward_workers: with reward_model.num_workers=0 the policy workers score)."""
+        (rlsp.controller.reward_workers: with reward_model.num_workers=0 the policy workers score)."""
         if self.scorer is None:
             r = self.cfg.reward
             tokenizer = AutoTokenizer.from_pretrained(self.cfg.actor_rollout_ref.model.path)

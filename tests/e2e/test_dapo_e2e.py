@@ -54,6 +54,7 @@ class RecordingTrainer(RayTrainer):
     """The real trainer; it keeps what each step trained on."""
 
     def train_on(self, step, batch, t0, timing):
+        self.read(batch, ["token_level_scores", "response_mask", "attention_mask"])  # the columns recorded below
         self.trained.append({"uid": list(batch.meta["uid"]), "score": list(batch.meta["row_score"]),
                              "tokens": batch["token_level_scores"].sum(-1).double(),
                              "lengths": response_lengths(batch)})

@@ -25,10 +25,11 @@ from tolerances import scalar_tol
 
 from rlsp.config.schema import RLSPConfig
 from rlsp.config.validate import validate_config
+from rlsp.controller.ray_session import init_ray
 from rlsp.trainer.checkpoint import step_dir
 from rlsp.trainer.preflight import preflight
-from rlsp.trainer.ray_session import init_ray
-from rlsp.trainer.ray_trainer import RayTrainer, _prompt_batch
+from rlsp.trainer.ray_trainer import RayTrainer
+from rlsp.trainer.rollout_inputs import prompt_batch, sampling_params
 
 pytestmark = pytest.mark.e2e
 
@@ -127,10 +128,16 @@ def test_bad_config_fails_before_workers(tmp_path):
 
 
 def _rollout(trainer: RayTrainer) -> object:
+    """Four prompts' samples, their columns read to the driver (the checks below read them, and the second
+    trainer gets them by value: these workers are gone by then)."""
     items = [trainer.train_set[i] for i in range(4)]
-    batch = trainer.wg.call("rollout", "generate", _prompt_batch(items), trainer._sampling(1))
+    batch = trainer.wg.call("rollout", "generate", prompt_batch(items), sampling_params(trainer.cfg, 1))
     batch.info["temperature"] = 1.0
-    return batch
+    return trainer.read(batch, ["input_ids", "attention_mask", "response_mask", "rollout_logprobs"])
+
+
+def _old_logprobs(trainer: RayTrainer, batch: object) -> torch.Tensor:
+    return trainer.read(trainer.wg.call("actor", "compute_log_prob", batch), ["old_logprobs"])["old_logprobs"]
 
 
 def test_weights_change_sync_and_sp2_matches_sp1(tmp_path, ray_session):
@@ -145,7 +152,7 @@ def test_weights_change_sync_and_sp2_matches_sp1(tmp_path, ray_session):
         trainer.start_workers()
         before = trainer.wg.call("actor", "param_checksum")[0]
         batch = _rollout(trainer)
-        old_sp1 = trainer.wg.call("actor", "compute_log_prob", batch)["old_logprobs"]
+        old_sp1 = _old_logprobs(trainer, batch)
         # Rollout logprobs of fp32 vLLM equal the trainer's before any update.
         mask = batch["response_mask"]
         assert float(((batch["rollout_logprobs"] - old_sp1).abs() * mask).max()) <= tol
@@ -156,7 +163,7 @@ def test_weights_change_sync_and_sp2_matches_sp1(tmp_path, ray_session):
         seq = batch["input_ids"][0][batch["attention_mask"][0].bool()].tolist()
         vllm_lp = trainer.wg.call("rollout", "prompt_logprobs", seq)[0][1:]
         rows = batch.select_rows([0, 1])  # one row per dp rank
-        trained = trainer.wg.call("actor", "compute_log_prob", rows)["old_logprobs"][0]
+        trained = _old_logprobs(trainer, rows)[0]
         n_resp = int(rows["response_mask"][0].sum())
         assert torch.allclose(torch.tensor(vllm_lp[-n_resp:]), trained[:n_resp], rtol=0, atol=tol)
     finally:
@@ -165,7 +172,7 @@ def test_weights_change_sync_and_sp2_matches_sp1(tmp_path, ray_session):
     trainer_sp2 = RayTrainer(*_cfg(tmp_path, **{"actor_rollout_ref.actor.ulysses_sequence_parallel_size": 2}))
     try:
         trainer_sp2.start_workers()
-        old_sp2 = trainer_sp2.wg.call("actor", "compute_log_prob", batch)["old_logprobs"]
+        old_sp2 = _old_logprobs(trainer_sp2, batch)
         assert float((old_sp2 - old_sp1).abs().max()) <= tol
         assert trainer_sp2.check_sp(batch) <= tol
     finally:

@@ -24,8 +24,8 @@ import json, os, sys, ray
 from omegaconf import OmegaConf
 from rlsp.config.schema import RLSPConfig
 from rlsp.config.layout_build import build_layout
-from rlsp.trainer.ray_session import RayStart
-from rlsp.trainer.worker_pools import PoolSettings
+from rlsp.controller.ray_session import RayStart
+from rlsp.controller.worker_pools import PoolSettings
 
 cfg = OmegaConf.structured(RLSPConfig)
 cfg.trainer.device, cfg.trainer.n_gpus_per_node = "cpu", 2

@@ -21,7 +21,7 @@ DRIVER = """
 import os, ray
 from omegaconf import OmegaConf
 from rlsp.config.schema import RLSPConfig
-from rlsp.trainer.ray_session import init_ray
+from rlsp.controller.ray_session import init_ray
 assert init_ray(OmegaConf.structured(RLSPConfig), 1)
 assert len(os.environ["RAY_AUTH_TOKEN"]) == 64
 print("task:", ray.get(ray.remote(lambda: 41 + 1).remote()))
@@ -47,8 +47,8 @@ import ray
 from omegaconf import OmegaConf
 from ray._private import ray_constants, worker
 from rlsp.config.schema import RLSPConfig
-from rlsp.trainer.ray_session import init_ray
-from rlsp.trainer.stopping import stop_autoscaler_monitor
+from rlsp.controller.ray_session import init_ray
+from rlsp.controller.stopping import stop_autoscaler_monitor
 assert init_ray(OmegaConf.structured(RLSPConfig), 1)
 print("task:", ray.get(ray.remote(lambda: 41 + 1).remote()))
 procs = worker._global_node.all_processes
@@ -84,8 +84,8 @@ from omegaconf import OmegaConf
 from ray._private import ray_constants, worker
 from rlsp.config.schema import RLSPConfig
 from rlsp.config.validate import validate_config
-from rlsp.trainer.ray_session import RayStart
-from rlsp.trainer.worker_pools import PoolSettings
+from rlsp.controller.ray_session import RayStart
+from rlsp.controller.worker_pools import PoolSettings
 import sys
 print("torch before the workers are up:", "torch" in sys.modules)
 

@@ -19,17 +19,27 @@ from tolerances import model_rtol, scalar_tol
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
 from rlsp.config.schema import RLSPConfig
+from rlsp.controller.reads import read_columns
 from rlsp.controller.resource_pool import ResourcePool
 from rlsp.controller.reward_servers import RewardServers
 from rlsp.controller.worker_group import WorkerDiedError
 from rlsp.data.batch import Batch
 from rlsp.data.rm_inputs import render_for_reward_model
 from rlsp.models.tiny import TinyModelSpec, build_tiny_model, build_tiny_reward_model
+from rlsp.workers.columns import assemble
 
 pytestmark = pytest.mark.e2e
 
 P, R = 6, 5  # prompt width (left-padded), response width
 RESPONSES = ["12", "7", "345", "", "9981"]
+
+
+class BlockReader:
+    """Reads rows on the driver from the blocks themselves (the whole blocks come here): no worker group in
+    this test to build them."""
+
+    def read_rows(self, spec, *refs) -> Batch:
+        return assemble(spec, ray.get(list(refs)))
 
 
 def _rows(tok) -> Batch:
@@ -76,7 +86,7 @@ def test_reward_servers_score_like_the_model(tmp_path):
         envs = [{"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
                  "VLLM_CPU_OMP_THREADS_BIND": str(rank), "VLLM_LOGGING_LEVEL": "ERROR"} for rank in range(2)]
         servers = RewardServers(pool, _config(policy, rm), envs)
-        got = servers.compute_rm_score(batch)["rm_scores"]
+        got = read_columns(BlockReader(), servers.compute_rm_score(batch), ["rm_scores"])["rm_scores"]
         lengths = batch["response_mask"].sum(-1).long()
         for b, score in enumerate(expected):
             if lengths[b] == 0:  # an empty response carries no score

@@ -15,12 +15,12 @@ from omegaconf import OmegaConf
 
 from rlsp.config.schema import RLSPConfig
 from rlsp.config.validate import validate_config
+from rlsp.controller.reward_workers import ScoringPool, start_scoring_processes
 from rlsp.controller.worker_group import WorkerDiedError
 from rlsp.controller.worker_process import WorkerProcess
 from rlsp.data.batch import Batch
 from rlsp.models.tokenizer import build_char_tokenizer
 from rlsp.rewards.scoring import Scorer
-from rlsp.trainer.reward_workers import ScoringPool, start_scoring_processes
 
 pytestmark = pytest.mark.e2e
 

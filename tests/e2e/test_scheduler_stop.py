@@ -26,8 +26,8 @@ import pytest
 from test_faults import _assert_nothing_left, _cmdline, _marked, _steps, _wait_for
 from timing import allowed
 
+from rlsp.controller.stopping import Terminated, ray_start_signals
 from rlsp.trainer.checkpoint import damaged_file
-from rlsp.trainer.stopping import Terminated, ray_start_signals
 
 pytestmark = pytest.mark.e2e
 

@@ -17,8 +17,8 @@ import pytest
 import ray
 from omegaconf import OmegaConf
 
+from rlsp.controller import stopping
 from rlsp.main import stopped_exit
-from rlsp.trainer import stopping
 
 pytestmark = pytest.mark.e2e
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlsp.trainer.ray_session import RAY_JOB_ENV, ray_address
+from rlsp.controller.ray_session import RAY_JOB_ENV, ray_address
 
 
 @pytest.mark.parametrize("setting", [None, "", "local"])

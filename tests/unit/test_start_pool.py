@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 
 from rlsp.config.schema import RLSPConfig
 from rlsp.config.validate import validate_config
-from rlsp.trainer.worker_pools import _workers_before
+from rlsp.controller.worker_pools import _workers_before
 
 PPO_ASYNC = {"algorithm.adv_estimator": "gae", "critic.colocate": False, "critic.nnodes": 1, "critic.n_gpus_per_node": 1,
              "trainer.n_gpus_per_node": 2, "rollout.n_gpus_per_node": 2, "data.train_batch_size": 4,

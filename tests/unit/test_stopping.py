@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from rlsp.trainer import stopping
-from rlsp.trainer.stopping import SIGTERM_EXIT_CODE, Terminated, catch_sigterm, signals_deferred, stop_exit_code
+from rlsp.controller import stopping
+from rlsp.controller.stopping import SIGTERM_EXIT_CODE, Terminated, catch_sigterm, signals_deferred, stop_exit_code
 
 
 @pytest.fixture(autouse=True)

@@ -17,9 +17,9 @@ from rlsp.config.schema import RLSPConfig
 from rlsp.config.validate_verl_runtime import check_verl_runtime_keys
 from rlsp.config.verl_compat import refusal, verl_key_notes, verl_status
 from rlsp.config.verl_spellings import rlsp_key
+from rlsp.controller.ray_session import job_runtime_env, launcher_problem
+from rlsp.controller.worker_pools import worker_env
 from rlsp.rollout.vllm_engine import SLEEP_TAGS, VLLMEngine
-from rlsp.trainer.ray_session import job_runtime_env, launcher_problem
-from rlsp.trainer.worker_pools import worker_env
 
 RUNTIME_ENV = "ray_kwargs.ray_init.runtime_env"
 

@@ -224,7 +224,7 @@ def test_in_progress_keys_until_their_section_is_declared():
 def testprivate_ray_resources():
     import os  # noqa: PLC0415
 
-    from rlsp.trainer.ray_session import private_ray_resources  # noqa: PLC0415
+    from rlsp.controller.ray_session import private_ray_resources  # noqa: PLC0415
 
     cfg = OmegaConf.structured(RLSPConfig)
     cfg.trainer.device = "cuda"

@@ -1,5 +1,5 @@
 """The worker processes' actor class (rlsp.controller.worker_process): its module and the pool start
-(rlsp.trainer.worker_pools) import neither torch nor transformers, so the driver starts the processes
+(rlsp.controller.worker_pools) import neither torch nor transformers, so the driver starts the processes
 while it still imports both; every public method of `RayWorker` is forwarded under its name."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def test_forwarded_calls_reach_the_worker_with_their_arguments_and_results():
 
 
 def test_starting_worker_processes_imports_neither_torch_nor_transformers():
-    code = ("import sys, rlsp.controller.worker_process, rlsp.trainer.worker_pools, rlsp.trainer.ray_session; "
+    code = ("import sys, rlsp.controller.worker_process, rlsp.controller.worker_pools, rlsp.controller.ray_session; "
             "print(sorted(m for m in ('torch', 'transformers', 'tensordict') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
@@ -47,7 +47,7 @@ def test_starting_worker_processes_imports_neither_torch_nor_transformers():
 def test_the_pools_device_read_without_torch_is_torchs_answer_here():
     """`trainer.device=auto`: the worker processes start with the device nvidia-smi shows (no torch in the
     driver yet); here it equals torch's answer, so `RayStart.take_pools` hands them over unchanged."""
-    from rlsp.trainer.worker_pools import PoolSettings
+    from rlsp.controller.worker_pools import PoolSettings
 
     cfg = OmegaConf.structured(RLSPConfig)
     assert cfg.trainer.device == "auto"

@@ -16,7 +16,8 @@ from rlsp.data.batch import Batch
 from rlsp.data.vision_processor import PROCESSOR_FILES
 from rlsp.engine.checkpoint import load_engine, save_engine
 from rlsp.engine.fsdp_engine import FSDPEngine
-from rlsp.engine.router_replay import ROUTES_KEY
+from rlsp.engine.router_aux import aux_loss_coef, with_overrides
+from rlsp.engine.router_replay import ROUTES_KEY, replay_mode
 from rlsp.models.loading import load_causal_lm
 from rlsp.models.lora import LORA_ADAPTER_DIR, LoraAdapters, LoraSettings, apply_lora
 from rlsp.models.rms_norm import apply_lean_rmsnorm
@@ -76,7 +77,10 @@ def build_policy_engine(ctx: RoleContext, trainable: bool,
                         compute_dtype=compute, optim=optim,
                         activation_offload=trainable and arr.model.enable_activation_offload,
                         param_offload=fsdp_offload(arr[role].fsdp_config, role, ctx.device),
-                        router_replay=trainable and arr.actor.router_replay.mode == "R2")
+                        router_replay=trainable and replay_mode(arr) in ("R2", "R3"),
+                        # the MoE router auxiliary loss config.json or verl's model.override_config asks for
+                        router_aux_coef=aux_loss_coef(with_overrides(lm.config, arr.model.override_config))
+                        if trainable else 0.0)
     return engine, adapters
 
 
@@ -104,13 +108,14 @@ class ActorRole:
         named = [(name, t.detach().to("cpu", copy=True)) for name, t in self.rollout_weights(resolve_dtype(dtype))]
         return named if self.ctx.rank == 0 else None
 
-    @register(Dispatch.BY_DP, reads=(*POLICY_INPUTS, "rollout_logprobs"),
+    @register(Dispatch.BY_DP, reads=(*POLICY_INPUTS, "rollout_logprobs", ROUTES_KEY),
               writes=("old_logprobs", "sum_pi_squared", ROUTES_KEY),
               reports=("logprob_diff_sum", "logprob_diff_max"))
     def compute_log_prob(self, batch: Batch) -> Batch:
         """Old logprobs [B, R] of the sampled tokens under the current policy; with actor.calculate_sum_pi_squared
         also sum_pi_squared [B, R] (sum over the vocabulary of p^2 per token, from the same forward); with
-        actor.router_replay.mode=R2 the MoE routes [B, P+R, L, K] the update replays (rlsp.engine.router_replay)."""
+        actor.router_replay.mode=R2 the MoE routes [B, P+R, L, K] the update replays (rlsp.engine.router_replay); with R3
+        the rows carry the rollout's routes: this pass replays them and the update replays them again."""
         r = self.cfg.actor_rollout_ref.rollout
         head = {"with_sum_pi_squared": True} if self.cfg.actor_rollout_ref.actor.calculate_sum_pi_squared else {}
         self.engine.expert_load.reset()  # counts of a step without an actor update (critic warmup) end here
@@ -118,7 +123,8 @@ class ActorRole:
                                      ("logprobs", "sum_pi_squared") if head else ("logprobs",),
                                      token_budget(r.log_prob_use_dynamic_bsz, r.log_prob_max_token_len_per_gpu),
                                      temperature=batch_temperature(batch, self.cfg),
-                                     record_routes=self.engine.router_replay is not None, **head)
+                                     record_routes=replay_mode(self.cfg.actor_rollout_ref) == "R2",
+                                     replay_routes=replay_mode(self.cfg.actor_rollout_ref) == "R3", **head)
         out["old_logprobs"] = out.pop("logprobs")
         return Batch.from_dict(out)
 

@@ -1,7 +1,7 @@
 """The run's Ray: which one (a private local Ray or a cluster to join), starting it, and stopping it.
 
 `RayStart` runs `init_ray` on a thread of its own and then starts the training pools' processes
-(rlsp.trainer.worker_pools: no torch in the driver for that), so that a private Ray's processes (GCS,
+(rlsp.controller.worker_pools: no torch in the driver for that), so that a private Ray's processes (GCS,
 raylet, agents: ~2 s on 2 cores) come up and the workers import torch and transformers (~4 s of CPU
 each) while the driver's start-up checks import the same on the main thread. On a small run these
 phases, one after the other, were most of what a user waited for before the first step. The workers get
@@ -16,7 +16,7 @@ time (`os.getcwd()` failed in them).
 
 The thread lives until `stop`: Ray's processes die with the thread that started them (PR_SET_PDEATHSIG).
 Ray's SIGTERM handler (a bare `sys.exit(15)`) is installed only by a `ray.init` on the main thread; on
-this thread Ray says so in run.log and the run's own handler (rlsp.trainer.stopping) stays. Signals are
+this thread Ray says so in run.log and the run's own handler (rlsp.controller.stopping) stays. Signals are
 delivered to the main thread alone, so one that arrives while Ray starts interrupts the checks or the wait
 for Ray there, never Ray's process start-up (where Python could drop its exception).
 """
@@ -36,12 +36,12 @@ from omegaconf import DictConfig
 
 from rlsp.config.machine import machine_facts
 from rlsp.controller.ray_start import without_api_server
-from rlsp.trainer.stopping import kill_ray_sessions, ray_in_own_session, stop_autoscaler_monitor
+from rlsp.controller.stopping import kill_ray_sessions, ray_in_own_session, stop_autoscaler_monitor
 from rlsp.utils.logging import get_logger
 
 if TYPE_CHECKING:
     from rlsp.config.layout import ParallelLayout
-    from rlsp.trainer.worker_pools import PoolSettings, StartedPool
+    from rlsp.controller.worker_pools import PoolSettings, StartedPool
 
 log = get_logger("rlsp.main")
 # Ray's job supervisor sets this (with RAY_ADDRESS) on every driver it starts for `ray job submit`.
@@ -124,7 +124,7 @@ def init_ray(cfg: DictConfig, world_size: int) -> str | None:
         # No pre-started idle workers: each rlsp worker carries its own runtime env (rank, threads), so
         # Ray could never hand one of them out; they only took CPU while the real workers imported torch.
         # In a session of its own, Ray outlives a signal to this job's whole process group (Slurm's
-        # scancel) long enough for the driver to stop the run cleanly (see rlsp.trainer.stopping).
+        # scancel) long enough for the driver to stop the run cleanly (see rlsp.controller.stopping).
         with ray_in_own_session(), without_api_server():
             ray.init(address="local", **private_ray_resources(cfg, world_size), include_dashboard=False,
                      log_to_driver=True, runtime_env=job_runtime_env(cfg) or None,
@@ -164,7 +164,7 @@ class RayStart:
     def __init__(self, cfg: DictConfig, layout: ParallelLayout) -> None:
         import ray  # noqa: F401 -- on the main thread, before the start thread runs
 
-        from rlsp.trainer.worker_pools import PoolSettings, start_training_pools
+        from rlsp.controller.worker_pools import PoolSettings, start_training_pools
 
         self.owned = False  # this start connected the process: `stop` ends its Ray
         self.seconds = 0.0  # how long ray.init took (alongside the checks)

@@ -96,7 +96,8 @@ class ScoringPool:
 def set_row_scores(data: StepData, scores: np.ndarray) -> None:
     """Rule scores as the driver keeps them: per row, and `token_level_scores` built when first read."""
     data.set("row_reward", torch.as_tensor(scores, dtype=torch.float32))
-    data.derive("token_level_scores", lambda d: place_scores(scores, d["response_mask"]))
+    by_id = dict(zip(data.ids, scores))  # row-wise: a selection of the rows builds its own (StepData.derive)
+    data.derive("token_level_scores", lambda d: place_scores(np.asarray([by_id[i] for i in d.ids]), d["response_mask"]))
 
 
 def start_scoring_processes(num_workers: int, tokenizer_path: str, custom_path: str | None, custom_name: str,

@@ -1,5 +1,5 @@
 """Starting a worker pool's processes: the resources reserved and one process per rank, without torch in
-the driver (rlsp.controller.worker_process), so that rlsp.trainer.ray_session can start them while the
+the driver (rlsp.controller.worker_process), so that rlsp.controller.ray_session can start them while the
 driver still imports torch and checks the config. What a pool needs from the config (`PoolSettings`) is
 read before that, on the main thread; the device type there is a guess wherever `trainer.device=auto`
 (nvidia-smi, rlsp.config.machine), checked against torch's answer before the pools are used.
@@ -28,7 +28,7 @@ def worker_env(cfg: DictConfig) -> dict[str, str]:
         "TOKENIZERS_PARALLELISM": "false",
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
         "RLSP_LOG_LEVEL": os.environ.get("RLSP_LOG_LEVEL", "INFO"),
-        # verl's ray_kwargs.ray_init.runtime_env.env_vars: the job's too (rlsp.trainer.ray_session), and the
+        # verl's ray_kwargs.ray_init.runtime_env.env_vars: the job's too (rlsp.controller.ray_session), and the
         # user's value wins over rlsp's defaults above (names rlsp needs are refused at start-up)
         **{str(k): str(v) for k, v in cfg.ray_kwargs.ray_init.runtime_env.env_vars.items()},
     }

@@ -2,8 +2,8 @@
 rollout engines, critic and reward model where they are colocated), a critic pool of its own, and
 the reward loop's engines in processes beside the policy workers (rlsp.controller.reward_servers).
 `start_pool` starts a worker pool as a worker group (the asynchronous trainer's rollout pool); the
-processes themselves start in rlsp.trainer.worker_pools, also before the driver has imported torch
-(rlsp.trainer.ray_session). Also the start-up check of sharded forwards.
+processes themselves start in rlsp.controller.worker_pools, also before the driver has imported torch
+(rlsp.controller.ray_session). Also the start-up check of sharded forwards.
 """
 
 from __future__ import annotations
@@ -17,9 +17,15 @@ from omegaconf import DictConfig, OmegaConf
 from rlsp.config.layout import ParallelLayout
 from rlsp.controller.reward_servers import RewardServers, server_envs
 from rlsp.controller.worker_group import RayWorkerGroup
+from rlsp.controller.worker_pools import (
+    PoolSettings,
+    StartedPool,
+    start_pool_processes,
+    start_training_pools,
+    worker_env,
+)
 from rlsp.data.batch import Batch
 from rlsp.engine.fsdp_engine import assert_sp_matches
-from rlsp.trainer.worker_pools import PoolSettings, StartedPool, start_pool_processes, start_training_pools, worker_env
 from rlsp.utils.logging import get_logger
 
 log = get_logger("rlsp.trainer")
