@@ -125,6 +125,9 @@ def _vllm_only(cfg: Any) -> list[str]:
 
 def _rollout_choice(cfg: Any, shape: ModelShape | None, why: str, machine: Machine) -> AutoChoice:
     key = "actor_rollout_ref.rollout.name"
+    arr = cfg.actor_rollout_ref
+    if (arr.actor.router_replay.mode == "R3" or arr.rollout.enable_rollout_routing_replay) and not _vllm_only(cfg):
+        return AutoChoice(key, "hf", "routing replay R3 replays the rollout's experts: the hf engine records them")
     if machine.device != "cpu":
         return AutoChoice(key, "vllm", f"device {machine.device}: vLLM's batched paged-attention engine")
     if shape is None:

@@ -102,6 +102,21 @@ def test_rollout_engine_rule(tmp_path):
     assert unknown["actor_rollout_ref.actor.fsdp_config.fsdp_size"] == -1
 
 
+def test_routing_replay_r3_picks_the_engine_that_records_routes(tmp_path):
+    big = ensure_tiny_model(str(tmp_path / "big"), TinyModelSpec(hidden_size=512, intermediate_size=4096,
+                                                                 num_hidden_layers=4, num_attention_heads=8))
+    gpu = Machine("cuda", 80 * GIB, "test gpu")
+    for key, value in (("actor_rollout_ref.actor.router_replay.mode", "R3"),
+                       ("actor_rollout_ref.rollout.enable_rollout_routing_replay", True)):
+        for machine in (CPU, gpu):  # vllm on either without R3 (a model over the hf limit; a GPU)
+            got = [c for c in resolve_auto(config(**{"actor_rollout_ref.model.path": big, key: value}), [], machine)
+                   if c.key == "actor_rollout_ref.rollout.name"]
+            assert got[0].value == "hf" and "R3" in got[0].reason
+    plain = [c for c in resolve_auto(config(**{"actor_rollout_ref.model.path": big}), [], gpu)
+             if c.key == "actor_rollout_ref.rollout.name"]
+    assert plain[0].value == "vllm"
+
+
 def test_explicit_values_win_and_micro_batch_rows_keep_fixed_micro_batches():
     cfg = config(**{"actor_rollout_ref.rollout.name": "vllm", "actor_rollout_ref.actor.fsdp_config.fsdp_size": 2,
                     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 4})
