@@ -8,7 +8,6 @@ runs the same stage (`resolve_assets`, then `preflight_errors`) to collect them 
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -20,20 +19,8 @@ from rlsp.config.layout import CRITIC_ESTIMATORS, ParallelLayout
 from rlsp.config.run_spec import agent_loops_enabled, distillation_enabled
 from rlsp.config.validate import validate_config
 from rlsp.controller.ray_session import launcher_problem
-from rlsp.data.vision_processor import image_rows, image_run_errors, vision_data_errors
-from rlsp.engine.router_aux import router_aux_errors, with_overrides
-from rlsp.engine.router_replay import replay_config_errors
 from rlsp.models.feature_support import run_feature_errors
-from rlsp.models.loading import (
-    TEXT_WRAPPERS,
-    check_ring_support,
-    check_sp_support,
-    check_tp_windowed,
-    read_model_config,
-    tokenizer_problem,
-)
-from rlsp.parallel.ep_checks import check_ep_support
-from rlsp.parallel.tp_checks import check_tp_support
+from rlsp.models.loading import check_sp_support, read_model_config, tokenizer_problem
 from rlsp.rewards.loader import load_custom_reward_fn
 from rlsp.rollout.support import check_rollout_support
 from rlsp.trainer.assets import copy_to_shm, resolve_data_files, resolve_model_path
@@ -41,6 +28,13 @@ from rlsp.trainer.distill import teacher_vocab_problems
 from rlsp.trainer.estimator_inputs import estimator_errors
 from rlsp.trainer.off_policy import check_rollout_correction_names
 from rlsp.trainer.preflight_agent import agent_errors
+from rlsp.trainer.preflight_model import (
+    check_router_aux,
+    check_router_replay,
+    check_text_only_data,
+    check_vision_data,
+    degree_errors,
+)
 from rlsp.trainer.preflight_reward import reward_input_errors, reward_model_errors, reward_model_in_use
 from rlsp.trainer.trackers import check_trackers
 from rlsp.utils.device import resolve_device_type
@@ -84,26 +78,6 @@ def _check_estimator_settings(cfg: DictConfig, errors: list[str]) -> None:
     errors += estimator_errors(cfg)
 
 
-def _check_degrees(config: Any, layout: ParallelLayout, errors: list[str]) -> None:
-    """Every training role's Ulysses and tensor-parallel degrees must suit the model's heads, its expert-parallel
-    degree the model's experts."""
-    prefixes = {"actor": "actor_rollout_ref.actor", "ref": "actor_rollout_ref.ref", "critic": "critic"}
-    for role, prefix in prefixes.items():
-        if role == "critic" and not layout.has_critic:
-            continue
-        degrees = layout.role(role)
-        for check, key, value in ((check_sp_support, "ulysses_sequence_parallel_size", degrees.ulysses),
-                                  (check_ring_support, "ring_sequence_parallel_size", degrees.ring),
-                                  (check_tp_windowed, "tensor_model_parallel_size", degrees.tp),
-                                  (check_tp_support, "tensor_model_parallel_size", degrees.tp),
-                                  (check_ep_support, f"{'model.' if role == 'critic' else ''}fsdp_config."
-                                                     "expert_parallel_size", degrees.ep)):
-            try:
-                check(config, value)
-            except ValueError as exc:
-                errors.append(f"{prefix}.{key}: {exc}")
-
-
 @register("model_dir", "preflight")
 def _check_model_dir(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None:
     """A local directory whose config.json transformers reads: every check of the model needs it."""
@@ -130,7 +104,7 @@ def _check_model(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None:
     """The model against the run: the degrees of the layout, the rollout engine, the sequence length."""
     layout, device_type, config = ctx.layout, ctx.device_type, ctx.results["model_config"]
     if layout is not None:
-        _check_degrees(config, layout, errors)
+        degree_errors(config, layout, errors)
     else:  # the config's degrees are invalid (validate_config names them): the family itself, at degree 1
         try:
             check_sp_support(config, 1)
@@ -140,7 +114,7 @@ def _check_model(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None:
                                           layout.rollout_tp if layout is not None else 1)
     if rollout_error:
         errors.append(rollout_error)
-    _check_text_only_data(cfg, errors)
+    check_text_only_data(cfg, errors)
     errors += run_feature_errors(cfg, config)
     need = cfg.data.max_prompt_length + cfg.data.max_response_length
     limit = getattr(config, "max_position_embeddings", None)
@@ -167,56 +141,10 @@ def _check_critic(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None
         errors.append(str(exc))
 
 
-def _check_text_only_data(cfg: DictConfig, errors: list[str]) -> None:
-    """A vision-language checkpoint rlsp trains text-only (qwen3_5 / qwen3_5_moe): rows with images or videos would
-    be trained on their text alone, so they are refused (part of the `model` check)."""
-    import pyarrow.parquet as pq  # noqa: PLC0415 -- only this check reads columns
-
-    path = cfg.actor_rollout_ref.model.path
-    with open(os.path.join(path, "config.json")) as f:
-        family = json.load(f).get("model_type")
-    if family not in TEXT_WRAPPERS:
-        return
-    for file in list(cfg.data.train_files) + list(cfg.data.val_files or []):
-        names = pq.ParquetFile(file).schema_arrow.names if file.endswith(".parquet") and os.path.isfile(file) else []
-        for key, column in (("data.image_key", "images"), ("data.video_key", "videos")):
-            if column in names and any(v is not None and len(v) for v in pq.read_table(file, columns=[column])
-                                       .column(column).to_pylist()):
-                errors.append(f"{key}={column!r}: rows of {file!r} carry {column}, and actor_rollout_ref.model.path="
-                              f"{path!r} is a {family} (vision-language) checkpoint that rlsp trains text-only (its "
-                              "text model: the trainer, the hf rollout engine and the export load it without its tower; "
-                              "rlsp.models.vision_lm trains it with images only when loaded with load_causal_lm(..., "
-                              "vision_tower=True); images are read for qwen2_5_vl, qwen3_vl and qwen3_vl_moe); "
-                              "legal: a dataset without "
-                              f"{column} in its rows")
-
-
-@register("vision_data", "preflight", needs=("model_dir",))
-def _check_vision_data(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None:
-    """Rows with images need a vision-language model with its processor; videos need torchvision
-    (rlsp.data.vision_processor). Qwen3.5 wrappers, trained text-only, are `_check_text_only_data`'s."""
-    path = cfg.actor_rollout_ref.model.path
-    with open(os.path.join(path, "config.json")) as f:
-        if json.load(f).get("model_type") in TEXT_WRAPPERS:
-            return
-    files = list(cfg.data.train_files) + list(cfg.data.val_files or [])
-    errors += vision_data_errors("actor_rollout_ref.model.path", path, files)
-    if any(image_rows(file, "images") for file in files):
-        errors += image_run_errors(cfg)
-
-
-@register("router_replay", "preflight", needs=("model_dir",))
-def _check_router_replay(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None:
-    """MoE routing replay R2 / R3 (verl's rollout switch included) where rlsp can run it (rlsp.engine.router_replay)."""
-    errors += replay_config_errors(cfg.actor_rollout_ref, ctx.results["model_config"], agent_loops_enabled(cfg),
-                                   bool(cfg.async_training.partial_rollout))
-
-
-@register("router_aux", "preflight", needs=("model_dir",))
-def _check_router_aux(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None:
-    """The MoE router auxiliary loss the model config asks for, model.override_config applied (rlsp.engine.router_aux)."""
-    config = with_overrides(ctx.results["model_config"], cfg.actor_rollout_ref.model.override_config)
-    errors += router_aux_errors(config, ctx.layout.role("actor") if ctx.layout is not None else None)
+# Checks of the model against the data and the MoE settings (rlsp.trainer.preflight_model), registered here in order.
+register("vision_data", "preflight", needs=("model_dir",))(check_vision_data)
+register("router_replay", "preflight", needs=("model_dir",))(check_router_replay)
+register("router_aux", "preflight", needs=("model_dir",))(check_router_aux)
 
 
 def resolve_assets(cfg: DictConfig) -> None:
