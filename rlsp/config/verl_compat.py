@@ -19,7 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from rlsp.config.verl_keys import UNSUPPORTED_0_9
+from rlsp.config.verl_0_9_tables import UNSUPPORTED_0_9
 from rlsp.config.verl_notes import VERL_NOTES
 from rlsp.config.verl_spellings import REWARD_LOOP_KEY, rlsp_key
 
