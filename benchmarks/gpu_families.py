@@ -56,7 +56,8 @@ from transformers import (  # noqa: E402
 import rlsp.models.attention as attention  # noqa: E402
 import rlsp.models.linear_attention as linear_attention  # noqa: E402
 from rlsp.data.packing import pack_sequences  # noqa: E402
-from rlsp.models.loading import build_causal_lm_from_config, num_heads, text_model_config  # noqa: E402
+from rlsp.models.family_checks import num_heads, text_model_config
+from rlsp.models.loading import build_causal_lm_from_config  # noqa: E402
 from rlsp.models.vision_lm import build_logprob_model  # noqa: E402
 from rlsp.parallel.ulysses import build_sp_context  # noqa: E402
 

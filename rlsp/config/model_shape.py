@@ -139,7 +139,7 @@ class ModelShape:
     def legal_tp(self) -> list[int]:
         """Tensor-parallel sizes that split q heads, kv heads and the MLP width evenly (the same rule
         as rlsp.parallel.tensor_parallel.legal_tp_sizes, which needs torch); 1 alone for a vision-language model
-        (rlsp's tensor parallelism refuses it: rlsp.models.loading.check_tp_windowed)."""
+        (rlsp's tensor parallelism refuses it: rlsp.models.family_checks.check_tp_windowed)."""
         if self.vision is not None:
             return [1]
         common = math.gcd(self.q_heads, self.kv_heads, self.intermediate)

@@ -43,7 +43,7 @@ from rlsp.engine.router_aux import RouterAux
 from rlsp.engine.router_replay import ROUTE_DTYPE, ROUTES_KEY, RouterReplay, infer_routing, replaying_rows
 from rlsp.engine.state import EngineState
 from rlsp.engine.stream import stream_to_last_token, stream_to_response
-from rlsp.models.loading import num_heads
+from rlsp.models.family_checks import num_heads
 from rlsp.parallel.expert_parallel import apply_expert_parallel, expert_sharded_names
 from rlsp.parallel.mesh import ParallelDims
 from rlsp.parallel.tensor_parallel import apply_tensor_parallel

@@ -64,7 +64,7 @@ def compute_hidden_states(
         raise RuntimeError(
             f"attention did not go through {ULYSSES_ATTN_IMPL} in {num_layers - calls} of {num_layers} layers "
             f"({calls} calls): unsupported architecture {type(decoder).__name__} (model attn_implementation="
-            f"{getattr(decoder.config, '_attn_implementation', None)!r}); see rlsp.models.loading.check_sp_support"
+            f"{getattr(decoder.config, '_attn_implementation', None)!r}); see rlsp.models.family_checks.check_sp_support"
         )
     hidden_SH = tp_local_tokens(out.last_hidden_state)[0]
     if hidden_SH.shape[0] != local_len:

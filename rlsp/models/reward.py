@@ -18,9 +18,9 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForSequenceClassification, PreTrainedModel
 
 from rlsp.models.attention import ULYSSES_ATTN_IMPL, register_ulysses_attention
+from rlsp.models.family_checks import check_sp_support
 from rlsp.models.linear_attention import apply_linear_attention
 from rlsp.models.lm import check_local_inputs, compute_hidden_states
-from rlsp.models.loading import check_sp_support
 from rlsp.parallel.tensor_parallel import TPInfo
 from rlsp.parallel.ulysses import SPContext
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoTokenizer, DynamicCache
 
-from rlsp.models.loading import SINK_FAMILIES
+from rlsp.models.family_checks import SINK_FAMILIES
 from rlsp.rollout.base import RolloutOutput, SamplingConfig
 from rlsp.rollout.hf_vision import check_image_rows, load_generation_model, prefill_inputs, repeat_entries
 from rlsp.rollout.lean_decoder import LeanDecoder, unsupported_reason

@@ -23,7 +23,7 @@ from rlsp.algos.distillation import (
 )
 from rlsp.config.run_spec import TeacherSpec, distillation_enabled, teacher_specs
 from rlsp.data.batch import Batch
-from rlsp.models.loading import check_sp_support, text_model_config
+from rlsp.models.family_checks import check_sp_support, text_model_config
 from rlsp.utils.timing import timed
 from rlsp.workers.roles.teacher import route_rows
 

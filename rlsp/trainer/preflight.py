@@ -19,8 +19,9 @@ from rlsp.config.layout import CRITIC_ESTIMATORS, ParallelLayout
 from rlsp.config.run_spec import agent_loops_enabled, distillation_enabled
 from rlsp.config.validate import validate_config
 from rlsp.controller.ray_session import launcher_problem
+from rlsp.models.family_checks import check_sp_support
 from rlsp.models.feature_support import run_feature_errors
-from rlsp.models.loading import check_sp_support, read_model_config, tokenizer_problem
+from rlsp.models.loading import read_model_config, tokenizer_problem
 from rlsp.rewards.loader import load_custom_reward_fn
 from rlsp.rollout.support import check_rollout_support
 from rlsp.trainer.assets import copy_to_shm, resolve_data_files, resolve_model_path

@@ -14,11 +14,12 @@ from omegaconf import DictConfig
 
 from rlsp.config.checks import CheckContext
 from rlsp.config.layout import ParallelLayout
+from rlsp.config.model_shape import TEXT_WRAPPERS
 from rlsp.config.run_spec import agent_loops_enabled
 from rlsp.data.vision_processor import image_rows, image_run_errors, vision_data_errors
 from rlsp.engine.router_aux import router_aux_errors, with_overrides
 from rlsp.engine.router_replay import replay_config_errors
-from rlsp.models.loading import TEXT_WRAPPERS, check_ring_support, check_sp_support, check_tp_windowed
+from rlsp.models.family_checks import check_ring_support, check_sp_support, check_tp_windowed
 from rlsp.parallel.ep_checks import check_ep_support
 from rlsp.parallel.tp_checks import check_tp_support
 

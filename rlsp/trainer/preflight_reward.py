@@ -20,7 +20,8 @@ from transformers import AutoTokenizer
 
 from rlsp.config.layout import ParallelLayout
 from rlsp.data.rm_inputs import same_tokenizer
-from rlsp.models.loading import check_sp_support, read_model_config, tokenizer_problem
+from rlsp.models.family_checks import check_sp_support
+from rlsp.models.loading import read_model_config, tokenizer_problem
 from rlsp.models.reward import check_reward_config
 
 P = "reward_model."

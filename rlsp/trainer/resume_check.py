@@ -31,7 +31,7 @@ from rlsp.config.checks import CheckContext, register, run_checks
 from rlsp.config.layout import CRITIC_ESTIMATORS, ParallelLayout
 from rlsp.config.lora_keys import lora_enabled
 from rlsp.config.schema import RLSPConfig
-from rlsp.models.loading import text_model_config
+from rlsp.models.family_checks import text_model_config
 from rlsp.trainer.checkpoint import STEP_DIR, TrainerState, complete_steps, damaged_file, resolve_resume, step_dir
 from rlsp.utils.dicts import flatten
 from rlsp.utils.logging import get_logger

@@ -52,7 +52,7 @@ def test_check_tp_support_accepts_the_window_families_and_refuses_other_moe_by_n
     from tiny_gpt_oss import gpt_oss_config
     from transformers import MixtralConfig
 
-    from rlsp.models.loading import check_tp_windowed
+    from rlsp.models.family_checks import check_tp_windowed
     from rlsp.parallel.tp_checks import check_tp_support
 
     for config in (*(gemma_config(f) for f in FAMILIES), gpt_oss_config()):

@@ -26,13 +26,9 @@ from _launch import run_distributed  # noqa: E402
 from tolerances import model_rtol, scalar_tol  # noqa: E402
 
 from rlsp.data.packing import PackedBatch, pack_sequences  # noqa: E402
+from rlsp.models.family_checks import check_ring_support, check_sp_support, num_heads  # noqa: E402
 from rlsp.models.lm import TokenLogprobModel  # noqa: E402
-from rlsp.models.loading import (  # noqa: E402
-    build_causal_lm_from_config,
-    check_ring_support,
-    check_sp_support,
-    num_heads,
-)
+from rlsp.models.loading import build_causal_lm_from_config  # noqa: E402
 from rlsp.parallel.heads import HeadLayout  # noqa: E402
 from rlsp.parallel.ulysses import SPContext, build_sp_context, gather_from_ranks, shard_for_rank  # noqa: E402
 

@@ -19,7 +19,8 @@ from tolerances import assert_tensor_close, model_rtol
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from rlsp.data.packing import pack_sequences
-from rlsp.models.loading import build_causal_lm_from_config, check_ring_support, check_sp_support
+from rlsp.models.family_checks import check_ring_support, check_sp_support
+from rlsp.models.loading import build_causal_lm_from_config
 from rlsp.parallel.tp_checks import check_tp_support
 from rlsp.parallel.ulysses import build_sp_context
 from rlsp.rollout.support import check_rollout_support

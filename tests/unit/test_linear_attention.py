@@ -21,8 +21,9 @@ from transformers.models.qwen3_next.modeling_qwen3_next import causal_conv1d_fn
 
 import rlsp.models.linear_attention as linear_attention
 from rlsp.data.packing import pack_sequences
+from rlsp.models.family_checks import check_ring_support, check_sp_support, check_tp_windowed
 from rlsp.models.lm import TokenLogprobModel
-from rlsp.models.loading import build_causal_lm_from_config, check_ring_support, check_sp_support, check_tp_windowed
+from rlsp.models.loading import build_causal_lm_from_config
 from rlsp.parallel.tp_checks import check_tp_support
 from rlsp.parallel.ulysses import build_sp_context
 

@@ -15,7 +15,8 @@ from tiny_vl import HYBRID_VL_FAMILIES, build_tiny_vl, hf_row_logprobs, hybrid_v
 from tolerances import assert_grads_close, decoder_chain, logprob_tol, model_rtol
 
 from rlsp.engine.micro import prepare_micro_batch
-from rlsp.models.loading import build_causal_lm_from_config, check_ring_support, num_heads
+from rlsp.models.family_checks import check_ring_support, num_heads
+from rlsp.models.loading import build_causal_lm_from_config
 from rlsp.models.vision_lm import VisionLogprobModel, build_logprob_model
 
 P, R = 22, 6

@@ -29,15 +29,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 
 from rlsp.check import main as check_main
 from rlsp.data.packing import pack_sequences
+from rlsp.models.family_checks import check_ring_support, check_sp_support, check_tp_windowed
 from rlsp.models.lm import TokenLogprobModel
-from rlsp.models.loading import (
-    check_ring_support,
-    check_sp_support,
-    check_tp_windowed,
-    load_backbone,
-    load_causal_lm,
-    read_model_config,
-)
+from rlsp.models.loading import load_backbone, load_causal_lm, read_model_config
 from rlsp.parallel.ulysses import build_sp_context
 from rlsp.trainer.resume_check import _read_config, arch
 

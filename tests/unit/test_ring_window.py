@@ -25,7 +25,7 @@ from tiny_gpt_oss import gpt_oss_config
 from tolerances import roundoff_rtol, scalar_tol
 from transformers import Qwen2Config
 
-from rlsp.models.loading import check_ring_support
+from rlsp.models.family_checks import check_ring_support
 from rlsp.models.window_attention import banded_attention
 from rlsp.parallel import ring_reference
 from rlsp.parallel.ring import ring_attention

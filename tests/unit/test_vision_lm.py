@@ -19,8 +19,9 @@ from tolerances import assert_grads_close, logprob_tol, model_rtol
 
 from rlsp.engine.micro import prepare_micro_batch
 from rlsp.engine.optim import OptimSettings, build_optimizer
+from rlsp.models.family_checks import check_sp_support, num_heads
 from rlsp.models.lm import TokenLogprobModel
-from rlsp.models.loading import build_causal_lm_from_config, check_sp_support, num_heads
+from rlsp.models.loading import build_causal_lm_from_config
 from rlsp.models.vision_lm import VisionLogprobModel, assign_images
 
 P, R = 22, 6
@@ -157,7 +158,7 @@ def test_text_models_and_other_multimodal_types_are_refused(pair):
 
 
 def test_tensor_parallelism_is_refused_by_name(pair):
-    from rlsp.models.loading import check_tp_windowed
+    from rlsp.models.family_checks import check_tp_windowed
 
     _, _, config = pair
     check_tp_windowed(config, 1)
