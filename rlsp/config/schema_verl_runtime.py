@@ -82,7 +82,7 @@ class RolloutVerlKeys:
     max_num_seqs: int = 256  # sequences per vLLM scheduler step
     max_model_len: int | None = None  # verl's engine context cap: null or >= prompt + response (where it never binds)
     data_parallel_size: int = 1  # 1 only: every engine is one tensor-parallel group of policy workers
-    expert_parallel_size: int = 1  # 1 only
+    expert_parallel_size: int = 1  # 1, or tensor_model_parallel_size with vllm on GPU: vLLM spreads the experts over the engine's ranks (enable_expert_parallel) instead of splitting each expert (verl's rule: tp x dp, dp = 1 here)
     # GPU vLLM: a weight sync wakes the weights, loads them, then the KV cache (lower peak memory); CPU: no sleep mode
     multi_stage_wake_up: bool = False
     engine_kwargs: RolloutEngineKwargs = field(default_factory=RolloutEngineKwargs)

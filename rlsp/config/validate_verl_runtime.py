@@ -34,6 +34,7 @@ OWN_VLLM_OPTIONS = {
     "tensor_parallel_size": f"{ROLLOUT}.tensor_model_parallel_size", "enable_prefix_caching": "(always on)",
     "distributed_executor_backend": "(rlsp's external_launcher)", "logprobs_mode": "(processed_logprobs)",
     "enable_chunked_prefill": f"{ROLLOUT}.enable_chunked_prefill",
+    "enable_expert_parallel": f"{ROLLOUT}.expert_parallel_size",
     "max_num_batched_tokens": f"{ROLLOUT}.max_num_batched_tokens", "max_num_seqs": f"{ROLLOUT}.max_num_seqs",
     "enable_sleep_mode": "(on for GPU)", "multi_stage_wake_up": f"{ROLLOUT}.multi_stage_wake_up",
 }
@@ -59,10 +60,10 @@ def _check_rollout(cfg: Any, errors: list[str]) -> None:
         errors.append(f"{ROLLOUT}.max_model_len={cap!r} is smaller than a whole sequence (data.max_prompt_length + "
                       f"data.max_response_length = {longest}): verl's engine would cut prompts or responses at it, "
                       f"rlsp's engine holds every whole sequence; legal values: null or an integer >= {longest}")
-    for key in ("data_parallel_size", "expert_parallel_size"):
-        if r[key] != 1:
-            errors.append(f"{ROLLOUT}.{key}={r[key]} is not supported: every rlsp rollout engine is one tensor-parallel "
-                          f"group of policy workers ({ROLLOUT}.tensor_model_parallel_size); legal values: [1]")
+    if r.data_parallel_size != 1:
+        errors.append(f"{ROLLOUT}.data_parallel_size={r.data_parallel_size} is not supported: every rlsp rollout engine "
+                      f"is one tensor-parallel group of policy workers ({ROLLOUT}.tensor_model_parallel_size); legal "
+                      "values: [1]")
     for key in sorted(set(r.engine_kwargs.vllm) & set(OWN_VLLM_OPTIONS)):
         errors.append(f"{ROLLOUT}.engine_kwargs.vllm.{key} is set by rlsp from {OWN_VLLM_OPTIONS[key]}; set that "
                       "instead")

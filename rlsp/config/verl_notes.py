@@ -94,7 +94,8 @@ VERL_NOTES = {
                                                      "exists and update_weights_bucket_megabytes bounds nothing), and "
                                                      "to a rollout pool through its weight board; engine_kwargs empty",
     "actor_rollout_ref.rollout.data_parallel_size": "1 only: every rlsp engine is one tensor-parallel group of workers",
-    "actor_rollout_ref.rollout.expert_parallel_size": "1 only",
+    "actor_rollout_ref.rollout.expert_parallel_size": "1, or tensor_model_parallel_size (vllm on GPU, a MoE model): vLLM's "
+                                                      "enable_expert_parallel, as verl (ep = tp x dp, dp 1 in rlsp)",
     "*.entropy_from_logits_with_chunking": "true or false: rlsp's logprob/entropy head always works in vocabulary "
                                            "chunks (never the full [tokens, vocab] logits), what verl's chunking is for",
     "*.entropy_checkpointing": "true or false: rlsp's head always recomputes each chunk's logits in backward instead "

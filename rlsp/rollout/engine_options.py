@@ -20,4 +20,6 @@ def vllm_engine_options(rollout: Any, max_model_len: int, on_gpu: bool) -> dict[
                "max_num_seqs": int(rollout.max_num_seqs), **OmegaConf.to_container(rollout.engine_kwargs.vllm, resolve=True)}
     if on_gpu:
         options["enable_chunked_prefill"] = bool(rollout.enable_chunked_prefill)
+    if int(rollout.expert_parallel_size) > 1:  # the experts spread over the engine's tp ranks (rollout_ep_errors)
+        options["enable_expert_parallel"] = True
     return options

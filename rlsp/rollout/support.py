@@ -113,3 +113,25 @@ def check_rollout_support(hf_config: Any, rollout_name: str, device_type: str, t
             "(Hugging Face generate) or a model with a supported head size"
         )
     return None
+
+
+def rollout_ep_errors(hf_config: Any, rollout: Any, device_type: str, tp: int) -> list[str]:
+    """Why `actor_rollout_ref.rollout.expert_parallel_size` cannot run: legal are 1 and the engine's tensor-parallel
+    degree `tp` (vLLM's enable_expert_parallel places whole experts on the engine's ranks, ep = tp x dp and dp is 1),
+    with vllm, on a mixture-of-experts model, on GPU; [] when it can."""
+    key, ep = "actor_rollout_ref.rollout.expert_parallel_size", rollout.expert_parallel_size
+    if ep == 1:
+        return []
+    if ep != tp:
+        return [f"{key}={ep}: vLLM's expert parallelism spans the engine's tensor-parallel ranks (ep = tp x dp, dp is 1 "
+                f"in rlsp); legal values: [1, {tp}] (actor_rollout_ref.rollout.tensor_model_parallel_size={tp})"]
+    if rollout.name != "vllm":
+        return [f"{key}={ep} is vLLM's enable_expert_parallel; actor_rollout_ref.rollout.name={rollout.name!r}; set "
+                "name=vllm or expert_parallel_size=1"]
+    if not any(getattr(hf_config, a, None) for a in ("num_experts", "num_local_experts", "n_routed_experts")):
+        return [f"{key}={ep} needs a mixture-of-experts model; model_type={getattr(hf_config, 'model_type', None)!r} "
+                "has no experts; legal: 1"]
+    if device_type == "cpu":
+        return [f"{key}={ep}: vLLM 0.32's CPU backend ends in a segmentation fault generating with "
+                "enable_expert_parallel; on cpu legal: 1 (tensor parallelism alone splits each expert)"]
+    return []

@@ -30,6 +30,7 @@ from rlsp.trainer.estimator_inputs import estimator_errors
 from rlsp.trainer.off_policy import check_rollout_correction_names
 from rlsp.trainer.preflight_agent import agent_errors
 from rlsp.trainer.preflight_model import (
+    check_rollout_ep,
     check_router_aux,
     check_router_replay,
     check_text_only_data,
@@ -146,6 +147,7 @@ def _check_critic(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None
 register("vision_data", "preflight", needs=("model_dir",))(check_vision_data)
 register("router_replay", "preflight", needs=("model_dir",))(check_router_replay)
 register("router_aux", "preflight", needs=("model_dir",))(check_router_aux)
+register("rollout_ep", "preflight", needs=("model_dir",))(check_rollout_ep)
 
 
 def resolve_assets(cfg: DictConfig) -> None:

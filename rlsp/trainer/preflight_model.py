@@ -22,6 +22,7 @@ from rlsp.engine.router_replay import replay_config_errors
 from rlsp.models.family_checks import check_ring_support, check_sp_support, check_tp_windowed
 from rlsp.parallel.ep_checks import check_ep_support
 from rlsp.parallel.tp_checks import check_tp_support
+from rlsp.rollout.support import rollout_ep_errors
 
 
 def degree_errors(config: Any, layout: ParallelLayout, errors: list[str]) -> None:
@@ -91,3 +92,9 @@ def check_router_aux(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> N
     """The MoE router auxiliary loss the model config asks for, model.override_config applied (rlsp.engine.router_aux)."""
     config = with_overrides(ctx.results["model_config"], cfg.actor_rollout_ref.model.override_config)
     errors += router_aux_errors(config, ctx.layout.role("actor") if ctx.layout is not None else None)
+
+
+def check_rollout_ep(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None:
+    """The rollout engine's expert parallelism against the engine, the model and the device (rlsp.rollout.support)."""
+    tp = ctx.layout.rollout_tp if ctx.layout is not None else 1
+    errors += rollout_ep_errors(ctx.results["model_config"], cfg.actor_rollout_ref.rollout, ctx.device_type, tp)

@@ -103,7 +103,6 @@ def test_defaults_pass():
 
 @pytest.mark.parametrize(("key", "value", "words"), [
     ("actor_rollout_ref.rollout.data_parallel_size", 2, "data_parallel_size=2 is not supported"),
-    ("actor_rollout_ref.rollout.expert_parallel_size", 4, "legal values: [1]"),
     ("actor_rollout_ref.rollout.max_num_seqs", 0, "max_num_seqs=0 must be an integer >= 1"),
     ("actor_rollout_ref.rollout.engine_kwargs.vllm", {"dtype": "float16"},
      "engine_kwargs.vllm.dtype is set by rlsp from actor_rollout_ref.rollout.dtype"),
