@@ -11,7 +11,6 @@ memory, report their bytes, and leave the update bit for bit the same.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from _launch import run_distributed
+from bench_scripts import load_benchmark
 from tolerances import logprob_tol
 from transformers import AutoConfig
 
@@ -28,14 +28,10 @@ from rlsp.engine.offload import ActivationOffload
 
 pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "engine_check.py"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("engine_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("engine_check")
 
 
 @pytest.fixture(scope="module")

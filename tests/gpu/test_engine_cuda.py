@@ -3,7 +3,6 @@ runs it): one rank of a real cpu:gloo,cuda:nccl process group; skipped without a
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from bench_scripts import load_benchmark
 from tolerances import logprob_tol
 
 from rlsp.models.tiny import build_tiny_config
@@ -20,10 +20,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "engine_check.py"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("engine_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("engine_check")
 
 
 @pytest.fixture(scope="module")

@@ -5,22 +5,16 @@ families`."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
-
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_families.py"
+from bench_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def gpu_families():
-    spec = importlib.util.spec_from_file_location("gpu_families", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gpu_families")
 
 
 def test_cpu_run_is_exact_and_finite(gpu_families, capsys):

@@ -10,24 +10,19 @@ by O(1), far above it.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
+from bench_scripts import load_benchmark
 from tolerances import assert_grads_close, assert_tensor_close, roundoff_rtol
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "moe_step.py"
 TOKENS = 96
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("moe_step_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("moe_step")
 
 
 @pytest.fixture(scope="module")
