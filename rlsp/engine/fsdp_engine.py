@@ -15,7 +15,8 @@ the micro-batch.
 `state_dict()` / `load_state_dict()` cover model, optimizer and LR schedule (sharded tensors, as
 torch.distributed.checkpoint saves them); a partly frozen model (LoRA adapters on a frozen base)
 contributes only its trainable parameters. They, and the full HF-named weights and gradients, live in
-rlsp.engine.state (`EngineState`).
+rlsp.engine.state (`EngineState`); a step's metric reductions and gradient clipping in
+rlsp.engine.step_metrics.
 
 Legend: B rows, P prompt width, R response width, T packed stream, S a rank's local tokens.
 """
@@ -27,12 +28,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from rlsp.data.batch import Batch
 from rlsp.engine.adaptive_plan import quadratic_tokens
-from rlsp.engine.fsdp_offload import build_offload_policy, to_device
+from rlsp.engine.fsdp_offload import build_offload_policy
 from rlsp.engine.micro import MicroBatch, MicroPlan, merge_reported, plan_micro_batches, plan_rows, prepare_micro_batch
 from rlsp.engine.moe_load import ExpertLoad
 from rlsp.engine.offload import ActivationOffload
@@ -42,6 +42,7 @@ from rlsp.engine.reference import meta_skeleton, run_skeleton
 from rlsp.engine.router_aux import RouterAux
 from rlsp.engine.router_replay import ROUTE_DTYPE, ROUTES_KEY, RouterReplay, infer_routing, replaying_rows
 from rlsp.engine.state import EngineState
+from rlsp.engine.step_metrics import accumulate_metrics, clip_grad_norm, max_over_ranks, reduce_metrics, sp_metrics
 from rlsp.engine.stream import stream_to_last_token, stream_to_response
 from rlsp.models.family_checks import num_heads
 from rlsp.parallel.expert_parallel import apply_expert_parallel, expert_sharded_names
@@ -224,14 +225,8 @@ class FSDPEngine(EngineState):
             self.optimizer.step()
             self.scheduler.step()
         out["grad_norm"] = float(grad_norm)
-        out["time_optimizer_s_max"] = self._max_over_ranks(time.perf_counter() - t0)
+        out["time_optimizer_s_max"] = max_over_ranks(time.perf_counter() - t0)
         return out
-
-    @staticmethod
-    def _max_over_ranks(value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t.item())
 
     def backward_batch(self, batch: Batch, prompt_len: int, micro_size: int, loss_fn: LossFn,
                        max_tokens: int | None = None, **head_kwargs: Any) -> dict[str, float]:
@@ -255,10 +250,7 @@ class FSDPEngine(EngineState):
                 loss.backward()
             timing["time_forward_s_max"] += t1 - t0
             timing["time_backward_s_max"] += time.perf_counter() - t1
-            for key, val in metrics.items():
-                val = val.detach().float().cpu()
-                sums[key] = torch.maximum(sums[key], val) if key.endswith("_max") and key in sums else (
-                    val if key.endswith("_max") else sums.get(key, 0.0) + val)
+            accumulate_metrics(sums, metrics)
             pad = micro.packed.num_pad * micro.out_len / micro.packed.total_len
             sp_local += torch.tensor([micro.out_len, pad,
                                       micro.ctx.stats.a2a_seconds, time.perf_counter() - t0], dtype=torch.float64)
@@ -266,38 +258,12 @@ class FSDPEngine(EngineState):
             t0 = time.perf_counter()
             all_reduce_gradients(self.module)
             timing["time_backward_s_max"] += time.perf_counter() - t0
-        out = {**self._reduce_metrics({**sums, **timing}), **self._sp_metrics(sp_local)}
+        out = {**reduce_metrics({**sums, **timing}, self.dims.layout.token_replicas),
+               **sp_metrics(sp_local, self.dims.world_size)}
         if self.offload.enabled:  # device memory the offload freed at its peak, on the rank that freed most
-            out["perf/activation_offload_bytes"] = self._max_over_ranks(float(offloaded))
+            out["perf/activation_offload_bytes"] = max_over_ranks(float(offloaded))
         return out
-
-    def _sp_metrics(self, local: torch.Tensor) -> dict[str, float]:
-        """Rank averages of sequence-parallel load: tokens per rank, padding share, all-to-all time share."""
-        dist.all_reduce(local, op=dist.ReduceOp.SUM)
-        tokens, pad, a2a_s, total_s = (local / self.dims.world_size).tolist()
-        return {"sp/tokens_per_rank": tokens, "sp/pad_fraction": pad / max(tokens, 1.0),
-                "sp/a2a_time_share": a2a_s / max(total_s, 1e-9)}
 
     def _clip_grad(self) -> torch.Tensor:
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        clip = self.optim.grad_clip if self.optim is not None else 0.0
-        # clip_grad_norm_'s two steps, with the norm moved to the device in between: offloaded gradients
-        # live in host memory, and the norm's reduction over ranks needs a device tensor (NCCL).
-        norm = to_device(torch.nn.utils.get_total_norm([p.grad for p in params]), self.device)
-        torch.nn.utils.clip_grads_with_norm_(params, clip if clip > 0 else float("inf"), norm)
-        full = getattr(norm, "full_tensor", None)
-        return (full() if full is not None else norm).detach().float().cpu()
-
-    def _reduce_metrics(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
-        """Metric contributions are shares of a global mean: summing over all ranks gives the value
-        (divided by the ranks holding the same output tokens: tp without sequence parallelism); keys
-        ending in "_max" are maxima instead (reduced with MAX)."""
-        out: dict[str, float] = {}
-        replicas = self.dims.layout.token_replicas
-        for op, keys in ((dist.ReduceOp.SUM, sorted(k for k in sums if not k.endswith("_max"))),
-                         (dist.ReduceOp.MAX, sorted(k for k in sums if k.endswith("_max")))):
-            if keys:
-                vec = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64) for k in keys])
-                dist.all_reduce(vec, op=op)
-                out.update(zip(keys, (vec / (replicas if op == dist.ReduceOp.SUM else 1)).tolist()))
-        return out
+        """The step's gradient norm before clipping to optim.grad_clip (a method: benchmarks watch it)."""
+        return clip_grad_norm(self.module, self.optim.grad_clip if self.optim is not None else 0.0, self.device)

@@ -89,10 +89,10 @@ from rlsp.parallel.ring_grads import pack_kv, split_kv
 from rlsp.parallel.ring_heads import RING_BWD_ACC_BYTES, head_groups, kv_heads_per_pass
 from rlsp.parallel.ring_plan import ROW_CHUNK, RingPlan
 from rlsp.parallel.ring_reference import acc_dtype as _acc_dtype
-from rlsp.parallel.ring_reference import block_attention, block_attention_backward
 from rlsp.parallel.ring_sinks import apply_sinks, check_sinks, sink_grad
+from rlsp.parallel.ring_stats import count_blocks, count_sent, count_unsent, relay_bytes
 
-__all__ = ["ROW_CHUNK", "block_attention", "block_attention_backward", "ring_attention"]
+__all__ = ["ROW_CHUNK", "ring_attention"]
 
 _KV_TAG, _DKV_TAG = 0, 1
 
@@ -116,38 +116,6 @@ def _pass_kv(plan: RingPlan, step: int, kv_2THD: torch.Tensor) -> tuple[list[dis
 def _wait(works: list[dist.Work]) -> None:
     for work in works:
         work.wait()
-
-
-def _count(stats: Any, suffix: str, nbytes: int) -> None:
-    if stats is not None:
-        setattr(stats, f"ring_bytes_{suffix}", getattr(stats, f"ring_bytes_{suffix}") + nbytes)
-        setattr(stats, f"ring_calls_{suffix}", getattr(stats, f"ring_calls_{suffix}") + 1)
-
-
-def _count_blocks(stats: Any, plan: RingPlan, window: int | None) -> None:
-    """Add this call's computed / skipped K/V blocks (steps with / without a visible box) to the stats
-    ring_blocks_computed / ring_blocks_skipped counters (the plan derives them: `RingPlan.block_counts`), and the
-    K/V blocks it does not send (direct sends of windowed layers: rlsp/parallel/ring_direct.py) to
-    ring_blocks_not_sent."""
-    if stats is not None:
-        computed, skipped = plan.block_counts(window)
-        stats.ring_blocks_computed += computed
-        stats.ring_blocks_skipped += skipped
-        if hasattr(stats, "ring_blocks_not_sent"):  # optional counter
-            stats.ring_blocks_not_sent += ring_direct.unsent_blocks(plan, window)
-
-
-def _count_unsent(stats: Any, plan: RingPlan, relay_bytes: int, sent: int) -> None:
-    """Add the bytes the relay would have sent beyond those sent (direct sends) to ring_bytes_not_sent (optional)."""
-    if hasattr(stats, "ring_bytes_not_sent") and plan.ring_size > 1:
-        stats.ring_bytes_not_sent += relay_bytes - sent
-
-
-def _relay_bytes(plan: RingPlan, k_THD: torch.Tensor, v_THD: torch.Tensor, backward: bool) -> int:
-    """Bytes the relay sends in one call (module docstring): (r-1) K/V blocks, plus their dK/dV in backward."""
-    elems = k_THD.numel() + v_THD.numel()
-    per_block = elems * k_THD.element_size() + (elems * _acc_dtype(k_THD.dtype).itemsize if backward else 0)
-    return (plan.ring_size - 1) * per_block
 
 
 def _ring_forward(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, plan: RingPlan,
@@ -244,9 +212,9 @@ class _RingAttention(torch.autograd.Function):
     def forward(fctx: Any, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor,
                 sinks_H: torch.Tensor | None, plan: RingPlan, ctx: _Ctx, stats: Any) -> torch.Tensor:
         out_THD, lse_HT, sent = _ring_forward(q_THD, k_THD, v_THD, plan, ctx, sinks_H)
-        _count(stats, "fwd", sent)
-        _count_blocks(stats, plan, ctx.window)
-        _count_unsent(stats, plan, _relay_bytes(plan, k_THD, v_THD, backward=False), sent)
+        count_sent(stats, "fwd", sent)  # the stats counters: rlsp/parallel/ring_stats.py
+        count_blocks(stats, plan, ctx.window)
+        count_unsent(stats, plan, relay_bytes(plan, k_THD, v_THD, backward=False), sent)
         fctx.save_for_backward(q_THD, k_THD, v_THD, out_THD, lse_HT, sinks_H)
         fctx.ring = (plan, ctx, stats)
         return out_THD
@@ -257,8 +225,8 @@ class _RingAttention(torch.autograd.Function):
         *saved, sinks_H = fctx.saved_tensors
         do_THD = do_THD.contiguous()
         dq, dk, dv, sent = _grouped_backward(do_THD, *saved, plan, ctx)  # with the final (sink-merged) out, lse
-        _count(stats, "bwd", sent)
-        _count_unsent(stats, plan, _relay_bytes(plan, saved[1], saved[2], backward=True), sent)
+        count_sent(stats, "bwd", sent)
+        count_unsent(stats, plan, relay_bytes(plan, saved[1], saved[2], backward=True), sent)
         dsinks = None if sinks_H is None or not fctx.needs_input_grad[3] else sink_grad(do_THD, *saved[3:], sinks_H)
         return dq, dk, dv, dsinks, None, None, None
 

@@ -1,4 +1,4 @@
-"""benchmarks/moe_step.py's one-layer comparison on CPU: transformers' per-expert loop and its grouped matmul compute
+"""benchmarks/moe_step.py's one-layer comparison on CPU (benchmarks/moe_layer.py): transformers' per-expert loop and its grouped matmul compute
 the same qwen3_moe MoE layer (output, input gradient, every router and expert gradient) within the fp32 roundoff
 bound, and routing replay (rlsp.engine.router_replay) of the recorded routes reproduces the layer's output.
 
@@ -22,7 +22,7 @@ TOKENS = 96
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_benchmark("moe_step")
+    return load_benchmark("moe_layer")
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,9 @@ from test_ring_block import tolerances as attention_tolerances
 import rlsp.parallel.ring as ring_module
 from rlsp.data.packing import pack_sequences
 from rlsp.models.attention import ulysses_attention
-from rlsp.parallel.ring import block_attention, block_attention_backward, ring_attention
+from rlsp.parallel.ring import ring_attention
 from rlsp.parallel.ring_plan import RingPlan, build_ring_plan, zigzag_indices
+from rlsp.parallel.ring_reference import block_attention, block_attention_backward
 from rlsp.parallel.ulysses import SPStats, build_sp_context
 
 LENS = (7, 13, 1, 5, 10, 4)  # 40 tokens, the last segment stands for the padding tail
