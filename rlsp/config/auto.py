@@ -21,7 +21,8 @@ start-up and `python -m rlsp.check` in its report.
         the reward loop).
     model.enable_gradient_checkpointing (actor_rollout_ref.model: actor and reference; critic.model)
         on when the activations one training micro-batch saves without it exceed half of what the
-        training state leaves of the rank's memory (rlsp.config.auto_memory), or activation offload is
+        training state leaves of the rank's memory (rlsp.config.auto_memory; a vision-language actor adds its
+        tower's activations for the data's image tokens, rlsp.config.auto_vision), or activation offload is
         asked for; off otherwise, and when the model or the memory is unknown (verl's default).
     actor.use_dynamic_bsz (the critic, the reference and the old-logprob pass follow it)
         true -- micro-batches filled to `ppo_max_token_len_per_gpu` tokens: fewer, fuller passes, the
@@ -36,7 +37,8 @@ start-up and `python -m rlsp.check` in its report.
         transformers beside them at start-up -- unless a rollout pool generates while the trainer
         trains (then 1: scoring must not queue behind an update).
 
-No torch here (rlsp.config.machine reads the machine without it).
+The memory rules (fsdp_size, checkpointing) are rlsp.config.auto_roles'. No torch here (rlsp.config.machine reads
+the machine without it).
 """
 
 from __future__ import annotations
@@ -45,18 +47,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlsp.config.auto_memory import EP_ROLES, checkpointing_choice, ep_choices, micro_batch_tokens
+from rlsp.config.auto_memory import EP_ROLES, ep_choices
+from rlsp.config.auto_roles import (
+    LORA_STATE_BYTES,
+    REFERENCE_BYTES,
+    REPLICATE_SHARE,
+    STATE_BYTES,
+    checkpointing_value,
+    fsdp_value,
+    train_memory,
+)
 from rlsp.config.choices import VLLM_CPU_HEAD_DIMS
 from rlsp.config.layout import CRITIC_ESTIMATORS
 from rlsp.config.layout_build import has_reference
-from rlsp.config.machine import GIB, Machine, machine_facts
+from rlsp.config.machine import Machine, machine_facts
 from rlsp.config.model_shape import ModelShape, read_model_shape
 from rlsp.config.run_spec import rollout_pool_enabled
 from rlsp.config.schema import ActorConfig
 
 AUTO = "auto"
-REPLICATE_SHARE = 4  # the rest of a rank's memory: activations, the reference's forward, buffers
-STATE_BYTES, LORA_STATE_BYTES, REFERENCE_BYTES = 16, 4, 4
+# The memory rules' constants live in rlsp.config.auto_roles; importable from here.
+__all__ = ["AUTO", "AUTO_KEYS", "BUILTIN_SHAPES", "HF_ROLLOUT_MAX_PARAMS", "LORA_STATE_BYTES", "REFERENCE_BYTES",
+           "REPLICATE_SHARE", "STATE_BYTES", "AutoChoice", "model_shape", "resolve_auto"]
 # On these 2-core CPUs: 0.3M parameters (2 layers, hidden 128) generate 64 x 32 tokens in 0.13 s with HF
 # against 0.29 s with vLLM; at 22.5M (8 layers, hidden 512, 256 tokens) both take ~19 s (docs/benchmarks.md).
 HF_ROLLOUT_MAX_PARAMS = 10_000_000
@@ -144,79 +156,16 @@ def _rollout_choice(cfg: Any, shape: ModelShape | None, why: str, machine: Machi
                                  "per-step overhead")
 
 
-def _offloaded(fsdp: Any) -> bool:
-    return bool(fsdp.param_offload or fsdp.optimizer_offload or fsdp.offload_policy)
-
-
-def _section(cfg: Any, role: str) -> Any:
-    """The role's training section: actor_rollout_ref.actor or critic."""
-    return cfg.actor_rollout_ref.actor if role == "actor" else cfg.critic
-
-
-def _fsdp_config(cfg: Any, role: str) -> Any:
-    return cfg.actor_rollout_ref.actor.fsdp_config if role == "actor" else cfg.critic.model.fsdp_config
-
-
-def _train_memory(cfg: Any, machine: Machine) -> float | None:
-    """A rank's memory for training: on cuda what the colocated vLLM engine's share leaves."""
-    if machine.rank_memory is None:
-        return None
-    if machine.device == "cuda" and cfg.actor_rollout_ref.rollout.name == "vllm":
-        return machine.rank_memory * (1 - float(cfg.actor_rollout_ref.rollout.gpu_memory_utilization))
-    return machine.rank_memory
-
-
-def _whole_state(cfg: Any, role: str, shape: ModelShape) -> float:
-    """Training state of the whole model on one rank of the role's tp split (plus the reference's weights)."""
-    lora = role == "actor" and cfg.actor_rollout_ref.model.lora_rank > 0
-    ref = REFERENCE_BYTES if role == "actor" and has_reference(cfg) else 0
-    tp = max(1, int(_section(cfg, role).tensor_model_parallel_size))
-    return shape.params * ((LORA_STATE_BYTES if lora else STATE_BYTES) + ref) / tp
-
-
-def _fsdp_value(role: str, cfg: Any, shape: ModelShape | None, why: str, machine: Machine) -> tuple[int, str]:
-    """fsdp_size for a trainable role ('actor' or 'critic'), with the reason."""
-    if _offloaded(_fsdp_config(cfg, role)):
-        return -1, "FSDP offload asked for: parameters sharded over all ranks (FSDP)"
-    memory = _train_memory(cfg, machine)
-    if shape is None or memory is None:
-        return -1, f"{why or machine.source}: sharded over all ranks (verl's default)"
-    state = _whole_state(cfg, role, shape)
-    fits = state * REPLICATE_SHARE <= memory
-    text = (f"{shape.params / 1e6:.1f}M parameters: {state / GIB:.2f} GiB of training state per rank "
-            f"{'<=' if fits else '>'} 1/{REPLICATE_SHARE} of {memory / GIB:.1f} GiB ({machine.source})")
-    if fits:
-        return 1, f"{text}: every rank holds the whole model, only gradients are reduced"
-    return -1, f"{text}: sharded over all ranks (FSDP)"
-
-
-def _checkpointing(role: str, cfg: Any, shape: ModelShape | None, why: str, machine: Machine) -> tuple[bool, str]:
-    """enable_gradient_checkpointing for a trainable role, with the reason (rlsp.config.auto_memory)."""
-    model = cfg.actor_rollout_ref.model if role == "actor" else cfg.critic.model
-    if model.enable_activation_offload:
-        return True, "enable_activation_offload=true keeps the checkpointed layer inputs in host memory: on"
-    section, data = _section(cfg, role), cfg.data
-    world = section.nnodes * section.n_gpus_per_node if role == "critic" and not cfg.critic.colocate else \
-        cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
-    tp, sp = (max(1, int(section[k])) for k in ("tensor_model_parallel_size", "ulysses_sequence_parallel_size"))
-    sp *= max(1, int(section.ring_sequence_parallel_size))
-    size = _fsdp_config(cfg, role).fsdp_size
-    state = 0.0 if shape is None else _whole_state(cfg, role, shape) / (max(1, world // tp) if size == -1 else size)
-    tokens = micro_batch_tokens(section, int(data.max_prompt_length), int(data.max_response_length))
-    dtype = str(model.dtype or cfg.actor_rollout_ref.model.dtype)  # the critic: the actor's unless set
-    return checkpointing_choice(shape, why, machine, _train_memory(cfg, machine), state, tokens, dtype, tp * sp)
-
-
 def _fsdp_choices(cfg: Any, shapes: dict[str, tuple[ModelShape | None, str]], machine: Machine) -> list[AutoChoice]:
     out, key = [], "{}.fsdp_config.fsdp_size".format
     actor = _get(cfg, key("actor_rollout_ref.actor"))
     if _is_auto(actor):
-        actor, reason = _fsdp_value("actor", cfg, *shapes["actor"], machine)
+        actor, reason = fsdp_value("actor", cfg, *shapes["actor"], machine)
         out.append(AutoChoice(key("actor_rollout_ref.actor"), actor, reason))
     if _is_auto(_get(cfg, key("actor_rollout_ref.ref"))):
         out.append(AutoChoice(key("actor_rollout_ref.ref"), actor, "the reference follows the actor"))
     if _is_auto(_get(cfg, key("critic.model"))):
-        value, reason = _fsdp_value("critic", cfg, *shapes["critic"], machine)
+        value, reason = fsdp_value("critic", cfg, *shapes["critic"], machine)
         out.append(AutoChoice(key("critic.model"), value, reason))
     if _is_auto(_get(cfg, key("reward_model.model"))):
         out.append(AutoChoice(key("reward_model.model"), -1, "the reward model's weights sharded over all ranks"))
@@ -240,12 +189,12 @@ def _scoring_choice(cfg: Any) -> AutoChoice:
                                       "for the scores anyway): no scoring process to start")
 
 
-def _checkpointing_choices(cfg: Any, shapes: dict[str, tuple[ModelShape | None, str]],
-                           machine: Machine) -> list[AutoChoice]:
+def _checkpointing_choices(cfg: Any, shapes: dict[str, tuple[ModelShape | None, str]], machine: Machine,
+                           image_tokens: int | None) -> list[AutoChoice]:
     out = []
     for role, key in zip(("actor", "critic"), CHECKPOINTING_KEYS):
         if _is_auto(_get(cfg, key)):
-            value, reason = _checkpointing(role, cfg, *shapes[role], machine)
+            value, reason = checkpointing_value(role, cfg, *shapes[role], machine, image_tokens)
             out.append(AutoChoice(key, value, reason))
     return out
 
@@ -275,9 +224,11 @@ def _illegal(cfg: Any, errors: list[str]) -> bool:
     return len(errors) > before
 
 
-def resolve_auto(cfg: Any, errors: list[str], machine: Machine | None = None) -> list[AutoChoice]:
+def resolve_auto(cfg: Any, errors: list[str], machine: Machine | None = None,
+                 image_tokens: int | None = None) -> list[AutoChoice]:
     """Set every `auto` key of `cfg` (in place) to its value for this model and `machine` (None: the one
-    this runs on); returns the choices the run uses (none when nothing is `auto`)."""
+    this runs on); returns the choices the run uses (none when nothing is `auto`). `image_tokens`: the largest
+    training row's image tokens (rlsp.data.image_count; None: not counted, rlsp.config.auto_vision bounds them)."""
     if _illegal(cfg, errors) or not any(_is_auto(_get(cfg, key)) for key in AUTO_KEYS):
         return []  # nothing to decide: no model or machine is read
     arr, choices = cfg.actor_rollout_ref, []
@@ -295,8 +246,8 @@ def resolve_auto(cfg: Any, errors: list[str], machine: Machine | None = None) ->
         choices.append(_scoring_choice(cfg))
     for c in choices:  # the checkpointing rule reads the sharding and micro-batches chosen above
         _set(cfg, c.key, c.value)
-    gc = [AutoChoice(*c) for c in ep_choices(cfg, shapes, _train_memory(cfg, machine))]  # reads fsdp_size
-    gc += _checkpointing_choices(cfg, shapes, machine)
+    gc = [AutoChoice(*c) for c in ep_choices(cfg, shapes, train_memory(cfg, machine))]  # reads fsdp_size
+    gc += _checkpointing_choices(cfg, shapes, machine, image_tokens)
     for c in gc:
         _set(cfg, c.key, c.value)
     choices += gc

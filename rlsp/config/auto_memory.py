@@ -12,6 +12,8 @@ state: on when
 whole sequences and every head (no sequence, tensor or tiled-MLP split; HF's RMSNorm), divided by the
 sequence- and tensor-parallel degrees the role runs with; tests/unit/test_auto_settings.py compares
 the two. Memory unknown here: off (verl's default), said so.
+A vision-language actor adds its tower's saved activations for the image tokens of the rank's share of the
+micro-batch (rlsp.config.auto_vision: the data's largest row, counted at start-up, or data.max_prompt_length).
 
 What one layer saves for backward, by kind (rlsp.config.layer_kinds; e the compute dtype's bytes):
   softmax attention  q, k, v and the output over the rank's heads and its attention tokens, with their own head
@@ -35,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from rlsp.config.auto_vision import RowImages, image_saved_bytes
 from rlsp.config.layer_kinds import LINEAR, Attention, LayerKind
 from rlsp.config.layout_build import has_reference
 from rlsp.config.machine import GIB, Machine
@@ -140,15 +143,22 @@ def micro_batch_tokens(section: Any, prompt_len: int, response_len: int) -> int:
 
 
 def checkpointing_choice(shape: ModelShape | None, why: str, machine: Machine, memory: float | None, state: float,
-                         tokens: int, dtype: str, splits: int) -> tuple[bool, str]:
+                         tokens: int, dtype: str, splits: int, images: RowImages | None = None,
+                         seq_len: int = 0) -> tuple[bool, str]:
     """(enable_gradient_checkpointing, reason) for a role with `state` bytes per rank and `memory` bytes
-    of the rank left to training (None: unknown)."""
+    of the rank left to training (None: unknown); `images` the rows' image tokens (a vision-language actor, rows of
+    up to `seq_len` tokens): the tower's activations count too (rlsp.config.auto_vision)."""
     if shape is None or memory is None:
         return False, f"{why or machine.source}: off (verl's default)"
     # flash_attn runs windowed layers only on cuda (when installed: assumed); cpu takes the torch banded kernel
-    saved = activation_bytes(shape, tokens, DTYPE_BYTES.get(dtype, 4), splits, flash=machine.device == "cuda")
+    e = DTYPE_BYTES.get(dtype, 4)
+    saved = activation_bytes(shape, tokens, e, splits, flash=machine.device == "cuda")
+    rank_images, tower = image_saved_bytes(shape, images, tokens, seq_len, e, splits)
+    saved += tower
     room = (memory - state) / 2
-    text = (f"{tokens} tokens a micro-batch save {saved / GIB:.2f} GiB of activations "
+    vision = (f" ({images.source}; the vision tower saves {tower / GIB:.2f} GiB for the {rank_images} on a rank)"
+              if images is not None and tower else "")
+    text = (f"{tokens} tokens a micro-batch{vision} save {saved / GIB:.2f} GiB of activations "
             f"{'>' if saved > room else '<='} half of the {max(0.0, memory - state) / GIB:.1f} GiB the training "
             "state leaves")
     return saved > room, f"{text}: {'on' if saved > room else 'off'}"

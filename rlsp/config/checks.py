@@ -9,9 +9,9 @@ Stages (each check appends its messages to one list; a stage's messages are repo
                (`rlsp.config.layout_build`), then every rlsp/config/validate_*.py check; registered here
     preflight  files and registries (data files, model config and tokenizer against the layout,
                estimator and loss names, reward model, teachers, agent tools, trackers); registered by
-               rlsp/trainer/preflight.py
+               rlsp/checks/preflight.py
     resume     the run dir: what the run continues from, refusing a checkpoint this command cannot
-               load; registered by rlsp/trainer/resume_check.py
+               load; registered by rlsp/checks/resume_check.py
 
 A check is `fn(cfg, ctx, errors)`; `ctx` carries what earlier checks produced (the layout, the
 device, the resume plan). Dependencies are declared, not left to the order: a check runs only when every
@@ -52,8 +52,8 @@ from rlsp.config.verl_compat import apply_verl_spellings
 
 STAGES = ("config", "preflight", "resume")
 # Where each stage's checks are registered (imported by the entry points before they run the stage).
-STAGE_MODULES = {"config": "rlsp.config.checks", "preflight": "rlsp.trainer.preflight",
-                 "resume": "rlsp.trainer.resume_check"}
+STAGE_MODULES = {"config": "rlsp.config.checks", "preflight": "rlsp.checks.preflight",
+                 "resume": "rlsp.checks.resume_check"}
 
 
 @dataclass
@@ -162,8 +162,9 @@ register("known_keys", "config", gate=True, target=check_known_keys)(lambda cfg,
 _values("verl_spellings", apply_verl_spellings)  # verl's spellings onto rlsp's keys, as composed configs get them
 # `auto` keys decided from the model and the machine (before the layout: fsdp_size is one of its degrees);
 # a gate: a value that is neither auto nor of its type would leave other keys undecided for the checks after it
+# (a vision-language actor's image tokens per row: `ctx.results["image_tokens"]`, counted by the caller, rlsp.data.image_count)
 register("auto", "config", gate=True, target=resolve_auto)(
-    lambda cfg, ctx, errors: ctx.results.update(auto=resolve_auto(cfg, errors)))
+    lambda cfg, ctx, errors: ctx.results.update(auto=resolve_auto(cfg, errors, None, ctx.results.get("image_tokens"))))
 register("layout", "config", target=build_layout)(_layout)
 _placed("adaptive_sp", check_adaptive, needs_layout=True)
 _placed("batches", check_batches, needs_layout=True)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from rlsp.config.layout import RoleLayout
 from rlsp.config.model_shape import ModelShape
-from rlsp.plan.memory import Workload
+from rlsp.plan.workload import Workload
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,10 @@ from __future__ import annotations
 import math
 
 from rlsp.config.layout import RoleLayout
-from rlsp.plan.memory import GIB, HeadShare, Workload, ring_bytes
+from rlsp.plan.activations import ring_bytes
+from rlsp.plan.memory import GIB
 from rlsp.plan.search import Plan, Request
+from rlsp.plan.workload import HeadShare, Workload
 from rlsp.utils.divisors import divisors
 
 MB = 1e6
