@@ -7,8 +7,10 @@
     python benchmarks/driver_bytes.py --workload small-ppo   # the same with a critic
     python benchmarks/driver_bytes.py --workload large-grpo  # tiny model, 128 prompts x 8 samples x 1024 forced tokens, 2 steps
     python benchmarks/driver_bytes.py --workload stage-grpo-kl --response-length 64  # the step stage's algorithms:
-    #   stage-grpo-kl, stage-rloo-kl, stage-gpg-kl, stage-otb, stage-grpo-overlong (dapo's shaping): the tiny model,
-    #   8 prompts x 4 samples, forced lengths
+    #   stage-grpo-kl, stage-rloo-kl, stage-gpg-kl, stage-otb, stage-grpo-overlong (dapo's shaping), stage-distill
+    #   (GRPO + on-policy distillation from a tiny teacher of other weights), stage-gdpo (two reward components),
+    #   stage-correction (GRPO + the rollout correction), stage-otb-is (the optimal token baselines reading the
+    #   correction's weights): the tiny model, 8 prompts x 4 samples, forced lengths
 
 Each workload runs `python -m rlsp.main` in a subprocess (cwd and PYTHONPATH: `--root`, this checkout by
 default, so another checkout of rlsp can be measured with the same workloads) and reads the run's
@@ -19,8 +21,9 @@ from the mean over steps 2..N, and `bytes_per_row` (that mean over the step's ro
 config overrides (key=value).
 
 The `stage-*` workloads run an algorithm of the step stage (rlsp.workers.step_stage: an estimator with KL in
-the reward, the optimal token baselines, GRPO with dapo's overlong shaping) at a forced response length (`--response-length`, vLLM with
-ignore_eos): run one at two lengths; `bytes_per_row` stays the same when nothing crosses the driver per token.
+the reward, the optimal token baselines, GRPO with dapo's overlong shaping, gdpo) or distillation's term
+(rlsp.workers.stage_distill) at a forced response length (`--response-length`, vLLM with ignore_eos): run one
+at two lengths; `bytes_per_row` stays the same when nothing crosses the driver per token.
 """
 
 from __future__ import annotations
@@ -52,6 +55,9 @@ KL = {"algorithm.use_kl_in_reward": True, "algorithm.kl_ctrl.kl_coef": 0.05, "ac
 OTB = {"algorithm.adv_estimator": "optimal_token_baseline", "actor_rollout_ref.actor.calculate_sum_pi_squared": True}
 OVERLONG = {"reward.reward_manager.name": "dapo", "reward.reward_kwargs.overlong_buffer_cfg.enable": True,
             "reward.reward_kwargs.overlong_buffer_cfg.len": 4, "reward.reward_kwargs.overlong_buffer_cfg.penalty_factor": 0.5}
+# The rollout correction (rlsp.workers.stage_correction): token IS weights, batch-normalised, and token rejection.
+CORRECTION = {"algorithm.rollout_correction.rollout_is": "token", "algorithm.rollout_correction.rollout_is_batch_normalize": True,
+              "algorithm.rollout_correction.rollout_rs": "token_k1", "algorithm.rollout_correction.rollout_rs_threshold": 2.0}
 WORKLOADS = {  # name: (grpo_step.py workload, overrides on top, steps)
     "tiny-grpo": ("tiny", {}, 4), "tiny-ppo": ("tiny", PPO, 4), "tiny-async": ("tiny", ASYNC, 4),
     "small-grpo": ("small", {}, 2), "small-ppo": ("small", PPO, 2), "large-grpo": ("tiny", LARGE, 2),
@@ -60,7 +66,18 @@ WORKLOADS = {  # name: (grpo_step.py workload, overrides on top, steps)
     "stage-gpg-kl": ("tiny", {**STAGE, **KL, "algorithm.adv_estimator": "gpg"}, 3),
     "stage-otb": ("tiny", {**STAGE, **OTB}, 3),
     "stage-grpo-overlong": ("tiny", {**STAGE, **OVERLONG, "algorithm.adv_estimator": "grpo"}, 3),
+    "stage-correction": ("tiny", {**STAGE, **CORRECTION, "algorithm.adv_estimator": "grpo"}, 3),
+    "stage-otb-is": ("tiny", {**STAGE, **OTB, **CORRECTION}, 3),
+    "stage-distill": ("tiny", {**STAGE, "algorithm.adv_estimator": "grpo", "distillation.enabled": True}, 3),
+    "stage-gdpo": ("tiny", {**STAGE, "algorithm.adv_estimator": "gdpo", "algorithm.gdpo_reward_weights": [1.0, 0.5],
+                            "+algorithm.gdpo_reward_keys": ["accuracy_reward", "format_reward"]}, 3),
 }
+# stage-gdpo's reward function: two named components (rlsp.algos.gdpo normalises each within its group).
+GDPO_REWARD = """def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    accuracy = float(solution_str.strip().startswith(str(ground_truth)))  # benchmarks/sum_prefix_reward.py's
+    digits = float(sum(c.isdigit() for c in solution_str) / max(len(solution_str), 1))
+    return {"score": accuracy + digits, "accuracy_reward": accuracy, "format_reward": digits}
+"""
 
 
 def overrides(name: str, cache: str, steps: int | None, run_dir: str, response_length: int | None = None) -> dict:
@@ -72,6 +89,15 @@ def overrides(name: str, cache: str, steps: int | None, run_dir: str, response_l
     if name.startswith(("large", "stage")):  # the tiny model with room for long responses (same weights: rope has none)
         spec = TinyModelSpec(**{**MODELS["tiny"].__dict__, "max_position_embeddings": 4096})
         args["actor_rollout_ref.model.path"] = ensure_tiny_model(os.path.join(cache, "bench-tiny-long"), spec)
+    if name == "stage-distill":  # a teacher of the student's shape and vocabulary, other weights
+        teacher = TinyModelSpec(**{**spec.__dict__, "seed": 1})
+        args["distillation.teacher_models.teacher_model.model_path"] = ensure_tiny_model(
+            os.path.join(cache, "bench-tiny-teacher"), teacher)
+    if name == "stage-gdpo":
+        path = os.path.join(cache, "gdpo_reward.py")
+        with open(path, "w") as f:
+            f.write(GDPO_REWARD)
+        args["reward.custom_function_path"] = path
     return args
 
 

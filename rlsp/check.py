@@ -32,8 +32,9 @@ from rlsp.config.describe import describe_batches, describe_placement, describe_
 from rlsp.config.layout import ParallelLayout
 from rlsp.config.run_length import run_length_errors
 from rlsp.config.validate import validate_config
-from rlsp.config.verl_compat import verl_note
+from rlsp.config.verl_compat import verl_key_notes
 from rlsp.config.verl_spellings import rename_overrides
+from rlsp.data.image_count import train_image_tokens
 from rlsp.data.multimodal import image_tokens_line, new_image_problems
 from rlsp.utils.fast_exit import run_and_exit
 
@@ -65,7 +66,7 @@ def _validate(cfg: DictConfig, report: Report) -> ParallelLayout | None:
     """The config stage (setting the `auto` keys, building the layout), as rlsp.main runs it."""
     auto: list[AutoChoice] = []
     try:
-        return validate_config(cfg, auto)
+        return validate_config(cfg, auto, train_image_tokens(cfg))  # image tokens: the auto rules' data
     except ValueError as exc:
         report.problems += [line[4:] for line in str(exc).splitlines() if line.startswith("  - ")]
         return None
@@ -76,10 +77,10 @@ def _validate(cfg: DictConfig, report: Report) -> ParallelLayout | None:
 
 def _model(cfg: DictConfig, layout: ParallelLayout | None, report: Report) -> Any:
     """The model's architecture line, its layers and its tokenizer (None when there is none to read)."""
+    from rlsp.checks.resume_check import arch, describe  # noqa: PLC0415
     from rlsp.config.layer_report import layer_section  # noqa: PLC0415
     from rlsp.models.loading import read_model_config, tokenizer_problem  # noqa: PLC0415
     from rlsp.parallel.heads import plan_head_layout  # noqa: PLC0415
-    from rlsp.trainer.resume_check import arch, describe  # noqa: PLC0415
 
     key, path = "actor_rollout_ref.model.path", cfg.actor_rollout_ref.model.path
     try:
@@ -168,7 +169,7 @@ def _check_sources(cfg: DictConfig, key: str, sources: set[str], report: Report)
 
 def _agent_rows(cfg: DictConfig) -> Any:
     """How rows render for agent loops (None: no agent loops, or tools that preflight reports as broken)."""
-    from rlsp.trainer.preflight_agent import agent_rows  # noqa: PLC0415
+    from rlsp.agent.rows import agent_rows  # noqa: PLC0415
 
     try:
         return agent_rows(cfg)
@@ -177,7 +178,8 @@ def _agent_rows(cfg: DictConfig) -> Any:
 
 
 def _agent_section(cfg: DictConfig, split: str, loops: dict[str, int], tokenizer: Any, report: Report) -> None:
-    from rlsp.trainer.preflight_agent import describe_agent, unknown_agent_loops  # noqa: PLC0415
+    from rlsp.agent.rows import unknown_agent_loops  # noqa: PLC0415
+    from rlsp.checks.preflight_agent import describe_agent  # noqa: PLC0415
 
     report.problems += unknown_agent_loops(loops, f"data.{split}_files column agent_name")
     if split == "train":
@@ -208,7 +210,7 @@ def _data(cfg: DictConfig, tokenizer: Any, report: Report) -> int | None:
 
 def _files(cfg: DictConfig, layout: ParallelLayout | None, report: Report) -> Any:
     """Assets, preflight's checks and the model; returns the tokenizer (or None)."""
-    from rlsp.trainer.preflight import preflight_errors, resolve_assets  # noqa: PLC0415
+    from rlsp.checks.preflight import preflight_errors, resolve_assets  # noqa: PLC0415
     from rlsp.utils.device import target_device_type  # noqa: PLC0415
 
     try:
@@ -230,32 +232,18 @@ def _files(cfg: DictConfig, layout: ParallelLayout | None, report: Report) -> An
 
 def _resume(cfg: DictConfig, layout: ParallelLayout | None, report: Report) -> None:
     """The resume stage, as rlsp.main runs it (skipped only where the run length is still unknown)."""
-    from rlsp.trainer.resume_check import resume_plan  # noqa: PLC0415
+    from rlsp.checks.resume_check import describe_resume  # noqa: PLC0415
 
-    run_dir = cfg.trainer.default_local_dir
-    if cfg.trainer.total_training_steps is None and os.path.isdir(run_dir):
-        report.add("resume", f"run dir {run_dir} exists; not checked: the run length is unknown without the data")
-        return
     try:
-        plan = resume_plan(cfg, layout)
+        report.add("resume", describe_resume(cfg, layout))
     except ValueError as exc:
         report.problems.append(str(exc))
-        return
-    if not os.path.isdir(run_dir):
-        report.add("resume", f"run dir {run_dir} does not exist: a fresh run")
-        return
-    what = ("a fresh run" if plan.path is None else
-            f"complete at step {plan.step}: nothing to train" if plan.complete else f"continues {plan.path}")
-    report.add("resume", f"run dir {run_dir}: {what}")
 
 
 def _verl_keys(line: CommandLine, report: Report) -> None:
     """What rlsp does with each verl key of the command that it handles its own way."""
-    for text in line.overrides:
-        key = text.lstrip("+~").partition("=")[0]
-        note = verl_note(key)
-        if note:
-            report.add("verl keys", f"{key}: {note}")
+    if notes := verl_key_notes(line.overrides):
+        report.add("verl keys", *notes)
     _, left_out = drop_not_set(rename_overrides(line.overrides)[0])
     if left_out:
         report.add("verl keys", *left_out)

@@ -14,7 +14,7 @@ workers. Where Ray comes from is `trainer.ray_address`:
 
 The registered start-up checks run stage by stage (rlsp.config.checks: config, preflight, resume), exactly
 those `python -m rlsp.check` runs; the config stage builds the run's one layout, handed to preflight and
-the trainer. The resume stage (`rlsp.trainer.resume_check`) decides what the run continues from and
+the trainer. The resume stage (`rlsp.checks.resume_check`) decides what the run continues from and
 refuses a checkpoint this command cannot load (another model, a critic added or dropped, a damaged file
 with no whole checkpoint before it); a run that is already complete says so and exits 0. Once the config
 stage passed and the run is not already complete, Ray and then the worker processes start on a thread of
@@ -62,13 +62,14 @@ from rlsp.controller.stopping import (
     signals_deferred,
     stop_exit_code,
 )
+from rlsp.data.image_count import train_image_tokens
 from rlsp.trainer.checkpoint import finished_step, latest_checkpoint
 from rlsp.utils.fast_exit import run_and_exit
 from rlsp.utils.logging import RUN_LOG_NAME, get_logger, log_to_run_file
 
 if TYPE_CHECKING:  # imported where a run starts (see the module docstring)
+    from rlsp.checks.resume_check import ResumePlan
     from rlsp.trainer.ray_trainer import RayTrainer
-    from rlsp.trainer.resume_check import ResumePlan
 
 log = get_logger("rlsp.main")
 register_schema()
@@ -76,9 +77,9 @@ register_schema()
 
 def run(cfg: DictConfig) -> list[dict[str, Any]]:
     """Validate (building the layout once), resolve assets, start workers, train; returns the per-step metrics."""
-    from rlsp.trainer.preflight import preflight
+    from rlsp.checks.preflight import preflight
 
-    layout = validate_config(cfg)
+    layout = validate_config(cfg, image_tokens=train_image_tokens(cfg))  # a vision-language actor's auto rule
     cfg = preflight(cfg, layout)
     return train(cfg, layout)
 
@@ -87,8 +88,8 @@ def prepare(cfg: DictConfig, layout: ParallelLayout, plan: ResumePlan | None = N
             ) -> tuple[RayTrainer, str | None]:
     """Everything that can fail on the user's input, before any worker has the run's config: the datasets (they fix the run
     length when trainer.total_training_steps is unset), then the resume stage of the checks."""
+    from rlsp.checks.resume_check import resume_plan
     from rlsp.trainer.ray_trainer import RayTrainer
-    from rlsp.trainer.resume_check import resume_plan
 
     if layout.rollout is not None:  # a rollout pool of its own: generation overlapped with training
         from rlsp.trainer.async_trainer import AsyncTrainer
@@ -115,7 +116,7 @@ def train(cfg: DictConfig, layout: ParallelLayout, prepared: tuple[RayTrainer, s
     try:
         with ray_start_signals():  # SIGTERM while Ray starts: exit 143 with its line, as later on
             waited = ray_start.wait()
-            catch_sigterm(trainer)  # with the trainer now: trainer.save_on_preempt
+            catch_sigterm(trainer.stop)  # with the trainer's stop request now: trainer.save_on_preempt
         trainer.startup.update({"startup/ray_init_s": ray_start.seconds, "startup/ray_wait_s": waited})
         trainer.start_workers(ray_start.take_pools(PoolSettings.of(cfg)))
         if resume:
@@ -174,7 +175,7 @@ def stopped_exit(cfg: DictConfig, exc: KeyboardInterrupt) -> SystemExit:
 def _prepare_checked(cfg: DictConfig, layout: ParallelLayout) -> tuple[RayTrainer, str | None]:
     """Preflight, the resume checks and the datasets; a user error exits 2 before any worker has the config
     (the worker processes that started meanwhile are stopped)."""
-    from rlsp.trainer.preflight import preflight
+    from rlsp.checks.preflight import preflight
 
     try:
         preflight(cfg, layout)  # resolves built-in assets in place
@@ -189,7 +190,7 @@ def _prepare_checked(cfg: DictConfig, layout: ParallelLayout) -> tuple[RayTraine
 def main(cfg: DictConfig) -> None:
     auto: list[AutoChoice] = []
     try:
-        layout = validate_config(cfg, auto)
+        layout = validate_config(cfg, auto, train_image_tokens(cfg))  # image tokens: the auto rules' data
     except ValueError as exc:
         log.error("%s", exc)
         raise SystemExit(2) from None

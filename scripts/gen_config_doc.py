@@ -65,7 +65,7 @@ follow verl where a verl user would expect them. The schema is `rlsp/config/sche
 generated from it by `scripts/gen_config_doc.py`); `configs/grpo.yaml` uses them as they are, and
 `configs/rlsp.yaml` (the default config) overrides a few for
 the tiny CPU demo. Values are checked at start-up (`rlsp/config/validate.py`,
-`rlsp/trainer/preflight.py`) before any worker has the run's config. A default of `auto` (FSDP sharding, token-budget
+`rlsp/checks/preflight.py`) before any worker has the run's config. A default of `auto` (FSDP sharding, token-budget
 micro-batches, gradient checkpointing, the rollout engine) is decided at start-up from the model's
 config.json and the machine (`rlsp/config/auto.py`); each decision is printed with its reason, and
 `python -m rlsp.check` shows them for a command without running it.

@@ -56,6 +56,9 @@ class AgentSample:
     max_response_tokens: int  # the whole trajectory after the prompt: every turn, tool output included
     tools_kwargs: dict[str, Any] = field(default_factory=dict)  # extra_info.tools_kwargs (verl's shape)
     extra_info: dict[str, Any] = field(default_factory=dict)
+    # The prompt's images (a vision-language row's pixel values and grids; None: text): every continuation the
+    # loop asks for is generated with them (rlsp.agent.server.TRAJECTORY_IMAGES), the trainer reads them with the row.
+    multi_modal_inputs: dict[str, Any] | None = None
 
 
 @dataclass

@@ -32,7 +32,7 @@ from rlsp.agent.loop import (
     agent_loop_class,
     register_agent_loop,
 )
-from rlsp.agent.server import GenerationServer, ServeStats
+from rlsp.agent.server import TRAJECTORY_IMAGES, GenerationServer, ServeStats
 from rlsp.agent.tools.loading import load_tools, tool_schemas
 from rlsp.rollout.base import RolloutEngine, SamplingConfig
 
@@ -133,6 +133,7 @@ class AgentRunner:
     def _run_loops(server: GenerationServer, loops: list[AgentLoop], samples: list[AgentSample],
                    names: list[str], result: dict[str, Any]) -> None:
         async def one(i: int) -> AgentLoopOutput:
+            TRAJECTORY_IMAGES.set(samples[i].multi_modal_inputs)  # this task's own context (asyncio.gather)
             try:
                 return await loops[i].run(samples[i])
             except Exception as exc:

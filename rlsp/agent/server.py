@@ -15,15 +15,22 @@ longer. `ServeStats` measures the engine's busy time and its idle time (waiting 
 Seeds: with a seeded sampling config, engine call k uses seed + k x SEED_STRIDE. Which requests share a
 call depends on when tools finish, so seeded multi-turn sampling is reproducible only when tool timing
 is (greedy decoding always is).
+
+Images: a trajectory whose prompt carries images (a vision-language row's `multi_modal_inputs`) has them in
+`TRAJECTORY_IMAGES`, which the runner sets in the trajectory's task; every continuation it asks for is generated
+with them (the engine's prefill runs the vision tower on them for the prompt's image tokens, rlsp.rollout.hf_vision),
+so loops keep calling `generate(ids, max_tokens)` and tool output stays text.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from rlsp.rollout.base import RolloutEngine, SamplingConfig
 
@@ -31,6 +38,8 @@ SEED_STRIDE = 1_000_003  # far apart: the requests of one call use seed .. seed 
 GATHER_S = 0.05  # the longest a waiting request holds the engine back for others still being prepared
 TOOL_GRACE_S = 0.005  # ... and for tool calls that may return at once (a calculator takes microseconds)
 HOLD_FRACTION = 0.5  # ... and up to this fraction of the last engine call for trajectories still in tools
+# The images of the trajectory running in the current task (None: a text prompt); see the module docstring.
+TRAJECTORY_IMAGES: contextvars.ContextVar[Any] = contextvars.ContextVar("rlsp_trajectory_images", default=None)
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,7 @@ class _Request:
     max_tokens: int
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
+    images: Any = None  # the trajectory's multi_modal_inputs entry (None: no image)
 
 
 class GenerationServer:
@@ -94,7 +104,7 @@ class GenerationServer:
         if max_tokens < 1:
             raise ValueError(f"max_tokens={max_tokens}: a continuation needs at least one token")
         loop = asyncio.get_running_loop()
-        request = _Request(list(ids), int(max_tokens), loop.create_future(), loop)
+        request = _Request(list(ids), int(max_tokens), loop.create_future(), loop, TRAJECTORY_IMAGES.get())
         with self._cond:
             if self._finished:
                 raise RuntimeError("the generation server has stopped")
@@ -167,7 +177,9 @@ class GenerationServer:
             group = [r for r in batch if r.max_tokens == max_tokens]
             seed = None if self.sampling.seed is None else self.sampling.seed + stats.calls * SEED_STRIDE
             t0 = time.perf_counter()
-            out = engine.generate([r.ids for r in group], replace(self.sampling, max_tokens=max_tokens, seed=seed))
+            images = {"images": [r.images for r in group]} if any(r.images is not None for r in group) else {}
+            out = engine.generate([r.ids for r in group], replace(self.sampling, max_tokens=max_tokens, seed=seed),
+                                  **images)
             self._last_call_s = time.perf_counter() - t0
             stats.calls += 1
             stats.requests += len(group)

@@ -17,6 +17,10 @@ with advantage -d next to the task loss; rlsp adds -coef * d to the advantage of
 the same objective and gradient while no token's ratio leaves the clip range (always so for on-policy
 single updates, where ratio = 1); once ratios are clipped, the two can clip different tokens.
 
+Everything here is per token or per row: the term runs on the policy workers' shards of the step's rows
+(rlsp.workers.stage_distill), and the metrics (token means, extremes) are built from per-row statistics
+that the driver puts together (`distillation_row_stats`, `distillation_metrics_from_rows`).
+
 Shape legend: B rows, R response positions; every [B, R] tensor is zero where the response mask is.
 """
 
@@ -24,7 +28,6 @@ from __future__ import annotations
 
 import torch
 
-from rlsp.algos.aggregation import masked_mean
 from rlsp.algos.kl import compute_kl
 
 
@@ -58,20 +61,54 @@ def compute_distillation_advantages(task_advantages_BR: torch.Tensor | None, dis
     return torch.where(keep_BR, adv_BR, torch.zeros_like(adv_BR))
 
 
+# The per-row statistics the distillation metrics are built from (`distillation_row_stats`): sums over the row's
+# response tokens (fp64), the row's extremes of d (+inf / -inf without a response token) and its token count.
+ROW_STATS = ("distill_reverse_kl_sum", "distill_loss_sum", "distill_abs_loss_sum", "teacher_logprob_sum",
+             "distill_loss_min", "distill_loss_max", "distill_tokens")
+
+
+def distillation_row_stats(student_logprobs_BR: torch.Tensor, teacher_logprobs_BR: torch.Tensor,
+                           distill_losses_BR: torch.Tensor, response_mask_BR: torch.Tensor) -> dict[str, torch.Tensor]:
+    """`ROW_STATS` of each row, [B] each: a row's values depend on that row alone, so a shard of the rows gives
+    the whole batch's values for its rows and `distillation_metrics_from_rows` of the rows put together equals
+    `distillation_metrics` of the whole batch."""
+    on_BR = response_mask_BR.bool()
+    d_BR = distill_losses_BR.detach().double()
+
+    def row_sum(x_BR: torch.Tensor) -> torch.Tensor:
+        return torch.where(on_BR, x_BR.detach().double(), torch.zeros_like(d_BR)).sum(-1)
+
+    inf = torch.full_like(d_BR, float("inf"))
+    return {
+        "distill_reverse_kl_sum": row_sum(student_logprobs_BR.double() - teacher_logprobs_BR.double()),
+        "distill_loss_sum": row_sum(d_BR), "distill_abs_loss_sum": row_sum(d_BR.abs()),
+        "teacher_logprob_sum": row_sum(teacher_logprobs_BR),
+        "distill_loss_min": torch.where(on_BR, d_BR, inf).amin(-1),
+        "distill_loss_max": torch.where(on_BR, d_BR, -inf).amax(-1),
+        "distill_tokens": on_BR.sum(-1).double(),
+    }
+
+
+def distillation_metrics_from_rows(stats: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Token means over the rows of `stats` (`distillation_row_stats`, rows concatenated): the sampled reverse
+    KL (student - teacher, unclamped), the clamped divergence d and its |d|, its min/max, and the teacher's
+    mean logprob; {} without a response token."""
+    tokens = float(stats["distill_tokens"].sum())
+    if tokens == 0:
+        return {}
+    mean = lambda key: float(stats[key].sum() / tokens)  # noqa: E731
+    return {
+        "distillation/reverse_kl": mean("distill_reverse_kl_sum"),
+        "distillation/loss": mean("distill_loss_sum"),
+        "distillation/abs_loss": mean("distill_abs_loss_sum"),
+        "distillation/loss_min": float(stats["distill_loss_min"].min()),
+        "distillation/loss_max": float(stats["distill_loss_max"].max()),
+        "distillation/teacher_logprob_mean": mean("teacher_logprob_sum"),
+    }
+
+
 def distillation_metrics(student_logprobs_BR: torch.Tensor, teacher_logprobs_BR: torch.Tensor,
                          distill_losses_BR: torch.Tensor, response_mask_BR: torch.Tensor) -> dict[str, float]:
-    """Token means over the batch: the sampled reverse KL (student - teacher, unclamped), the clamped
-    divergence d and its |d|, its min/max, and the teacher's mean logprob."""
-    mask_BR = response_mask_BR.to(distill_losses_BR.dtype)
-    if float(mask_BR.sum()) == 0:
-        return {}
-    on = response_mask_BR.bool()
-    reverse_kl_BR = (student_logprobs_BR - teacher_logprobs_BR).detach()
-    return {
-        "distillation/reverse_kl": float(masked_mean(reverse_kl_BR, mask_BR)),
-        "distillation/loss": float(masked_mean(distill_losses_BR, mask_BR)),
-        "distillation/abs_loss": float(masked_mean(distill_losses_BR.abs(), mask_BR)),
-        "distillation/loss_min": float(distill_losses_BR[on].min()),
-        "distillation/loss_max": float(distill_losses_BR[on].max()),
-        "distillation/teacher_logprob_mean": float(masked_mean(teacher_logprobs_BR.detach(), mask_BR)),
-    }
+    """The metrics of `distillation_metrics_from_rows` on one process's rows (the whole batch)."""
+    return distillation_metrics_from_rows(distillation_row_stats(student_logprobs_BR, teacher_logprobs_BR,
+                                                                 distill_losses_BR, response_mask_BR))

@@ -12,7 +12,9 @@ advantage. GDPO normalises each component within the prompt's group first:
 std_g is the unbiased (n-1) group standard deviation; a group of one row uses mean 0 and std 1 (its
 A^k is the raw component), as rlsp's grpo does. The last step is verl's masked whitening: mean and
 unbiased variance over every masked-in token of the batch (so a row weighs by its length), 1e-8 added
-to the variance. verl's "gdpo" estimator computes the same; it always divides by the group std (it is
+to the variance. The normalisation within groups is local to a shard that holds whole groups and the
+whitening's statistics are batch-wide sums (`inputs.reduce`, rlsp.algos.whiten), so the policy workers run
+it on their shards (rlsp.workers.step_stage). verl's "gdpo" estimator computes the same; it always divides by the group std (it is
 not handed algorithm.norm_adv_by_std_in_grpo), so rlsp's gdpo refuses norm_adv_by_std_in_grpo=false.
 
 Shape legend: B rows (samples), R response length, K reward components.
@@ -23,8 +25,9 @@ from __future__ import annotations
 import torch
 
 from rlsp.algos.adv_inputs import AdvantageInputs
-from rlsp.algos.aggregation import group_mean_std, masked_whiten
+from rlsp.algos.aggregation import group_mean_std
 from rlsp.algos.registry import register_adv_estimator
+from rlsp.algos.whiten import masked_whiten
 
 WHITEN_EPS = 1e-8  # verl's masked_whiten constant for the final batch-level step
 
@@ -39,13 +42,14 @@ def component_weights(names: list[str], weights: tuple[float, ...] | None) -> li
     return [float(w) for w in weights]
 
 
-@register_adv_estimator("gdpo", uses=("gdpo_reward_weights", "reward_components"), groups=True)
+@register_adv_estimator("gdpo", uses=("gdpo_reward_weights", "reward_components", "reduce"), groups=True)
 def compute_gdpo_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages_BR, returns_BR); returns equal the advantages (an outcome estimator, as in verl).
 
     ``reward_components`` (required) maps each component name to its per-row value [B]; each is
     normalised within the rows' groups (``index``), weighted by ``gdpo_reward_weights`` and summed; the
-    sum is broadcast over each row's masked-in tokens and whitened over all of them (module docstring).
+    sum is broadcast over each row's masked-in tokens and whitened over all of them (module docstring; over
+    every shard with ``reduce``, each group whole in one shard).
     ``token_level_rewards_BR`` is not read (the components are the reward); masked-out tokens get 0.
     """
     components = inputs.reward_components
@@ -64,5 +68,5 @@ def compute_gdpo_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torc
         mean_B, std_B, _ = group_mean_std(values_B, inputs.index)
         total_B = total_B + weight * (values_B - mean_B) / (std_B + inputs.eps)
     summed_BR = total_B.unsqueeze(-1) * mask_BR.to(total_B.dtype)
-    advantages_BR = masked_whiten(summed_BR, mask_BR, eps=WHITEN_EPS)
+    advantages_BR = masked_whiten(summed_BR, mask_BR, eps=WHITEN_EPS, reduce=inputs.reduce)
     return advantages_BR, advantages_BR

@@ -17,6 +17,9 @@ k1 options keep log(lower) <= k1 <= log(upper), the others keep stat <= upper. S
 "lower_upper" ratio bounds (e.g. "0.5_2.0") or a single upper bound whose reciprocal is the lower one;
 other entries are one positive upper bound.
 
+Every decision is per token or per row, so a shard of the batch's rows gets the batch's mask for its rows;
+the metrics are token or row means, built from the per-row values of `rs_row_stats` of every row (`rs_metrics`).
+
 Shape legend: B rows, R response tokens.
 """
 
@@ -115,22 +118,44 @@ def parse_rs_thresholds(options: list[str], spec: str | float | None) -> list[tu
     return bounds
 
 
-def compute_rollout_rs_mask(old_logprobs_BR: torch.Tensor, rollout_logprobs_BR: torch.Tensor, mask_BR: torch.Tensor,
-                            spec: str, threshold: str | float | None) -> tuple[torch.Tensor, dict[str, float]]:
-    """(mask_BR with rejected tokens set to 0, metrics): `rollout_rs_masked_fraction` (tokens),
-    `rollout_rs_seq_masked_fraction` (rows with a rejected token), and per option
-    `rollout_rs_<opt>_masked_fraction` and `rollout_rs_<opt>_mean` (its statistic's token mean)."""
+def rs_row_stats(old_logprobs_BR: torch.Tensor, rollout_logprobs_BR: torch.Tensor, mask_BR: torch.Tensor,
+                 spec: str, threshold: str | float | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(mask_BR with rejected tokens set to 0, per-row values the metrics of `rs_metrics` are built from): the
+    token count, the rejected tokens (`rs_rejected`), whether the row lost a token (`rs_row_rejected`), and per
+    option [B, options] its rejected tokens and its statistic's sum over the row's tokens."""
     options = parse_rs_options(spec)
     log_ratio_BR = old_logprobs_BR - rollout_logprobs_BR
     keep_BR = torch.ones_like(mask_BR, dtype=torch.bool)
-    metrics: dict[str, float] = {}
+    rejected, stat_sums = [], []
     for opt, (lower, upper) in zip(options, parse_rs_thresholds(options, threshold)):
         keep_opt, stat_BR = get_rollout_rs(opt)(log_ratio_BR, mask_BR, lower, upper)
         keep_BR &= keep_opt
-        metrics[f"rollout_rs_{opt}_masked_fraction"] = float(masked_mean((~keep_opt).to(mask_BR.dtype), mask_BR))
-        metrics[f"rollout_rs_{opt}_mean"] = float(masked_mean(stat_BR, mask_BR))
-    new_mask_BR = mask_BR * keep_BR.to(mask_BR.dtype)
+        rejected.append(masked_sum((~keep_opt).to(mask_BR.dtype), mask_BR, dim=-1))
+        stat_sums.append(masked_sum(stat_BR, mask_BR, dim=-1))
     rejected_BR = mask_BR.bool() & ~keep_BR
-    metrics["rollout_rs_masked_fraction"] = float(masked_mean(rejected_BR.to(mask_BR.dtype), mask_BR))
-    metrics["rollout_rs_seq_masked_fraction"] = float(rejected_BR.any(dim=-1).float().mean())
-    return new_mask_BR, metrics
+    rows = {"tokens": mask_BR.sum(-1), "rs_rejected": rejected_BR.to(mask_BR.dtype).sum(-1),
+            "rs_row_rejected": rejected_BR.any(dim=-1).to(mask_BR.dtype),
+            "rs_option_rejected": torch.stack(rejected, dim=-1), "rs_option_stat_sum": torch.stack(stat_sums, dim=-1)}
+    return mask_BR * keep_BR.to(mask_BR.dtype), rows
+
+
+def rs_metrics(rows: dict[str, torch.Tensor], spec: str) -> dict[str, float]:
+    """The metrics of `compute_rollout_rs_mask` from `rs_row_stats` of every row of the batch."""
+    n = rows["tokens"].double().sum().clamp_min(1.0)
+    rejected_BO, stat_BO = rows["rs_option_rejected"].double().sum(0), rows["rs_option_stat_sum"].double().sum(0)
+    metrics: dict[str, float] = {}
+    for o, opt in enumerate(parse_rs_options(spec)):
+        metrics[f"rollout_rs_{opt}_masked_fraction"] = float(rejected_BO[o] / n)
+        metrics[f"rollout_rs_{opt}_mean"] = float(stat_BO[o] / n)
+    metrics["rollout_rs_masked_fraction"] = float(rows["rs_rejected"].double().sum() / n)
+    metrics["rollout_rs_seq_masked_fraction"] = float(rows["rs_row_rejected"].double().mean())
+    return metrics
+
+
+def compute_rollout_rs_mask(old_logprobs_BR: torch.Tensor, rollout_logprobs_BR: torch.Tensor, mask_BR: torch.Tensor,
+                            spec: str, threshold: str | float | None) -> tuple[torch.Tensor, dict[str, float]]:
+    """(mask_BR with rejected tokens set to 0, metrics) of the whole batch: `rollout_rs_masked_fraction` (tokens),
+    `rollout_rs_seq_masked_fraction` (rows with a rejected token), and per option
+    `rollout_rs_<opt>_masked_fraction` and `rollout_rs_<opt>_mean` (its statistic's token mean)."""
+    new_mask_BR, rows = rs_row_stats(old_logprobs_BR, rollout_logprobs_BR, mask_BR, spec, threshold)
+    return new_mask_BR, rs_metrics(rows, spec)

@@ -14,6 +14,16 @@ from typing import Any
 from omegaconf import DictConfig
 
 from rlsp.algos.registry import list_adv_estimators, list_policy_losses
+from rlsp.checks.preflight_agent import agent_errors
+from rlsp.checks.preflight_model import (
+    check_rollout_ep,
+    check_router_aux,
+    check_router_replay,
+    check_vision_data,
+    check_wrapper_tower,
+    degree_errors,
+)
+from rlsp.checks.preflight_reward import reward_input_errors, reward_model_errors, reward_model_in_use
 from rlsp.config.checks import CheckContext, register, run_checks
 from rlsp.config.layout import CRITIC_ESTIMATORS, ParallelLayout
 from rlsp.config.run_spec import agent_loops_enabled, distillation_enabled
@@ -28,16 +38,6 @@ from rlsp.trainer.assets import copy_to_shm, resolve_data_files, resolve_model_p
 from rlsp.trainer.distill import teacher_vocab_problems
 from rlsp.trainer.estimator_inputs import estimator_errors
 from rlsp.trainer.off_policy import check_rollout_correction_names
-from rlsp.trainer.preflight_agent import agent_errors
-from rlsp.trainer.preflight_model import (
-    check_rollout_ep,
-    check_router_aux,
-    check_router_replay,
-    check_text_only_data,
-    check_vision_data,
-    degree_errors,
-)
-from rlsp.trainer.preflight_reward import reward_input_errors, reward_model_errors, reward_model_in_use
 from rlsp.trainer.trackers import check_trackers
 from rlsp.utils.device import resolve_device_type
 from rlsp.utils.logging import get_logger
@@ -116,7 +116,7 @@ def _check_model(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None:
                                           layout.rollout_tp if layout is not None else 1)
     if rollout_error:
         errors.append(rollout_error)
-    check_text_only_data(cfg, errors)
+    check_wrapper_tower(cfg, errors)
     errors += run_feature_errors(cfg, config)
     need = cfg.data.max_prompt_length + cfg.data.max_response_length
     limit = getattr(config, "max_position_embeddings", None)
@@ -143,7 +143,7 @@ def _check_critic(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None
         errors.append(str(exc))
 
 
-# Checks of the model against the data and the MoE settings (rlsp.trainer.preflight_model), registered here in order.
+# Checks of the model against the data and the MoE settings (rlsp.checks.preflight_model), registered here in order.
 register("vision_data", "preflight", needs=("model_dir",))(check_vision_data)
 register("router_replay", "preflight", needs=("model_dir",))(check_router_replay)
 register("router_aux", "preflight", needs=("model_dir",))(check_router_aux)

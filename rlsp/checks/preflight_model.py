@@ -1,22 +1,20 @@
 """Preflight checks of the model against the run: the layout's degrees against the model's heads and experts,
-rows with images against the model (vision-language checkpoints trained text-only refuse them), and the MoE
-settings (routing replay, the router auxiliary loss). Plain functions; rlsp.trainer.preflight registers them in
+rows with images against the model (a Qwen3.5 wrapper loads its vision tower for them), and the MoE
+settings (routing replay, the router auxiliary loss). Plain functions; rlsp.checks.preflight registers them in
 run order.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any
 
 from omegaconf import DictConfig
 
 from rlsp.config.checks import CheckContext
-from rlsp.config.layout import ParallelLayout
-from rlsp.config.model_shape import TEXT_WRAPPERS
+from rlsp.config.layout import CRITIC_ESTIMATORS, ParallelLayout
 from rlsp.config.run_spec import agent_loops_enabled
 from rlsp.data.vision_processor import image_rows, image_run_errors, vision_data_errors
+from rlsp.data.vision_run import data_files, model_type_of, policy_vision_tower
 from rlsp.engine.router_aux import router_aux_errors, with_overrides
 from rlsp.engine.router_replay import replay_config_errors
 from rlsp.models.family_checks import check_ring_support, check_sp_support, check_tp_windowed
@@ -45,38 +43,35 @@ def degree_errors(config: Any, layout: ParallelLayout, errors: list[str]) -> Non
                 errors.append(f"{prefix}.{key}: {exc}")
 
 
-def check_text_only_data(cfg: DictConfig, errors: list[str]) -> None:
-    """A vision-language checkpoint rlsp trains text-only (qwen3_5 / qwen3_5_moe): rows with images or videos would
-    be trained on their text alone, so they are refused (part of the `model` check)."""
-    import pyarrow.parquet as pq  # noqa: PLC0415 -- only this check reads columns
-
-    path = cfg.actor_rollout_ref.model.path
-    with open(os.path.join(path, "config.json")) as f:
-        family = json.load(f).get("model_type")
-    if family not in TEXT_WRAPPERS:
+def check_wrapper_tower(cfg: DictConfig, errors: list[str]) -> None:
+    """A Qwen3.5 wrapper checkpoint (qwen3_5 / qwen3_5_moe) loads with its vision tower when the run's rows carry
+    images (rlsp.data.vision_run); what rlsp has not verified with the tower is refused by key (part of the `model`
+    check). Text-only rows keep the text model, which takes these features."""
+    try:
+        tower = policy_vision_tower(cfg)
+    except RuntimeError:  # a missing data file: the data_files check names it
         return
-    for file in list(cfg.data.train_files) + list(cfg.data.val_files or []):
-        names = pq.ParquetFile(file).schema_arrow.names if file.endswith(".parquet") and os.path.isfile(file) else []
-        for key, column in (("data.image_key", "images"), ("data.video_key", "videos")):
-            if column in names and any(v is not None and len(v) for v in pq.read_table(file, columns=[column])
-                                       .column(column).to_pylist()):
-                errors.append(f"{key}={column!r}: rows of {file!r} carry {column}, and actor_rollout_ref.model.path="
-                              f"{path!r} is a {family} (vision-language) checkpoint that rlsp trains text-only (its "
-                              "text model: the trainer, the hf rollout engine and the export load it without its tower; "
-                              "rlsp.models.vision_lm trains it with images only when loaded with load_causal_lm(..., "
-                              "vision_tower=True); images are read for qwen2_5_vl, qwen3_vl and qwen3_vl_moe); "
-                              "legal: a dataset without "
-                              f"{column} in its rows")
+    if not tower:
+        return
+    path = cfg.actor_rollout_ref.model.path
+    family, model = model_type_of(path), cfg.actor_rollout_ref.model
+    where = (f"actor_rollout_ref.model.path={path!r} is a {family} checkpoint that loads with its vision tower (its "
+             "rows carry images), which rlsp has not verified with this feature (it would also reach the tower's "
+             "layers); legal: leave it off for this model, or data without images (the text model takes it)")
+    for key, enabled in (("lora_rank > 0", bool(model.lora_rank)), ("tiled_mlp.enabled=true", model.tiled_mlp.enabled),
+                         ("lean_rmsnorm=true", model.lean_rmsnorm)):
+        if enabled:
+            errors.append(f"actor_rollout_ref.model.{key}: {where}")
+    if cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS and not cfg.critic.model.path:
+        errors.append(f"critic.model.path: unset, so the critic would start from the actor's {family} (vision-language) "
+                      "model, which rlsp trains with images as the policy only; legal: a text model's path")
 
 
 def check_vision_data(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None:
-    """Rows with images need a vision-language model with its processor; videos need torchvision
-    (rlsp.data.vision_processor). Qwen3.5 wrappers, trained text-only, are `check_text_only_data`'s."""
+    """Rows with images need a vision-language model with its processor (a Qwen3.5 wrapper loads its tower for them);
+    videos need torchvision (rlsp.data.vision_processor)."""
     path = cfg.actor_rollout_ref.model.path
-    with open(os.path.join(path, "config.json")) as f:
-        if json.load(f).get("model_type") in TEXT_WRAPPERS:
-            return
-    files = list(cfg.data.train_files) + list(cfg.data.val_files or [])
+    files = data_files(cfg)
     errors += vision_data_errors("actor_rollout_ref.model.path", path, files)
     if any(image_rows(file, "images") for file in files):
         errors += image_run_errors(cfg)

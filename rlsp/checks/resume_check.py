@@ -31,6 +31,7 @@ from rlsp.config.checks import CheckContext, register, run_checks
 from rlsp.config.layout import CRITIC_ESTIMATORS, ParallelLayout
 from rlsp.config.lora_keys import lora_enabled
 from rlsp.config.schema import RLSPConfig
+from rlsp.data.vision_run import tower_switch_problem
 from rlsp.models.family_checks import text_model_config
 from rlsp.trainer.checkpoint import STEP_DIR, TrainerState, complete_steps, damaged_file, resolve_resume, step_dir
 from rlsp.utils.dicts import flatten
@@ -125,6 +126,20 @@ def resume_plan(cfg: DictConfig, layout: ParallelLayout | None) -> ResumePlan:
     return ctx.results[RESUME_PLAN]
 
 
+def describe_resume(cfg: DictConfig, layout: ParallelLayout | None) -> str:
+    """rlsp.check's "resume" line: what the run dir holds and what this command does with it (the resume stage
+    runs unless the run length is still unknown and the run dir exists); a ValueError as `resume_plan`'s."""
+    run_dir = cfg.trainer.default_local_dir
+    if cfg.trainer.total_training_steps is None and os.path.isdir(run_dir):
+        return f"run dir {run_dir} exists; not checked: the run length is unknown without the data"
+    plan = resume_plan(cfg, layout)
+    if not os.path.isdir(run_dir):
+        return f"run dir {run_dir} does not exist: a fresh run"
+    what = ("a fresh run" if plan.path is None else
+            f"complete at step {plan.step}: nothing to train" if plan.complete else f"continues {plan.path}")
+    return f"run dir {run_dir}: {what}"
+
+
 def _saved_config(path: str) -> dict[str, Any] | None:
     try:
         return OmegaConf.to_container(OmegaConf.load(os.path.join(path, "config.yaml")), resolve=True)
@@ -167,6 +182,8 @@ def incompatibilities(cfg: DictConfig, path: str, saved: dict[str, Any]) -> list
     problems = []
     if recorded is not None:
         problems += _arch_problem("actor", _get(saved, "actor_rollout_ref.model.path"), recorded, actor_path)
+    if (tower := tower_switch_problem(cfg, os.path.join(path, "actor", "huggingface"))) is not None:
+        problems.append(tower)
     if _has_critic(saved) != _has_critic(current):
         had, has = (_get(c, "algorithm.adv_estimator") for c in (saved, current))
         problems.append(

@@ -1,7 +1,7 @@
 """The core config checks (batch split, critic, algorithm, legal choices, ranges): arithmetic on config
 values only, registered in rlsp.config.checks (stage "config") and run by `validate_config`. Checks that
 need the model or the registries (head counts, estimator names) are the preflight stage
-(rlsp/trainer/preflight.py).
+(rlsp/checks/preflight.py).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ workers as the `reward_model` role. Two forms, as in verl:
 The reward manager (`reward.reward_manager.name`, verl's older spelling `reward_model.reward_manager`) is
 checked in rlsp.config.validate_dapo. With `enable=false` the section is not read
 (verl's rule), but `num_workers` (rule scoring processes) is. The model itself (architecture, heads,
-tokenizer) is checked in rlsp.trainer.preflight.
+tokenizer) is checked in rlsp.checks.preflight.
 """
 
 from __future__ import annotations

@@ -209,9 +209,14 @@ class StepData:
         for ref, rows in zip(refs, row_groups):
             self.blocks.append(Block(ref, frozenset(keys), tuple(self.ids[p] for p in rows)))
         self._tensor_keys |= set(tensor_keys)
-        for key in keys:  # a newer block column replaces what the driver held under that name
-            self.table.tensors.pop(key, None)
-            self.table.meta.pop(key, None)
+        for key in keys:  # a newer block column replaces what the driver held under that name (a row broadcast too)
+            self._drop_driver_column(key)
+
+    def _drop_driver_column(self, key: str) -> None:
+        """Forget the driver's column `key` (its own tensor or meta, or a row broadcast of it): a block holds it now."""
+        for name in (key, key + ROW_SUFFIX):
+            self.table.tensors.pop(name, None)
+        self.table.meta.pop(key, None)
 
     def update(self, other: StepData | Batch) -> StepData:
         """Add `other`'s columns (the same rows, in the same order); returns self."""
@@ -229,8 +234,7 @@ class StepData:
         for block in other.blocks:
             if block not in self.blocks:
                 for key in block.keys:
-                    self.table.tensors.pop(key, None)
-                    self.table.meta.pop(key, None)
+                    self._drop_driver_column(key)
                 self.blocks.append(block)
         self.update(other.table)
         return self

@@ -1,15 +1,15 @@
 """How a run stops on a signal: SIGTERM (Slurm, Kubernetes, `kill`) ends it as cleanly as Ctrl-C.
 
-`catch_sigterm(trainer)` makes SIGTERM raise `Terminated`, a KeyboardInterrupt, so every place that
+`catch_sigterm(stop)` makes SIGTERM raise `Terminated`, a KeyboardInterrupt, so every place that
 already stops a run for Ctrl-C (workers killed without waiting, Ray stopped, one line naming the last
 complete checkpoint) does the same for it; the entry point exits with 143 (128 + SIGTERM).
 
 With `trainer.save_on_preempt=true` the first SIGTERM after this run's first step only asks the loop
-to stop: the step in flight finishes, is checkpointed, and then `Terminated` is raised. A second
-SIGTERM stops at once. Ray's `ray.init` installs its own SIGTERM handler (a bare `sys.exit(15)`), so
-call this again once Ray is up, and start Ray inside `ray_start_signals()`, which stops the run for a
-SIGTERM or Ctrl-C that arrives while Ray starts. The start-up checks run inside `signals_deferred()`: a
-signal then stops the run once their imports are done.
+to stop (`StopRequest`, which the loop arms and reads): the step in flight finishes, is checkpointed, and
+then `Terminated` is raised. A second SIGTERM stops at once. Ray's `ray.init` installs its own SIGTERM
+handler (a bare `sys.exit(15)`), so call this again once Ray is up, and start Ray inside
+`ray_start_signals()`, which stops the run for a SIGTERM or Ctrl-C that arrives while Ray starts. The
+start-up checks run inside `signals_deferred()`: a signal then stops the run once their imports are done.
 
 A scheduler's stop (Slurm's `scancel`, a container runtime that signals every process) reaches every
 process of the job's process group, not only the driver. A private local Ray started inside
@@ -36,6 +36,7 @@ import os
 import signal
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
@@ -49,6 +50,15 @@ _stop_signals: list[int] = []  # the signals that stopped (or began to stop) thi
 
 class Terminated(KeyboardInterrupt):
     """The run received SIGTERM."""
+
+
+@dataclass
+class StopRequest:
+    """trainer.save_on_preempt's stop: once `armed` (the option on and this run's first step done), the first
+    SIGTERM only sets `requested`; the loop checkpoints the step in flight, then raises `Terminated`."""
+
+    armed: bool = False
+    requested: bool = False
 
 
 def _stop(signum: int) -> KeyboardInterrupt:
@@ -72,18 +82,16 @@ def stop_exit_code(exc: KeyboardInterrupt) -> int:
     return 128 + signal.SIGINT
 
 
-def catch_sigterm(trainer: Any | None = None) -> None:
-    """SIGTERM raises `Terminated` in the main thread (or, with the trainer's save_on_preempt, first
-    sets `trainer.stop_requested`); Ctrl-C raises KeyboardInterrupt as before, both recorded for
-    `stop_exit_code`. No-op outside the main thread, where Python cannot set handlers."""
+def catch_sigterm(stop: StopRequest | None = None) -> None:
+    """SIGTERM raises `Terminated` in the main thread (or, the first time while `stop` is armed, only sets
+    `stop.requested`); Ctrl-C raises KeyboardInterrupt as before, both recorded for `stop_exit_code`.
+    No-op outside the main thread, where Python cannot set handlers."""
     if threading.current_thread() is not threading.main_thread():
         return
 
     def on_sigterm(signum: int, frame: FrameType | None) -> None:
-        save_first = (trainer is not None and trainer.cfg.trainer.save_on_preempt
-                      and trainer.first_step_done_at is not None)
-        if save_first and not trainer.stop_requested:
-            trainer.stop_requested = True
+        if stop is not None and stop.armed and not stop.requested:
+            stop.requested = True
             log.warning("SIGTERM: the step in flight finishes and is checkpointed, then the run stops "
                         "(SIGTERM again stops at once)")
             return

@@ -15,8 +15,6 @@ import json
 import os
 from typing import Any
 
-from rlsp.config.run_spec import agent_loops_enabled
-
 # A processor's own files beside the model's (saved with a checkpoint's model files, so an export loads it again).
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
                    "chat_template.json", "chat_template.jinja")
@@ -136,15 +134,11 @@ def vision_data_errors(model_key: str, model_path: str, files: list[str], image_
 
 
 def image_run_errors(cfg: Any) -> list[str]:
-    """What a run over rows with images cannot do (yet), by key: rollouts other than the hf engine's, agent loops,
-    partial rollouts."""
+    """What a run over rows with images cannot do (yet), by key: rollouts other than the hf engine's. Agent loops
+    (every turn generated with the prompt's images) and partial rollouts (every continued segment too) take them
+    (rlsp.rollout.hf_vision_turns)."""
     r, errors = cfg.actor_rollout_ref.rollout, []
     if r.name != "hf":
         errors.append(f"actor_rollout_ref.rollout.name={r.name!r}: prompts with images roll out with the hf engine "
                       "(rlsp.rollout.hf_vision); legal: hf")
-    if agent_loops_enabled(cfg):
-        errors.append("actor_rollout_ref.rollout.multi_turn / agent loops with images in the prompt are not supported; "
-                      "legal: single-turn rollouts for rows with images")
-    if cfg.async_training.partial_rollout:
-        errors.append("async_training.partial_rollout=true with images in the prompt is not supported; legal: false")
     return errors

@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 
 from rlsp.engine.checkpoint import load_model_offline
 from rlsp.models.lora import LORA_ADAPTER_DIR, apply_saved_lora_config
-from rlsp.models.vision_inputs import VISION_FAMILIES
+from rlsp.models.vision_inputs import TOWER_FAMILIES
 from rlsp.models.vision_lm import build_logprob_model
 
 
@@ -50,7 +50,9 @@ def export_hf(ckpt_dir: str, out_dir: str) -> str:
 def _full_model(actor: str, assets: str) -> nn.Module:
     """The causal LM with every weight from the checkpoint (full fine-tuning)."""
     config = AutoConfig.from_pretrained(assets)
-    auto = AutoModelForImageTextToText if config.model_type in VISION_FAMILIES else AutoModelForCausalLM
+    # the config the actor saved: a Qwen3.5 wrapper trained with its tower keeps model_type qwen3_5(_moe), text-only
+    # it is qwen3_5(_moe)_text
+    auto = AutoModelForImageTextToText if config.model_type in TOWER_FAMILIES else AutoModelForCausalLM
     with torch.device("meta"):
         lm = auto.from_config(config, dtype=torch.float32)
     lm = lm.to_empty(device="cpu")

@@ -164,7 +164,8 @@ def load_backbone(
 def _log_text_only(config: PretrainedConfig, path: str) -> None:
     if config.model_type in TEXT_WRAPPERS:
         log.info("%s: a %s (vision-language) checkpoint: rlsp trains its text model only; the vision tower (model.visual.*) "
-                 "is not loaded, and the HF export (actor_hf) is the text causal LM alone (model_type %s, model.* names)",
+                 "is not loaded (a run whose rows carry images loads it: rlsp.data.vision_run), and the HF export "
+                 "(actor_hf) is the text causal LM alone (model_type %s, model.* names)",
                  path, config.model_type, TEXT_WRAPPERS[config.model_type])
 
 

@@ -27,6 +27,7 @@ from transformers import AutoConfig, AutoTokenizer, DynamicCache
 from rlsp.models.family_checks import SINK_FAMILIES
 from rlsp.rollout.base import RolloutOutput, SamplingConfig
 from rlsp.rollout.hf_vision import check_image_rows, load_generation_model, prefill_inputs, repeat_entries
+from rlsp.rollout.hf_vision_turns import embedded_prefill
 from rlsp.rollout.lean_decoder import LeanDecoder, unsupported_reason
 from rlsp.rollout.route_capture import RouteCapture, RouterFinder
 from rlsp.rollout.sampling import sample_next
@@ -69,16 +70,19 @@ class HFEngine:
         seed: int | None = None,
         max_model_len: int | None = None,
         route_finder: RouterFinder | None = None,
+        vision_tower: bool = False,
     ) -> None:
         """`seed` makes unseeded `generate` calls reproducible (call k samples with seed + k, as a
         seeded vLLM engine's sampler stream would); `max_model_len` bounds prompt + response; `route_finder`
-        (routing replay R3: rlsp.engine.moe_load.find_routers) records each sample's MoE routes."""
+        (routing replay R3: rlsp.engine.moe_load.find_routers) records each sample's MoE routes; `vision_tower`: a
+        Qwen3.5 wrapper checkpoint loads with its vision tower (rows with images; rlsp.rollout.hf_vision)."""
         self.device = torch.device(device)
         self.seed = seed
         self.max_model_len = max_model_len
         self._calls = 0
         config = AutoConfig.from_pretrained(model_path)
-        self.model = load_generation_model(model_path, config, resolve_dtype(dtype), generation_attention(config)).to(self.device)
+        self.model = load_generation_model(model_path, config, resolve_dtype(dtype), generation_attention(config),
+                                           vision_tower).to(self.device)
         self.model.eval()
         self.routes = None if route_finder is None else RouteCapture(self.model, route_finder, config.model_type)
         if self.routes is not None:
@@ -178,8 +182,11 @@ class HFEngine:
         cache, mask_NS = DynamicCache(config=self.model.config), key_valid_NS.long()
 
         def forward(ids_NT: torch.Tensor, positions_NT: torch.Tensor, slot: int, **images: torch.Tensor) -> torch.Tensor:
-            return self.model(input_ids=ids_NT, attention_mask=mask_NS[:, : slot + ids_NT.shape[1]], position_ids=positions_NT,
-                              past_key_values=cache, use_cache=True, logits_to_keep=1, **images).logits[:, -1]
+            at = {"attention_mask": mask_NS[:, : slot + ids_NT.shape[1]], "position_ids": positions_NT,
+                  "past_key_values": cache, "use_cache": True}
+            if "image_mask" in images:  # a continued prompt with more image-token ids than images (hf_vision_turns)
+                return embedded_prefill(self.model, ids_NT, **images, **at)
+            return self.model(input_ids=ids_NT, logits_to_keep=1, **at, **images).logits[:, -1]
         return forward if self.routes is None else self.routes.wrap(forward)
 
     def _collect(self, new_ids: list[list[int]], logprobs: list[list[float]], n: int) -> RolloutOutput:

@@ -3,7 +3,9 @@ sample, let the caller swap weights between segments, then continue the unfinish
 
 A continued request is the prompt plus the sample's tokens so far, with `max_tokens` = what is left of
 its budget and one sample per request (n=1): the continuation is exactly what an engine does after
-that prefix (vLLM's prefix cache makes the repeated prefill cheap on GPU). Greedy decoding with no
+that prefix (vLLM's prefix cache makes the repeated prefill cheap on GPU); a prompt's images (the hf engine's
+vision-language prompts) go with each of its continued requests, whose prefill then runs the same vision tower
+on the same pixel values (rlsp.rollout.hf_vision_turns: only the prompt's image tokens are images). Greedy decoding with no
 weight change therefore gives the tokens of one-shot generation; seeded sampling does not replay the
 one-shot random stream (each segment's requests get their own seeds), it stays reproducible for the
 same prompts, seeds and weight changes.
@@ -14,8 +16,9 @@ holds from then on (it may load newer weights); every token records the version 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from rlsp.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig
 
@@ -33,13 +36,16 @@ class SegmentedOutput:
 
 
 def generate_in_segments(engine: RolloutEngine, prompt_ids: list[list[int]], sampling: SamplingConfig,
-                         segment_tokens: int, version: int,
-                         on_boundary: Callable[[], int] | None = None) -> SegmentedOutput:
+                         segment_tokens: int, version: int, on_boundary: Callable[[], int] | None = None,
+                         images: Sequence[Any] | None = None) -> SegmentedOutput:
     """Sample `sampling.n` responses per prompt in segments of at most `segment_tokens` tokens, starting
-    with the weights of `version`."""
+    with the weights of `version`; `images`: each prompt's images (engines that take them), given again with
+    every continued request of the prompt."""
     if segment_tokens < 1:
         raise ValueError(f"segment_tokens={segment_tokens} must be >= 1")
-    first = engine.generate(prompt_ids, replace(sampling, max_tokens=min(segment_tokens, sampling.max_tokens)))
+    with_images = {} if images is None else {"images": images}
+    first = engine.generate(prompt_ids, replace(sampling, max_tokens=min(segment_tokens, sampling.max_tokens)),
+                            **with_images)
     ids, lps = list(first.response_ids), list(first.response_logprobs)
     finish, versions = list(first.finish_reason), [[version] * len(r) for r in first.response_ids]
     segment = 1
@@ -51,7 +57,9 @@ def generate_in_segments(engine: RolloutEngine, prompt_ids: list[list[int]], sam
             group = [i for i, b in zip(todo, left) if b == budget]
             seed = None if sampling.seed is None else sampling.seed + segment * SEGMENT_SEED_STRIDE + group[0]
             step = replace(sampling, n=1, seed=seed, max_tokens=min(segment_tokens, budget))
-            more = engine.generate([prompt_ids[first.prompt_index[i]] + ids[i] for i in group], step)
+            sources = [first.prompt_index[i] for i in group]
+            more = engine.generate([prompt_ids[p] + ids[i] for p, i in zip(sources, group)], step,
+                                   **({} if images is None else {"images": [images[p] for p in sources]}))
             for j, i in enumerate(group):
                 ids[i] = ids[i] + more.response_ids[j]
                 lps[i] = lps[i] + more.response_logprobs[j]

@@ -2,10 +2,12 @@
 teachers' logprobs for a batch, and the distillation term added to the advantages.
 
 After the task advantages are computed (rlsp.trainer.ray_trainer), `Distillation.apply` asks the
-teachers (rlsp.workers.roles.teacher) for the logprob of every sampled token, turns student minus
-teacher into the per-token divergence d and sets advantages = A_task - coef * d (or -d alone with
-use_task_rewards=false): rlsp/algos/distillation.py holds the formula. The student's logprobs are the
-behaviour policy's (`old_logprobs`: the actor's forward, or the engine's with rollout logprobs).
+teachers (rlsp.workers.roles.teacher) for the logprob of every sampled token, then has the same workers
+turn student minus teacher into the per-token divergence d and set advantages = A_task - coef * d (or -d
+alone with use_task_rewards=false) on their shards (rlsp.workers.stage_distill; the formula in
+rlsp/algos/distillation.py). The student's logprobs are the behaviour policy's (`old_logprobs`: the actor's
+forward, or the engine's with rollout logprobs). The driver routes rows to teachers by a per-row field and
+receives per-row statistics only, from which it builds the distillation metrics.
 """
 
 from __future__ import annotations
@@ -16,16 +18,13 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig
 from transformers import AutoConfig, AutoTokenizer
 
-from rlsp.algos.distillation import (
-    compute_distillation_advantages,
-    compute_distillation_losses,
-    distillation_metrics,
-)
+from rlsp.algos.distillation import ROW_STATS, distillation_metrics_from_rows
 from rlsp.config.run_spec import TeacherSpec, distillation_enabled, teacher_specs
 from rlsp.data.batch import Batch
 from rlsp.models.family_checks import check_sp_support, text_model_config
 from rlsp.utils.timing import timed
 from rlsp.workers.roles.teacher import route_rows
+from rlsp.workers.stage_distill import DistillRequest
 
 if TYPE_CHECKING:  # preflight (and rlsp.check) import this module without starting Ray
     from rlsp.controller.worker_group import RayWorkerGroup
@@ -77,7 +76,7 @@ class Distillation:
 
     def __init__(self, cfg: DictConfig, specs: Sequence[TeacherSpec]) -> None:
         self.cfg, self.specs = cfg, list(specs)
-        self.loss = cfg.distillation.distillation_loss
+        self.request = DistillRequest.from_config(cfg.distillation.distillation_loss)
         self.key = str(cfg.distillation.teacher_key)
 
     @classmethod
@@ -99,13 +98,14 @@ class Distillation:
         batch.update(wg.call("teacher", "compute_teacher_log_prob", batch, names))
 
     def apply(self, wg: RayWorkerGroup, batch: Batch, timing: dict[str, float]) -> dict[str, float]:
-        """Teacher logprobs, then advantages = A_task - coef * d (or -d); returns the distillation metrics."""
+        """Teacher logprobs, then advantages = A_task - coef * d (or -d) on the workers; returns the distillation
+        metrics, from the per-row values the workers report. The caller has read the rows' teacher keys (`key`)."""
         with timed("timing/teacher_s", timing):
             self.teacher_logprobs(wg, batch)
-        loss, mask = self.loss, batch["response_mask"]
-        student, teacher = batch["old_logprobs"], batch["teacher_logprobs"]
-        d = compute_distillation_losses(student, teacher, mask, loss_mode=loss.loss_mode,
-                                        loss_max_clamp=loss.loss_max_clamp, log_prob_min_clamp=loss.log_prob_min_clamp)
-        batch.set("advantages", compute_distillation_advantages(
-            batch["advantages"], d, mask, use_task_rewards=loss.use_task_rewards, coef=loss.distillation_loss_coef))
-        return distillation_metrics(student, teacher, d, mask)
+        return self.add_term(wg, batch)
+
+    def add_term(self, wg: RayWorkerGroup, batch: Batch) -> dict[str, float]:
+        """advantages = A_task - coef * d (or -d) on the workers that hold the rows' teacher logprobs (the
+        advantages stay there); the distillation metrics from the per-row values they report."""
+        batch.update(wg.call("teacher", "apply_distillation", batch, self.request))
+        return distillation_metrics_from_rows({key: batch[key] for key in ROW_STATS})

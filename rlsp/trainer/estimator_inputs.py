@@ -23,7 +23,8 @@ from rlsp.algos.adv_inputs import ESTIMATOR_DEFAULTS, AdvantageInputs
 from rlsp.algos.registry import estimator_uses, unused_settings, users_of
 from rlsp.data.batch import Batch
 from rlsp.trainer.baselines import baseline_errors
-from rlsp.trainer.off_policy import apply_rollout_correction, rollout_correction_settings, uses_rollout_logprobs
+from rlsp.trainer.off_policy import reads_is_weights, uses_rollout_logprobs
+from rlsp.workers.step_stage import COMPONENTS_KEY
 
 # Estimator setting -> its config key.
 SETTING_KEYS = {"norm_adv_by_std": "algorithm.norm_adv_by_std_in_grpo", "gamma": "algorithm.gamma",
@@ -60,17 +61,14 @@ def advantage_inputs(batch: Batch, cfg: Any) -> AdvantageInputs:
         rows[field] = batch[key]
     if "reward_components" in uses:
         rows["reward_components"] = reward_components(batch, list(cfg.algorithm.gdpo_reward_keys or []))
-    if "rollout_is_weights_BR" in uses:  # verl hands the optimal token baseline the rollout IS weights
-        rows["rollout_is_weights_BR"] = rollout_is_weights(batch, cfg)
+    if reads_is_weights(cfg):  # verl hands the optimal token baseline the rollout IS weights
+        if "rollout_is_weights" not in batch:
+            raise RuntimeError(f"advantage estimator {name!r} reads the rollout-correction weights "
+                               "(algorithm.rollout_correction.rollout_is); the batch has none: run the correction "
+                               "(rlsp.trainer.off_policy.correct_rollout) before the advantages")
+        rows["rollout_is_weights_BR"] = batch["rollout_is_weights"]
     return AdvantageInputs(batch["token_level_rewards"], batch["response_mask"], batch.meta["uid"],
                            **config_settings(cfg), **rows)
-
-
-def rollout_is_weights(batch: Batch, cfg: Any) -> torch.Tensor | None:
-    """The rollout-correction importance weights the actor's batch will get (None without them); the same
-    computation as the correction after the advantages (rlsp.trainer.off_policy), on the same fields."""
-    corrected, _ = apply_rollout_correction(batch, rollout_correction_settings(cfg))
-    return corrected["rollout_is_weights"] if "rollout_is_weights" in corrected else None
 
 
 def reward_components(batch: Batch, keys: list[str]) -> dict[str, torch.Tensor]:
@@ -92,6 +90,18 @@ def reward_components(batch: Batch, keys: list[str]) -> dict[str, torch.Tensor]:
             values.append(float(value))
         out[key] = torch.tensor(values, dtype=torch.float64)
     return out
+
+
+def set_stage_components(batch: Any, cfg: Any) -> tuple[str, ...]:
+    """gdpo on the workers (rlsp.workers.step_stage): its reward components set on `batch` as the column
+    `COMPONENTS_KEY` ([B, K] float64, one float per row and key, in algorithm.gdpo_reward_keys's order), and the
+    keys returned for the stage's request; () and nothing set for an estimator that reads no components."""
+    if "reward_components" not in estimator_uses(cfg.algorithm.adv_estimator):
+        return ()
+    keys = list(cfg.algorithm.gdpo_reward_keys or [])
+    components = reward_components(batch, keys)
+    batch.set(COMPONENTS_KEY, torch.stack([components[k] for k in keys], dim=-1))
+    return tuple(keys)
 
 
 def estimator_errors(cfg: Any) -> list[str]:

@@ -7,9 +7,13 @@ correction between the engine that sampled and the trainer (docs/async.md).
     true                                  true                    recomputed (proximal), weighted by
                                                                   pi_prox / pi_rollout (decoupled PPO)
 
-The correction (algorithm.rollout_correction.*) is computed here on the whole batch, after the
-advantages: the actor's copy of the batch gets `rollout_is_weights` and a response mask without the
-rejected tokens. Advantages, the critic and the batch metrics see every sample. With
+The correction (algorithm.rollout_correction.*) runs once a step on the policy workers, each data-parallel rank
+on its shard of the rows, after the old logprobs and before the advantages (`correct_rollout`,
+rlsp.workers.stage_correction): the weights `rollout_is_weights` and the mask without the rejected tokens stay
+there as columns of the step, and the driver receives a fixed number of values per row, from which it builds
+the rollout_corr/* metrics of the whole batch. The optimal token baselines read the weights in the step stage;
+the actor's update reads the rejection mask as its response mask (`actor_batch`). Advantages, the critic and the
+batch metrics see every sample. With
 `algorithm.rollout_correction.bypass_mode=true` (verl's two-policy mode) the rollout logprobs are the old
 logprobs and the correction runs inside the policy loss instead (rlsp/algos/bypass.py).
 """
@@ -18,10 +22,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlsp.algos.rollout_correction import RolloutCorrection, compute_rollout_correction
+from rlsp.algos.registry import estimator_uses
+from rlsp.algos.rollout_correction import RolloutCorrection, correction_metrics
 from rlsp.algos.rollout_rs import parse_rs_options, parse_rs_thresholds
 from rlsp.config.run_spec import rs_threshold
-from rlsp.data.batch import Batch
+from rlsp.workers.stage_correction import ACTOR_MASK, reported_stats
 
 
 def rollout_correction_settings(cfg: Any) -> RolloutCorrection:
@@ -62,23 +67,35 @@ def reuses_update_logprobs(cfg: Any, step: int, correction: RolloutCorrection, *
     a = cfg.actor_rollout_ref.actor
     return bool(a.reuse_update_logprobs and a.ppo_epochs == 1 and a.ppo_mini_batch_size == cfg.data.train_batch_size
                 and not cfg.algorithm.use_kl_in_reward and step > cfg.trainer.critic_warmup
-                and not correction.enabled and not distilling  # correction, distillation: on the driver
+                and not correction.enabled and not distilling  # both read the old logprobs before the update
                 and not a.calculate_sum_pi_squared)  # the optimal token baseline reads it from the separate pass
 
 
-def correction_reads(settings: RolloutCorrection) -> tuple[str, ...]:
-    """The columns `apply_rollout_correction` reads of the batch (none when the correction is off)."""
-    return ("old_logprobs", "rollout_logprobs", "response_mask") if settings.enabled else ()
+def reads_is_weights(cfg: Any) -> bool:
+    """Whether the advantage estimator reads the rollout-correction importance weights (the optimal token
+    baselines with algorithm.rollout_correction.rollout_is set)."""
+    return ("rollout_is_weights_BR" in estimator_uses(cfg.algorithm.adv_estimator)
+            and rollout_correction_settings(cfg).rollout_is is not None)
 
 
-def apply_rollout_correction(batch: Batch, settings: RolloutCorrection) -> tuple[Batch, dict[str, float]]:
-    """(the actor's batch, rollout_corr/* metrics); `batch` itself is left as it is."""
-    if not settings.enabled:
-        return batch, {}
-    weights, mask, metrics = compute_rollout_correction(batch["old_logprobs"], batch["rollout_logprobs"],
-                                                        batch["response_mask"], settings)
-    actor_batch = batch.copy()
-    actor_batch.set("response_mask", mask)
-    if weights is not None:
-        actor_batch.set("rollout_is_weights", weights.to(batch["response_mask"].dtype))
-    return actor_batch, metrics
+def correction_due(cfg: Any, settings: RolloutCorrection, step: int) -> bool:
+    """Whether step `step` runs the correction: it is on, and the actor updates (after the critic warm-up) or the
+    estimator reads its weights."""
+    return settings.enabled and (step > cfg.trainer.critic_warmup or reads_is_weights(cfg))
+
+
+def correct_rollout(wg: Any, batch: Any, settings: RolloutCorrection) -> dict[str, float]:
+    """The correction of `batch` on `wg`'s policy workers (rlsp.workers.stage_correction): its columns join the
+    step's (they stay on the workers); the rollout_corr/* metrics of the whole batch, from the rows' reports."""
+    batch.update(wg.call("actor", "compute_rollout_correction", batch, settings))
+    return correction_metrics(reported_stats(batch), settings)
+
+
+def actor_batch(batch: Any, settings: RolloutCorrection) -> Any:
+    """The rows the actor's update reads: with rejection (rollout_rs) a view of `batch` whose response mask is the
+    workers' mask without the rejected tokens (an alias: nothing moves); `batch` itself is left as it is."""
+    if settings.rollout_rs is None:
+        return batch
+    rows = batch.copy()
+    rows.alias("response_mask", ACTOR_MASK)
+    return rows

@@ -1,7 +1,8 @@
 """RayTrainer: the RL loop on the driver. One step reads like the algorithm:
 
     prompts -> generate (vLLM on every worker) -> score (rule rewards, or the reward model) -> old logprobs (actor)
-    -> ref logprobs (reference) -> values (critic) -> rewards (- KL penalty) -> advantages
+    -> ref logprobs (reference) -> values (critic) -> rollout correction (off-policy) -> rewards (- KL penalty)
+    -> advantages
     -> update critic -> update actor (after the critic warm-up) -> sync weights to the rollout engine
 
 With DAPO's dynamic sampling (algorithm.filter_groups) generate -> score repeats over further prompt batches
@@ -24,7 +25,7 @@ from rlsp.algos.kl_ctrl import build_kl_controller
 from rlsp.config.layout import ParallelLayout
 from rlsp.config.run_length import resolve_total_steps
 from rlsp.controller.reads import read_columns
-from rlsp.controller.stopping import Terminated
+from rlsp.controller.stopping import StopRequest, Terminated
 from rlsp.controller.traffic import TRAFFIC
 from rlsp.controller.training_workers import check_sharded_forwards, start_training_workers
 from rlsp.controller.worker_group import RayWorkerGroup
@@ -35,12 +36,13 @@ from rlsp.trainer.baselines import add_greedy_baselines, greedy_sampling, needs_
 from rlsp.trainer.batch_metrics import check_finite, compute_batch_metrics, row_tokens
 from rlsp.trainer.checkpoint import CheckpointWriter, TrainerState, latest_checkpoint, read_metrics_lines
 from rlsp.trainer.distill import Distillation
-from rlsp.trainer.driver_reads import DISTILL_READS, GREEDY_READS, ReadResults, advantage_reads
+from rlsp.trainer.driver_reads import GREEDY_READS, advantage_reads
 from rlsp.trainer.dynamic_sampling import build_dynamic_sampler
 from rlsp.trainer.metrics import MetricsLogger
 from rlsp.trainer.off_policy import (
-    apply_rollout_correction,
-    correction_reads,
+    actor_batch,
+    correct_rollout,
+    correction_due,
     reuses_update_logprobs,
     rollout_correction_settings,
     uses_rollout_logprobs,
@@ -85,8 +87,7 @@ class RayTrainer:
         self.start_step = 1
         # where start-up went (ray init, worker processes, worker set-up); logged with the first step
         self.startup: dict[str, float] = {}
-        self.first_step_done_at: float | None = None  # time.time() when this run's first step ended
-        self.stop_requested = False  # SIGTERM with trainer.save_on_preempt: checkpoint this step, then stop
+        self.stop = StopRequest()  # SIGTERM with trainer.save_on_preempt: checkpoint this step, then stop
         self.data_pos = (0, 0)  # (epoch, batches of that epoch consumed)
         self.ckpt = CheckpointWriter(self.run_dir, cfg.trainer.max_actor_ckpt_to_keep, cfg.trainer.max_critic_ckpt_to_keep)
 
@@ -211,20 +212,20 @@ class RayTrainer:
             with timed("timing/values_s", timing):
                 batch.update(self.critic_wg.call("critic", "compute_values", batch))
         with timed("timing/adv_s", timing):
+            if correction_due(self.cfg, self.correction, step):  # once, on the workers, before the advantages
+                corrected = correct_rollout(self.wg, batch, self.correction)
+                metrics.update(corrected if step > self.cfg.trainer.critic_warmup else {})  # with the actor's update
             metrics.update(self._rewards(batch))
             self._advantages(batch)
         if self.distill is not None:  # the teachers' logprobs; advantages get the distillation term
-            self.read(batch, [self.distill.key, *DISTILL_READS])
-            metrics.update(self.distill.apply(ReadResults(self.wg, self.read), batch, timing))
+            self.read(batch, [self.distill.key])  # the rows' routes to the teachers (a per-row field)
+            metrics.update(self.distill.apply(self.wg, batch, timing))
         if self.critic_wg is not None:
             with timed("timing/update_critic_s", timing):
                 metrics.update(self.critic_wg.call("critic", "update_critic", batch)[0])
         if step > self.cfg.trainer.critic_warmup:
-            actor_batch, corrected = apply_rollout_correction(self.read(batch, correction_reads(self.correction)),
-                                                              self.correction)
-            metrics.update(corrected)
-            with timed("timing/update_actor_s", timing):
-                metrics.update(self.wg.call("actor", "update_actor", actor_batch)[0])
+            with timed("timing/update_actor_s", timing):  # with the correction's mask and weights, if any
+                metrics.update(self.wg.call("actor", "update_actor", actor_batch(batch, self.correction))[0])
             with timed("timing/weight_sync_s", timing):
                 self.sync_rollout(step)
         timing["timing/step_s"] = time.perf_counter() - t0
@@ -257,18 +258,18 @@ class RayTrainer:
                 metrics = {**pending_val, **step_metrics}
                 if step == self.start_step:
                     metrics.update(self.startup)
-                    self.first_step_done_at = time.time()
+                    self.stop.armed = bool(t.save_on_preempt)  # from now on SIGTERM saves the step in flight first
                 check_finite(metrics, step)
                 pending_val = {}
                 if val_on and (step % t.test_freq == 0 or step == total):
                     metrics.update(self.validate())
                 self.metrics.log(step, metrics)
                 progress.step_done(metrics)
-                if (t.save_freq > 0 and step % t.save_freq == 0) or step == total or self.stop_requested:
+                if (t.save_freq > 0 and step % t.save_freq == 0) or step == total or self.stop.requested:
                     progress.outputs["checkpoint"] = self.save_checkpoint(step)
                     if step != total:  # the last one is in the summary
                         log.info("checkpoint: %s", progress.outputs["checkpoint"])
-                if self.stop_requested and step != total:
+                if self.stop.requested and step != total:
                     raise Terminated()
             if t.save_final_model:
                 progress.outputs["model (HF)"] = export_hf(latest_checkpoint(self.run_dir),

@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
+from rlsp.agent.rows import agent_rows, check_agent_names
 from rlsp.config.run_length import data_batch
 from rlsp.data.batch import Batch
 from rlsp.data.dataset import PromptDataset, chat_template_kwargs, iterate_batches
 from rlsp.data.multimodal import multimodal_meta
-from rlsp.trainer.preflight_agent import agent_rows, check_agent_names
 
 
 def load_datasets(cfg: Any, tokenizer: Any) -> tuple[PromptDataset, PromptDataset | None]:

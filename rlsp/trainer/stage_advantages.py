@@ -11,13 +11,15 @@ Where a step's rewards and advantages are computed:
 - the token scores themselves: the driver keeps their per-row parts (each row's reward, dapo's overlong
   penalty `overlong_reward`) and the agent loop's step rewards stay a worker column; the workers build the
   [rows x response] scores from them (rlsp.rewards.token_scores), the driver only if it reads them;
-- on the driver, reading the token-level columns they need: gdpo (its reward is the named components of
-  the reward function's per-row dicts, held here), the optimal token baselines with rollout-correction
-  importance weights, and an estimator reading groups when the groups cannot be split evenly over the dp
-  ranks (`group_aligned_order` gives None). trainer.balance_batch keeps groups whole on one dp rank when
-  the workers need them (`balanced_step_order`), so the stage's shards are the step's own;
-- after the advantages, on the driver: the rollout correction of the actor's batch (rlsp.trainer.off_policy)
-  and distillation's term (rlsp.trainer.distill).
+- gdpo's reward is the named components of the reward function's per-row dicts, held here: the driver sends
+  them with the call, one float per row and component (rlsp.trainer.estimator_inputs.set_stage_components);
+- the optimal token baselines with rollout-correction importance weights: on the workers, reading the weights
+  the correction wrote before the advantages (rlsp.trainer.off_policy.correct_rollout, once a step);
+- on the driver, reading the token-level columns it needs: an estimator reading groups when the groups cannot
+  be split evenly over the dp ranks (`group_aligned_order` gives None). trainer.balance_batch keeps groups
+  whole on one dp rank when the workers need them (`balanced_step_order`), so the stage's shards are the
+  step's own;
+- after the advantages, on the workers: distillation's term (rlsp.trainer.distill, rlsp.workers.stage_distill).
 
 The adaptive KL controller stays on the driver: it is updated with the mean over rows of each row's
 token-mean KL, the workers' per-row values (the same number as the one-process computation).
@@ -31,11 +33,11 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from rlsp.algos.kl_ctrl import KLController, batch_kl
-from rlsp.algos.registry import compute_advantages, estimator_uses, reads_groups
+from rlsp.algos.registry import compute_advantages, reads_groups
 from rlsp.data.balance import balanced_order
 from rlsp.data.batch import Batch
-from rlsp.trainer.estimator_inputs import advantage_inputs, config_settings
-from rlsp.trainer.off_policy import rollout_correction_settings
+from rlsp.trainer.estimator_inputs import advantage_inputs, config_settings, set_stage_components
+from rlsp.trainer.off_policy import reads_is_weights
 from rlsp.trainer.row_advantages import ROW_LEVEL_ESTIMATORS
 from rlsp.workers.step_stage import StageRequest, stage_estimators
 
@@ -128,8 +130,6 @@ def stage_order(batch: Any, cfg: Any, dp: int) -> list[int] | None:
     name = cfg.algorithm.adv_estimator
     if name not in stage_estimators():
         return None
-    if "rollout_is_weights_BR" in estimator_uses(name) and rollout_correction_settings(cfg).rollout_is is not None:
-        return None  # the optimal token baselines with importance weights: on the driver
     uids = list(batch.meta["uid"]) if reads_groups(name) else []
     if not uids or whole_groups(uids, dp):
         return list(range(len(batch)))
@@ -146,8 +146,10 @@ def compute_token_rewards(wg: Any, batch: Any, cfg: Any, kl_ctrl: KLController) 
         return {}
     beta = kl_ctrl.value if alg.use_kl_in_reward else None
     step = bool(cfg.actor_rollout_ref.rollout.multi_turn.use_step_rewards) and "step_rewards" in batch
+    components = set_stage_components(batch, cfg) if order is not None else ()  # gdpo's: one float per row and key
     request = StageRequest(alg.adv_estimator if order is not None else None,
-                           config_settings(cfg) if order is not None else {}, beta, alg.kl_penalty, step)
+                           config_settings(cfg) if order is not None else {}, beta, alg.kl_penalty, step, components,
+                           rollout_is_weights=order is not None and reads_is_weights(cfg))  # the correction's column
     if order is None or order == list(range(len(batch))):
         batch.update(wg.call("actor", "compute_advantages", batch, request))
     else:  # the call's rows in group-aligned shards, its columns put back in the step's order
@@ -173,8 +175,8 @@ def compute_driver_advantages(batch: Batch, cfg: Any) -> None:
 
 
 def _reported(batch: Any, keys: tuple[str, ...]) -> bool:
-    """Whether the workers reported `keys` for the advantages they hold (the driver has not replaced them since,
-    as distillation does)."""
+    """Whether the workers reported `keys` for the advantages they hold (the driver has not replaced them since;
+    distillation's term, added on the workers, reports the new advantages' row sums)."""
     table = getattr(batch, "table", None)
     return table is not None and all(k in table for k in keys) and "advantages" not in table.tensors.keys()
 

@@ -7,6 +7,10 @@ and `step_rewards` [N, R] (tool step rewards at the last token of the turn that 
 gains `agent_metrics` (turns, tool calls and errors, latency, truncation, and an even share of the worker's
 engine busy/idle time) and `extra_info` gains what the loop reports for the reward function (num_turns,
 finish_reason, and tool_agent's messages, tool_calls, tool_rewards).
+
+Rows with images (a vision-language policy): each trajectory gets its prompt's `multi_modal_inputs`, every turn is
+generated with them (rlsp.agent.server), and the rows keep them in meta for the trainer, whose image tokens are
+those of the prompt (tool output and sampled tokens are text to the engine and the trainer alike).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 from rlsp.agent.loop import AgentLoopOutput, AgentSample
 from rlsp.agent.runner import AgentRunner
 from rlsp.data.batch import Batch
+from rlsp.models.vision_inputs import MM_KEY
 from rlsp.rollout.base import RolloutEngine, SamplingConfig
 from rlsp.workers.rollout_rows import build_rollout_rows
 
@@ -30,9 +35,11 @@ def _samples(prompts: Batch, n: int, max_tokens: int) -> tuple[list[AgentSample]
     for i in range(rows):
         extra = dict(meta.get("extra_info", [None] * rows)[i] or {})
         messages = meta.get("messages", [None] * rows)[i]
+        images = meta.get(MM_KEY, [None] * rows)[i]
         for _ in range(n):
             samples.append(AgentSample(list(meta["prompt_ids"][i]), messages, max_tokens,
-                                       tools_kwargs=dict(extra.get("tools_kwargs") or {}), extra_info=extra))
+                                       tools_kwargs=dict(extra.get("tools_kwargs") or {}), extra_info=extra,
+                                       multi_modal_inputs=images))
             names.append(meta.get("agent_name", [None] * rows)[i])
             source.append(i)
     return samples, names, source

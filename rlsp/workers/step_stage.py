@@ -14,9 +14,10 @@ rank runs the same rlsp.algos functions on it as the driver would on the whole b
 - the estimator (`compute_advantages`). Statistics within a prompt group (GRPO's mean and std, RLOO's
   leave-one-out mean, the optimal token baselines, ...; `reads_groups`) are local: the driver cuts the
   shards on group boundaries (rlsp.trainer.stage_advantages.group_aligned_order). Batch-wide statistics
-  (the whitening of GAE, REINFORCE++ and its group-baseline variant, GPG's row counts) are sums, taken by
+  (the whitening of GAE, REINFORCE++ and its group-baseline variant and GDPO, GPG's row counts) are sums, taken by
   a `reduce` that all-reduces over the data-parallel group only: the ranks of one dp group hold the same
-  rows, so summing over them would count rows twice (rlsp.algos.whiten).
+  rows, so summing over them would count rows twice (rlsp.algos.whiten). GDPO's reward is the reward function's
+  named components, which the driver sends as one float per row and component (`COMPONENTS_KEY`).
 
 The advantages, returns and token rewards stay here as block columns (the updates read them worker to
 worker); the driver receives per-row values only (`STAGE_REPORTS`: the row's KL and the row sums its
@@ -44,12 +45,15 @@ from rlsp.rewards.token_scores import shaped_token_scores
 # The estimators' optional per-row inputs the stage provides -> the column it reads them from.
 STAGE_INPUTS = {"values_BR": "values", "reward_baselines_B": "reward_baselines", "old_logprobs_BR": "old_logprobs",
                 "sum_pi_squared_BR": "sum_pi_squared"}
-# Inputs the stage does not provide: the reward function's named components (gdpo reads them from the per-row
-# dicts the driver holds), and the rollout-correction weights (the optimal token baselines run here only
-# without them: rlsp.trainer.stage_advantages).
-NOT_ON_WORKERS = ("reward_components",)
+# gdpo's named reward components: one float per row and component, [B, K] in the order of the request's
+# `components` (the driver takes them from the reward function's per-row dicts: rlsp.trainer.estimator_inputs).
+COMPONENTS_KEY = "reward_components"
+# Inputs the stage does not provide: none (the optimal token baselines' rollout-correction weights are the
+# column the correction wrote before the stage, rlsp.workers.stage_correction: `StageRequest.rollout_is_weights`).
+NOT_ON_WORKERS: tuple[str, ...] = ()
 STAGE_READS = ("token_level_scores", "row_reward", "rm_scores", "overlong_reward", "step_rewards", "response_mask",
-               "old_logprobs", "ref_logprobs", "values", "reward_baselines", "sum_pi_squared", "uid")
+               "old_logprobs", "ref_logprobs", "values", "reward_baselines", "sum_pi_squared", COMPONENTS_KEY, "rollout_is_weights",
+               "uid")
 # Per-row sums over the row's response tokens (masked) that the driver's metrics read (scores and rewards
 # summed over the whole row, as the driver sums them).
 ROW_SUMS = ("score_sum", "reward_sum", "advantages_sum", "returns_sum", "values_sum", "returns_sq_sum",
@@ -68,15 +72,18 @@ class StageRequest:
     """What the workers compute: `estimator` (one of `stage_estimators()`, or None: the token rewards only)
     with its `settings` (algorithm.*: rlsp.trainer.estimator_inputs.config_settings), the KL penalty in
     the reward with coefficient `kl_coef` and estimate `kl_kind` (None: no KL in the reward), and whether
-    the scores get the agent loop's `step_rewards` (when the driver has not built them, `token_scores`). An estimator
-    that reads groups needs shards holding whole groups (the caller's cut); the optimal token baselines
-    get no rollout-correction weights here."""
+    the scores get the agent loop's `step_rewards` (when the driver has not built them, `token_scores`); gdpo's
+    reward `components` name the columns of the rows' `COMPONENTS_KEY`. An estimator that reads groups needs
+    shards holding whole groups (the caller's cut); with `rollout_is_weights` the optimal token baselines read
+    the rollout-correction weights the correction wrote before the stage (column `rollout_is_weights`)."""
 
     estimator: str | None
     settings: dict[str, Any] = field(default_factory=dict)
     kl_coef: float | None = None
     kl_kind: str = "kl"
     step_rewards: bool = False  # add the agent loop's step rewards to the scores (multi_turn.use_step_rewards)
+    components: tuple[str, ...] = ()  # gdpo: algorithm.gdpo_reward_keys, the columns of COMPONENTS_KEY
+    rollout_is_weights: bool = False  # the estimator reads the rollout-correction weights (algorithm.rollout_correction.rollout_is)
 
     def __post_init__(self) -> None:
         legal = stage_estimators()
@@ -84,6 +91,9 @@ class StageRequest:
             raise ValueError(f"advantage estimator {self.estimator!r} does not run on the workers' shards (it reads "
                              f"{sorted(set(estimator_uses(self.estimator)) & set(NOT_ON_WORKERS))}, which the "
                              f"driver holds); estimators that do: {list(legal)}")
+        if self.estimator is not None and "reward_components" in estimator_uses(self.estimator) and not self.components:
+            raise ValueError(f"advantage estimator {self.estimator!r} reads named reward components: give their names "
+                             "(algorithm.gdpo_reward_keys) as the request's components")
 
 
 def dp_sum(group: dist.ProcessGroup | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -144,11 +154,31 @@ def estimator_inputs(rows: Batch, rewards_BR: torch.Tensor, request: StageReques
         raise RuntimeError(f"advantage estimator {name!r} needs {missing} in the step stage's rows (they have "
                            f"{sorted(rows.keys())}): produce them before the advantages")
     extra = {f: rows[k] for f, k in STAGE_INPUTS.items() if f in uses}
+    if "rollout_is_weights_BR" in uses and request.rollout_is_weights:
+        if "rollout_is_weights" not in rows:
+            raise RuntimeError(f"advantage estimator {name!r} was asked to read the rollout-correction weights, but the "
+                               "rows have no 'rollout_is_weights': run the correction (ActorRole.compute_rollout_correction) "
+                               "before the advantages")
+        extra["rollout_is_weights_BR"] = rows["rollout_is_weights"]
+    if "reward_components" in uses:
+        extra["reward_components"] = component_inputs(rows, request.components)
     index = rows.meta.get("uid") if reads_groups(name) else None
     if reads_groups(name) and index is None:
         raise RuntimeError(f"advantage estimator {name!r} needs each row's group (meta 'uid'); the rows have none")
     return AdvantageInputs(rewards_BR, rows["response_mask"], index, reduce=reduce if "reduce" in uses else None,
                            **request.settings, **extra)
+
+
+def component_inputs(rows: Batch, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """gdpo's reward components of these rows, name -> [B], from the column `COMPONENTS_KEY` [B, K]."""
+    if COMPONENTS_KEY not in rows:
+        raise RuntimeError(f"the step stage's rows have no {COMPONENTS_KEY!r} (they have {sorted(rows.keys())}): the "
+                           "driver sets them from the reward function's per-row dicts before the stage")
+    values_BK = rows[COMPONENTS_KEY]
+    if values_BK.dim() != 2 or values_BK.shape[1] != len(names):
+        raise ValueError(f"{COMPONENTS_KEY} has shape {tuple(values_BK.shape)} for the components {list(names)}: need "
+                         f"[rows, {len(names)}]")
+    return {name: values_BK[:, k] for k, name in enumerate(names)}
 
 
 def run_step_stage(rows: Batch, request: StageRequest,

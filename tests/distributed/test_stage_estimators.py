@@ -12,8 +12,9 @@ whole batch:
 - estimators whose statistics are per row or per group (GRPO, RLOO, OPO, pass@k, ReMax, the optimal token
   baselines) and GPG (its batch-wide statistic is a count of rows) bit for bit: a group's rows are summed in
   the same order on its shard;
-- whitening estimators (GAE, REINFORCE++ and its baseline variant) within the rounding of the two batch-wide
-  sums taken in another order (tests/tolerances.py, derivation 1), scaled by the whitened values' size.
+- whitening estimators (GAE, REINFORCE++ and its baseline variant, GDPO with its reward components sent as one
+  float per row each) within the rounding of the two batch-wide sums taken in another order
+  (tests/tolerances.py, derivation 1), scaled by the whitened values' size.
 
 Masks have holes, one row has no response token; the per-row sums the driver's metrics read are checked too.
 """
@@ -26,7 +27,7 @@ from _launch import layout_dims, run_distributed
 from tolerances import assert_tensor_close, roundoff_rtol
 
 from rlsp.algos.adv_inputs import AdvantageInputs
-from rlsp.algos.aggregation import masked_sum
+from rlsp.algos.aggregation import group_mean_std, masked_sum
 from rlsp.algos.kl_ctrl import apply_kl_penalty, batch_kl
 from rlsp.algos.registry import compute_advantages, estimator_uses
 from rlsp.data.batch import Batch
@@ -39,8 +40,9 @@ pytestmark = pytest.mark.distributed
 
 B, R, GROUPS = 12, 9, 4
 SETTINGS = {"gae": {"gamma": 0.99, "lam": 0.95}, "reinforce_plus_plus": {"gamma": 0.9},
-            "grpo_passk": {"norm_adv_by_std": False}}
-WHITENING = ("gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+            "grpo_passk": {"norm_adv_by_std": False}, "gdpo": {"gdpo_reward_weights": (1.0, 0.5)}}
+WHITENING = ("gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gdpo")
+COMPONENTS = ("acc", "fmt")  # gdpo's named reward components: one float per row each (column reward_components)
 SHAPED = ("overlong_reward", "step_rewards")  # per-row penalty, step rewards: what the stage adds to the scores
 UIDS = [f"p{i % GROUPS}" for i in range(B)]  # interleaved groups of 3
 
@@ -49,7 +51,8 @@ SHAPING = OverlongShaping(max_resp_len=R, buffer_len=4, penalty_factor=0.5)
 
 
 def _request(name: str, shaped: bool) -> StageRequest:
-    return StageRequest(name, SETTINGS.get(name, {}), kl_coef=0.05, kl_kind="low_var_kl", step_rewards=shaped)
+    return StageRequest(name, SETTINGS.get(name, {}), kl_coef=0.05, kl_kind="low_var_kl", step_rewards=shaped,
+                        components=COMPONENTS if "reward_components" in estimator_uses(name) else ())
 
 
 def _batch() -> Batch:
@@ -66,7 +69,9 @@ def _batch() -> Batch:
         "reward_baselines": torch.rand(B, generator=gen),
         "sum_pi_squared": old.exp() ** 2 + torch.rand(B, R, generator=gen) * 0.1,
         "step_rewards": (torch.rand(B, R, generator=gen) > 0.8).float() * 0.25,
-        "overlong_reward": compute_overlong_penalty(mask.sum(-1), R, 4, 0.5)}, meta={"uid": UIDS})
+        "overlong_reward": compute_overlong_penalty(mask.sum(-1), R, 4, 0.5),
+        "reward_components": torch.stack([torch.randint(0, 2, (B,), generator=gen).double(),
+                                          torch.rand(B, generator=gen).double()], dim=-1)}, meta={"uid": UIDS})
 
 
 def _stage_worker(rank: int, world: int) -> dict[tuple[str, bool], dict[str, torch.Tensor]]:
@@ -103,8 +108,20 @@ def _reference(name: str, shaped: bool) -> dict[str, torch.Tensor]:
     rewards, current_kl = apply_kl_penalty(_scores(full, shaped), full["old_logprobs"],
                                            full["ref_logprobs"], mask, request.kl_coef, request.kl_kind)
     extra = {f: full[k] for f, k in STAGE_INPUTS.items() if f in estimator_uses(name)}
+    if "reward_components" in estimator_uses(name):
+        extra["reward_components"] = dict(zip(COMPONENTS, full["reward_components"].unbind(-1)))
     adv, ret = compute_advantages(name, AdvantageInputs(rewards, mask, UIDS, **request.settings, **extra))
     return {"token_level_rewards": rewards, "current_kl": current_kl, "advantages": adv, "returns": ret}
+
+
+def _gdpo_sum() -> torch.Tensor:
+    """What gdpo whitens: the weighted sum of each component normalised within its group, on every response token."""
+    full, (w_acc, w_fmt) = _batch(), SETTINGS["gdpo"]["gdpo_reward_weights"]
+    total = torch.zeros(B, dtype=torch.float64)
+    for values, weight in zip(full["reward_components"].unbind(-1), (w_acc, w_fmt)):
+        mean, std, _ = group_mean_std(values, UIDS)
+        total += weight * (values - mean) / (std + 1e-6)
+    return total.unsqueeze(-1) * full["response_mask"]
 
 
 def test_group_aligned_order_keeps_groups_whole():
@@ -127,7 +144,7 @@ def test_group_aligned_order_keeps_groups_whole():
 def test_every_stage_estimator_with_kl_on_dp_shards_equals_the_driver():
     assert set(stage_estimators()) >= {"grpo", "rloo", "gpg", "opo", "grpo_passk", "remax", "gae", "reinforce_plus_plus",
                                        "reinforce_plus_plus_baseline", "optimal_token_baseline",
-                                       "tir_optimal_token_baseline", "grpo_vectorized", "rloo_vectorized"}
+                                       "tir_optimal_token_baseline", "grpo_vectorized", "rloo_vectorized", "gdpo"}
     results = run_distributed(_stage_worker, 2)
     order = group_aligned_order(UIDS, 2)
     back = sorted(range(B), key=order.__getitem__)
@@ -143,8 +160,12 @@ def test_every_stage_estimator_with_kl_on_dp_shards_equals_the_driver():
             assert torch.equal(got["returns"], ref["returns"]), name
             assert torch.equal(got["advantages_sum"], masked_sum(ref["advantages"], mask, dim=-1)), name
             continue
-        assert torch.equal(got["returns"], ref["returns"]), name  # per row: any cut gives the same
-        raw = ref["returns"] - (_batch()["values"] if name == "gae" else 0)  # what was whitened
+        if name == "gdpo":  # its returns are the whitened advantages; it whitens the weighted components' sum
+            raw = _gdpo_sum()
+            assert torch.equal(got["returns"], got["advantages"]) and torch.equal(ref["returns"], ref["advantages"])
+        else:
+            assert torch.equal(got["returns"], ref["returns"]), name  # per row: any cut gives the same
+            raw = ref["returns"] - (_batch()["values"] if name == "gae" else 0)  # what was whitened
         std = float(raw[mask.bool()].std())
         rtol = roundoff_rtol(reduction=int(mask.sum()), stages=2)  # the mean's sum, the variance's sum
         assert_tensor_close(got["advantages"], ref["advantages"], rtol,

@@ -6,8 +6,9 @@ time, log_softmax(logits / T) of the sampled next token. rlsp: TeacherRole as th
 tiny teachers of different weights, FSDP2 fp32, rows routed by data_source) at one rank, at dp 2 and at
 Ulysses 2 (each sequence split over two ranks). Every response logprob within the bound tests/tolerances.py
 derives for the model (`_logprob_tol`); the Ulysses 2 result equals one rank's within it; padding stays 0.
-The advantages of distillation alone (-(s - q), k1) and with the task advantage (A - coef * d) equal the
-formula on the fp64 logprobs within that bound plus the formula's own fp32 rounding.
+The advantages the workers compute from them (`TeacherRole.apply_distillation` on each dp shard, distillation
+alone: -(s - q), k1, and with the task advantage: A - coef * d) equal the formula on the fp64 logprobs within
+that bound plus the formula's own fp32 rounding.
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ from test_fsdp_engine import B, P, R, _rollout_batch, tolerances
 from tolerances import roundoff_rtol, scalar_tol
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from rlsp.algos.distillation import compute_distillation_advantages, compute_distillation_losses
 from rlsp.config.schema import RLSPConfig
 from rlsp.config.validate import validate_config
 from rlsp.data.batch import Batch
 from rlsp.models.tiny import TinyModelSpec, build_tiny_model
 from rlsp.workers.context import RoleContext
 from rlsp.workers.roles.teacher import TeacherRole
+from rlsp.workers.stage_distill import DISTILL_READS, DistillRequest
 
 pytestmark = pytest.mark.distributed
 TEMPERATURE = 0.8
@@ -108,19 +109,31 @@ def _logprob_tol(paths: dict[str, str]) -> float:
     return scalar_tol(scale, rtol)
 
 
+def _distilled(rank: int, world: int, paths: dict[str, str], batch: Batch) -> tuple[dict[str, torch.Tensor], int]:
+    """The advantages of this dp shard as the workers compute them: the teachers' logprobs, then
+    `TeacherRole.apply_distillation` on the same rows (distillation alone, and with the task advantage)."""
+    cfg = _config(paths, world, 1)
+    role = TeacherRole(RoleContext(cfg, rank, validate_config(cfg), torch.device("cpu"), pad_token_id=0))
+    dims = role.engines["math"].dims
+    shard = batch.chunk(dims.dp_size)[dims.dp_rank]
+    rows = Batch.from_dict({k: shard[k] for k in DISTILL_READS if k != "teacher_logprobs"})
+    rows.set("teacher_logprobs", role.compute_teacher_log_prob(shard, ["math", "geo"])["teacher_logprobs"])
+    requests = {"alone": DistillRequest("k1", use_task_rewards=False), "combined": DistillRequest("k1", coef=0.25)}
+    return {name: role.apply_distillation(rows, request)["advantages"] for name, request in requests.items()}, dims.dp_rank
+
+
 def test_advantages_come_from_the_teacher_logprobs(setup):
     paths, batch, _, want = setup
-    got = _gathered(run_distributed(_teacher_logprobs, 2, paths, batch, 1), 2)
+    results = sorted(run_distributed(_distilled, 2, paths, batch), key=lambda r: r[1])
+    got = {name: torch.cat([r[0][name] for r in results]) for name in ("alone", "combined")}
     mask, student = batch["response_mask"], batch["old_logprobs"]
-    d = compute_distillation_losses(student, got, mask, loss_mode="k1")
-    alone = compute_distillation_advantages(None, d, mask, use_task_rewards=False)
+    alone = got["alone"]
     hand = (want - student.double()) * mask  # -(s - q) on response tokens
     # the teacher's logprob error, plus fp32 rounding of the formula's few operations on values of hand's size
     formula = roundoff_rtol(reduction=1, stages=3)
     assert float((alone.double() - hand).abs().max()) <= _logprob_tol(paths) + scalar_tol(float(hand.abs().max()),
                                                                                           formula)
-    task = batch["advantages"]
-    combined = compute_distillation_advantages(task, d, mask, use_task_rewards=True, coef=0.25)
+    task, combined = batch["advantages"], got["combined"]
     hand = (task.double() - 0.25 * (student.double() - want)) * mask
     assert float((combined.double() - hand).abs().max()) <= 0.25 * _logprob_tol(paths) + scalar_tol(
         float(hand.abs().max()), formula)

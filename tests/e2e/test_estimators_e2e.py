@@ -3,7 +3,8 @@ the estimators that need more than the rewards get it from the real pipeline.
 
 * remax: a greedy pass per step, its reward logged as the baseline, its time as timing/gen_baseline_s;
 * gdpo: a custom reward function returning a dict of components, normalised separately;
-* optimal_token_baseline: the actor's old-logprob pass returns sum pi^2 (with Ulysses sp=2).
+* optimal_token_baseline: the actor's old-logprob pass returns sum pi^2 (with Ulysses sp=2), and the rollout
+  correction's importance weights, computed once on the workers before the advantages.
 Each run trains 2 steps and must write finite metrics.
 """
 
@@ -25,6 +26,9 @@ SMALL = {
     "trainer.total_training_steps": 2, "trainer.test_freq": -1, "trainer.val_before_train": False,
     "trainer.save_final_model": False, "trainer.plot": False,
 }
+# The rollout correction with the optimal token baselines: its importance weights scale the baseline's w (rho^2).
+CORRECTION = ("algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_batch_normalize=true",
+              "algorithm.rollout_correction.rollout_rs=token_k1", "algorithm.rollout_correction.rollout_rs_threshold=2.0")
 GDPO_REWARD = '''
 from rlsp.rewards.registry import get_reward_fn
 
@@ -64,5 +68,7 @@ def test_gdpo_with_reward_components_from_a_custom_function(tmp_path):
 
 
 def test_optimal_token_baseline_with_sum_pi_squared_under_ulysses(tmp_path):
-    _run(tmp_path, "algorithm.adv_estimator=optimal_token_baseline", "actor_rollout_ref.actor.calculate_sum_pi_squared=true",
-         "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2")
+    lines = _run(tmp_path, "algorithm.adv_estimator=optimal_token_baseline", "actor_rollout_ref.actor.calculate_sum_pi_squared=true",
+                 "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", *CORRECTION)
+    for r in lines:  # the correction ran on the workers before the advantages, which read its weights
+        assert r["rollout_corr/rollout_is_batch_norm_factor"] > 0 and 0 <= r["rollout_corr/rollout_rs_masked_fraction"] <= 1

@@ -22,10 +22,10 @@ from omegaconf import OmegaConf
 from test_grpo_e2e import SMALL, _main
 from test_sequence_layouts_e2e import run_logprob_tol
 
+from rlsp.checks.preflight import preflight
 from rlsp.config.schema import RLSPConfig
 from rlsp.config.validate import validate_config
 from rlsp.controller.ray_session import init_ray
-from rlsp.trainer.preflight import preflight
 from rlsp.trainer.ray_trainer import RayTrainer
 
 pytestmark = pytest.mark.e2e

@@ -112,7 +112,7 @@ def test_gdpo_refuses_bad_inputs() -> None:
         compute_gdpo_advantages(AdvantageInputs(mask, mask, ["a", "a"], norm_adv_by_std=False, reward_components=comps))
     with pytest.raises(ValueError, match="'grpo' does not use reward_components"):
         compute_grpo_advantages(AdvantageInputs(mask, mask, ["a", "a"], reward_components=comps))
-    assert estimator_uses("gdpo") == ("gdpo_reward_weights", "reward_components") and "gdpo" in GROUP_ESTIMATORS
+    assert estimator_uses("gdpo") == ("gdpo_reward_weights", "reward_components", "reduce") and "gdpo" in GROUP_ESTIMATORS
 
 
 def _scored_batch(tmp_path, body: str) -> Batch:

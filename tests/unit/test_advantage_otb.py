@@ -24,6 +24,8 @@ from rlsp.config.schema import RLSPConfig
 from rlsp.config.validate import GROUP_ESTIMATORS
 from rlsp.data.batch import Batch
 from rlsp.trainer.estimator_inputs import advantage_inputs, estimator_errors
+from rlsp.trainer.off_policy import rollout_correction_settings
+from rlsp.workers.stage_correction import run_correction
 
 F64 = torch.float64
 G = 99.0
@@ -147,9 +149,13 @@ def test_trainer_hands_the_actor_outputs_and_the_is_weights_to_the_estimator() -
     adv, _ = compute_advantages("optimal_token_baseline", inputs)
     ref, _ = compute_otb_advantages(_inputs(REWARDS, MASK, PI, SPP, INDEX))
     torch.testing.assert_close(adv.double(), ref, rtol=0.0, atol=1e-6)  # fp32 batch vs the fp64 hand example
-    # Token-level truncated IS (threshold 2): rho = pi_old / pi_rollout = [1.5, 3 -> 2, 1], [1, .5], [2].
-    weighted = advantage_inputs(batch, _otb_cfg(**{"algorithm.rollout_correction.rollout_is": "token"}))
-    rho = weighted.rollout_is_weights_BR
+    # Token-level truncated IS (threshold 2): rho = pi_old / pi_rollout = [1.5, 3 -> 2, 1], [1, .5], [2], the
+    # column the correction wrote on the workers before the advantages (rlsp.workers.stage_correction).
+    weighted_cfg = _otb_cfg(**{"algorithm.rollout_correction.rollout_is": "token"})
+    with pytest.raises(RuntimeError, match="reads the rollout-correction weights .* run the correction"):
+        advantage_inputs(batch, weighted_cfg)
+    batch.update(run_correction(batch, rollout_correction_settings(weighted_cfg), None))
+    rho = advantage_inputs(batch, weighted_cfg).rollout_is_weights_BR
     expected = torch.tensor([[1.5, 2.0, 1.0], [1.0, 0.5, 0.0], [2.0, 0.0, 0.0]])
     torch.testing.assert_close(rho * batch["response_mask"], expected, rtol=0.0, atol=1e-6)
     del batch.tensors["sum_pi_squared"]

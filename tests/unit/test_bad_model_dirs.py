@@ -24,10 +24,10 @@ import pytest
 
 from rlsp import main as rlsp_main
 from rlsp.check import main as check_main
+from rlsp.checks.preflight import preflight
 from rlsp.config.compose import compose_config, parse_command_line
 from rlsp.config.validate import validate_config
 from rlsp.models.tiny import TinyModelSpec, build_tiny_model, build_tiny_reward_model
-from rlsp.trainer.preflight import preflight
 
 ADAPTER_KEY = "actor_rollout_ref.model.lora_adapter_path"
 

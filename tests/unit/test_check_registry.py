@@ -12,8 +12,8 @@ import re
 import pytest
 from omegaconf import OmegaConf
 
-import rlsp.trainer.preflight  # noqa: F401 -- registers the preflight stage
-import rlsp.trainer.resume_check  # noqa: F401 -- registers the resume stage
+import rlsp.checks.preflight  # noqa: F401 -- registers the preflight stage
+import rlsp.checks.resume_check  # noqa: F401 -- registers the resume stage
 from rlsp import main as rlsp_main
 from rlsp.check import run_checks as check_command
 from rlsp.config import checks
@@ -70,7 +70,7 @@ def test_stages_and_their_order():
 
 def test_a_stage_without_checks_is_refused(monkeypatch):
     monkeypatch.setattr(checks, "REGISTRY", {k: v for k, v in checks.REGISTRY.items() if v.stage != "resume"})
-    with pytest.raises(RuntimeError, match="no resume checks are registered; import rlsp.trainer.resume_check"):
+    with pytest.raises(RuntimeError, match="no resume checks are registered; import rlsp.checks.resume_check"):
         checks.run_checks(None, "resume", checks.CheckContext())
 
 

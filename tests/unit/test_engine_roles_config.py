@@ -15,13 +15,13 @@ from omegaconf import OmegaConf
 from test_config import make
 from transformers import Qwen2Config
 
+from rlsp.checks.preflight import preflight
 from rlsp.config.layout import RoleLayout, World
 from rlsp.config.schema import RLSPConfig
 from rlsp.config.validate import validate_config
 from rlsp.models.tiny import TinyModelSpec, build_tiny_model, build_tiny_reward_model
 from rlsp.rollout.support import check_rollout_support
 from rlsp.rollout.vllm_engine import clear_stale_cpu_tp_segments
-from rlsp.trainer.preflight import preflight
 
 TP = "actor_rollout_ref.rollout.tensor_model_parallel_size"
 ACTOR_FSDP = "actor_rollout_ref.actor.fsdp_config."

@@ -3,8 +3,8 @@
 import pytest
 from omegaconf import OmegaConf
 
+from rlsp.checks.preflight import preflight
 from rlsp.config.schema import RLSPConfig
-from rlsp.trainer.preflight import preflight
 
 
 def make(tmp_path, **overrides):

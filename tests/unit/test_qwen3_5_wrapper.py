@@ -1,12 +1,13 @@
 """Qwen3.5 / Qwen3.5-MoE checkpoints in their multimodal wrapper form (model_type qwen3_5 / qwen3_5_moe), trained
-text-only: rlsp loads their text causal LM through transformers' own class for the wrapper type.
+text-only on rows without images: rlsp loads their text causal LM through transformers' own class for the wrapper type.
 
 - rlsp's one-rank packed forward of the loaded checkpoint equals transformers' Qwen3_5ForConditionalGeneration (or
   the MoE one) text forward of each row alone, every logprob (bound: tests/tolerances.py); the text weights are the
   wrapper's, bit for bit, and the vision tower's are not loaded.
 - The checks take the text_config: every Ulysses degree accepted, ring / tp refused naming linear_attention, the resume
   check reads the text model's architecture; other wrapper configs (qwen3_vl) stay refused as multimodal wrappers.
-- rows with images on such a checkpoint are refused by name (data.image_key); a column of nulls is text data.
+- rows with images on such a checkpoint need its processor files (refused by name without them: data.image_key); a
+  column of nulls is text data.
 - The HF export path (a causal LM built from the saved text config, the trained weights, save_pretrained) writes a
   checkpoint transformers loads back as the same causal LM (same class, every weight equal): the text causal LM's
   config (model_type qwen3_5_text / qwen3_5_moe_text) and names (`model.layers.*`), without the vision tower (vLLM's
@@ -28,12 +29,12 @@ from tolerances import logprob_tol
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from rlsp.check import main as check_main
+from rlsp.checks.resume_check import _read_config, arch
 from rlsp.data.packing import pack_sequences
 from rlsp.models.family_checks import check_ring_support, check_sp_support, check_tp_windowed
 from rlsp.models.lm import TokenLogprobModel
 from rlsp.models.loading import load_backbone, load_causal_lm, read_model_config
 from rlsp.parallel.ulysses import build_sp_context
-from rlsp.trainer.resume_check import _read_config, arch
 
 LENS = (70, 13, 5)  # the first row spans two of the delta rule's 64-token chunks
 
@@ -179,15 +180,17 @@ def test_check_accepts_the_wrapper_at_ulysses_2(tmp_path, wrapper_dirs, family, 
 
 
 @pytest.mark.parametrize("family", ["qwen3_5"])
-def test_check_refuses_rows_with_images_by_name(tmp_path, wrapper_dirs, family, capsys) -> None:
+def test_check_refuses_rows_with_images_without_a_processor_by_name(tmp_path, wrapper_dirs, family, capsys) -> None:
     frame = pd.read_parquet(wrapper_dirs["train"])
     frame["images"] = [[{"bytes": b"\x89PNG", "path": None}]] * len(frame)
     images = str(tmp_path / "images.parquet")
     frame.to_parquet(images)
     rc, out = _check(tmp_path, {**wrapper_dirs, "train": images}, family, "actor_rollout_ref.rollout.name=hf",
                      capsys=capsys)
-    assert rc == 2 and f"data.image_key='images': rows of {images!r} carry images" in out, out
-    assert f"is a {family} (vision-language) checkpoint that rlsp trains text-only" in out, out
+    # with images the wrapper loads its vision tower (tests/unit/test_qwen3_5_vision_run.py), which reads them with the
+    # model's processor: this directory has none
+    assert rc == 2 and f"data.image_key='images': {images} has images in {len(frame)} rows" in out, out
+    assert "has no preprocessor_config.json: no image processor to read images with" in out, out
     frame["images"] = [None] * len(frame)  # the column without images is text data
     frame.to_parquet(images)
     rc, out = _check(tmp_path, {**wrapper_dirs, "train": images}, family, "actor_rollout_ref.rollout.name=hf",

@@ -1,4 +1,4 @@
-"""The checks a resume runs before any worker has the run's config (rlsp.trainer.resume_check), on real checkpoint files:
+"""The checks a resume runs before any worker has the run's config (rlsp.checks.resume_check), on real checkpoint files:
 DCP shards written by torch.distributed.checkpoint, a model config, the trainer's own files.
 
 * a truncated shard, a missing .metadata or a garbled trainer file is named; resume_mode=auto then
@@ -21,9 +21,9 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 from transformers import Qwen2Config
 
+from rlsp.checks.resume_check import changed_settings, check_resume
 from rlsp.config.schema import RLSPConfig
 from rlsp.trainer.checkpoint import CheckpointWriter, TrainerState, damaged_file
-from rlsp.trainer.resume_check import changed_settings, check_resume
 
 
 def _model(root, name: str, heads: int = 4, kv: int = 2, hidden: int = 128) -> str:

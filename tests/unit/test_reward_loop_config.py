@@ -6,12 +6,12 @@ import pytest
 from omegaconf import OmegaConf
 from test_config import make
 
+from rlsp.checks.preflight_reward import reward_model_errors
 from rlsp.config.describe import describe_placement
 from rlsp.config.layout import RoleLayout, World
 from rlsp.config.schema import RLSPConfig
 from rlsp.config.validate import validate_config
 from rlsp.models.tiny import TinyModelSpec, build_tiny_model, build_tiny_reward_model
-from rlsp.trainer.preflight_reward import reward_model_errors
 
 LOOP = {"reward_model.enable": True, "reward_model.model.path": "/rm", "reward_model.use_reward_loop": True}
 

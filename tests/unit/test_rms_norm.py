@@ -28,9 +28,9 @@ from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
+from rlsp.checks.resume_check import changed_settings
 from rlsp.config.validate import validate_config
 from rlsp.models.rms_norm import LeanRMSNorm, apply_lean_rmsnorm
-from rlsp.trainer.resume_check import changed_settings
 
 H, SHAPE, EPS = 64, (3, 7), 1e-6  # hidden size, leading dims (21 tokens), epsilon
 

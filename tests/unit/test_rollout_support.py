@@ -6,10 +6,10 @@ import pytest
 from omegaconf import OmegaConf
 from transformers import LlamaConfig, Qwen2Config
 
+from rlsp.checks.preflight import preflight
 from rlsp.config.schema import RLSPConfig
 from rlsp.models.tiny import TinyModelSpec, build_tiny_model
 from rlsp.rollout.support import VLLM_CPU_HEAD_DIMS, check_rollout_support, model_head_dim
-from rlsp.trainer.preflight import preflight
 
 
 def test_head_dim_16_refused_for_vllm_on_cpu_only() -> None:

@@ -1,7 +1,6 @@
 """Where the driver sends a step's advantages (rlsp.trainer.stage_advantages.stage_order): to the workers, in
 shards that keep every prompt group whole when the estimator reads groups, or to the driver's own computation
-when the workers lack an input (gdpo's reward components, the optimal token baselines' importance weights) or
-the groups cannot be cut evenly over the dp ranks. (The numbers of the stage: tests/distributed/test_stage_estimators.py.)"""
+when the groups cannot be cut evenly over the dp ranks. (The numbers of the stage: tests/distributed/test_stage_estimators.py.)"""
 
 from __future__ import annotations
 
@@ -52,11 +51,12 @@ def test_estimators_without_groups_keep_the_step_order(name):
 
 
 def test_what_the_workers_cannot_compute_stays_on_the_driver():
-    assert "gdpo" not in stage_estimators() and stage_order(_rows(INTERLEAVED), _cfg("gdpo"), dp=2) is None
-    with pytest.raises(ValueError, match=r"'gdpo' does not run on the workers' shards.*reward_components"):
+    # gdpo runs on the workers, its reward components sent per row (the stage needs their names)
+    assert "gdpo" in stage_estimators() and _whole_groups(stage_order(_rows(INTERLEAVED), _cfg("gdpo"), dp=2), INTERLEAVED, 2)
+    with pytest.raises(ValueError, match=r"'gdpo' reads named reward components.*algorithm.gdpo_reward_keys"):
         StageRequest("gdpo")
-    with_weights = _cfg("optimal_token_baseline", rollout_is="token")
-    assert stage_order(_rows(INTERLEAVED), with_weights, dp=2) is None
+    with_weights = _cfg("optimal_token_baseline", rollout_is="token")  # its weights: the correction's worker column
+    assert _whole_groups(stage_order(_rows(INTERLEAVED), with_weights, dp=2), INTERLEAVED, 2)
     assert stage_order(_rows(INTERLEAVED), _cfg("optimal_token_baseline", rollout_rs="token_k1"), dp=2) is not None
 
 

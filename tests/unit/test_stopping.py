@@ -12,7 +12,14 @@ import time
 import pytest
 
 from rlsp.controller import stopping
-from rlsp.controller.stopping import SIGTERM_EXIT_CODE, Terminated, catch_sigterm, signals_deferred, stop_exit_code
+from rlsp.controller.stopping import (
+    SIGTERM_EXIT_CODE,
+    StopRequest,
+    Terminated,
+    catch_sigterm,
+    signals_deferred,
+    stop_exit_code,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -35,6 +42,24 @@ def test_sigterm_raises_terminated_in_the_main_thread():
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert SIGTERM_EXIT_CODE == 143
+
+
+def test_an_armed_stop_request_takes_the_first_sigterm_and_the_second_stops_at_once():
+    """trainer.save_on_preempt: before the loop arms the request SIGTERM stops at once; once armed the first
+    one only sets `requested` (the loop checkpoints, then raises), the second raises."""
+    stop = StopRequest()
+    catch_sigterm(stop)
+    with pytest.raises(Terminated):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1)
+    assert not stop.requested
+    stop.armed = True
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.05)  # the handler has run without raising
+    assert stop.requested
+    with pytest.raises(Terminated):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1)
 
 
 @pytest.mark.parametrize(("signum", "raised"), [(signal.SIGTERM, Terminated), (signal.SIGINT, KeyboardInterrupt)],

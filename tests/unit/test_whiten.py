@@ -45,7 +45,7 @@ def test_estimators_without_batch_wide_sums_refuse_a_reduction():
     # it is refused, naming the estimators with batch-wide sums that take one.
     values, mask = _rows(3)
     inputs = AdvantageInputs(torch.nan_to_num(values), mask, index=["a", "a", "b", "b", "c", "c"], reduce=lambda x: x)
-    with pytest.raises(ValueError, match=r"'grpo' does not use reduce.*\['gae', 'gpg', 'reinforce_plus_plus', "
+    with pytest.raises(ValueError, match=r"'grpo' does not use reduce.*\['gae', 'gdpo', 'gpg', 'reinforce_plus_plus', "
                                          r"'reinforce_plus_plus_baseline'\]"):
         compute_advantages("grpo", inputs)
-    assert users_of("reduce") == ["gae", "gpg", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+    assert users_of("reduce") == ["gae", "gdpo", "gpg", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]

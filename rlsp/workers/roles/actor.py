@@ -11,9 +11,11 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
+from rlsp.algos.rollout_correction import RolloutCorrection
 from rlsp.config.lora_keys import lora_enabled
 from rlsp.data.batch import Batch
 from rlsp.data.vision_processor import PROCESSOR_FILES
+from rlsp.data.vision_run import policy_vision_tower
 from rlsp.engine.checkpoint import load_engine, save_engine
 from rlsp.engine.fsdp_engine import FSDPEngine
 from rlsp.engine.router_aux import aux_loss_coef, with_overrides
@@ -38,6 +40,7 @@ from rlsp.workers.roles.common import (
     token_budget,
     torch_compile_enabled,
 )
+from rlsp.workers.stage_correction import CORRECTION_READS, CORRECTION_REPORTS, CORRECTION_WRITES, run_correction
 from rlsp.workers.step_stage import STAGE_READS, STAGE_REPORTS, STAGE_WRITES, StageRequest, dp_sum, run_step_stage
 
 
@@ -58,7 +61,8 @@ def build_policy_engine(ctx: RoleContext, trainable: bool,
     arr = ctx.cfg.actor_rollout_ref
     note_padding("actor_rollout_ref.model", arr.model.use_remove_padding, "logprobs and entropy")
     compute = resolve_dtype(arr.model.dtype)
-    lm = load_causal_lm(arr.model.path, dtype=torch.float32 if trainable and lora is None else compute)
+    lm = load_causal_lm(arr.model.path, dtype=torch.float32 if trainable and lora is None else compute,
+                        vision_tower=policy_vision_tower(ctx.cfg))  # a Qwen3.5 wrapper with image rows: its tower too
     if trainable and arr.model.enable_gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if arr.model.tiled_mlp.enabled:  # before TP/FSDP; parameter names stay the same
@@ -135,6 +139,13 @@ class ActorRole:
         dims = self.engine.dims
         return run_step_stage(batch, request, dp_sum(dims.dp_group) if dims.dp_size > 1 else None)
 
+    @register(Dispatch.BY_DP, reads=CORRECTION_READS, writes=CORRECTION_WRITES, reports=CORRECTION_REPORTS)
+    def compute_rollout_correction(self, batch: Batch, settings: RolloutCorrection) -> Batch:
+        """Rollout-correction weights and the actor's mask of this dp shard, the normalisation's batch-wide sum
+        all-reduced over the dp group (rlsp.workers.stage_correction); no model pass."""
+        dims = self.engine.dims
+        return run_correction(batch, settings, dp_sum(dims.dp_group) if dims.dp_size > 1 else None)
+
     @register(Dispatch.BY_DP, reads=(*POLICY_INPUTS, "advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs",
                                      "rollout_is_weights", ROUTES_KEY))
     def update_actor(self, batch: Batch) -> dict[str, float]:
@@ -185,7 +196,7 @@ class ActorRole:
     def _save_hf_assets(self, path: str) -> None:
         """Config, tokenizer, generation config and processor files of the model (everything but the weights)."""
         source = self.cfg.actor_rollout_ref.model.path
-        self.engine.config.save_pretrained(path)
+        self.engine.hf_root.config.save_pretrained(path)  # the whole model's (a vision-language one's, not its text's)
         AutoTokenizer.from_pretrained(source).save_pretrained(path)
         if os.path.exists(os.path.join(source, "generation_config.json")):  # stop ids for generation
             GenerationConfig.from_pretrained(source).save_pretrained(path)

@@ -31,6 +31,7 @@ import torch
 from rlsp.agent.runner import AgentRunner
 from rlsp.data.batch import Batch
 from rlsp.data.dataset import chat_template_kwargs
+from rlsp.data.vision_run import policy_vision_tower
 from rlsp.engine.moe_load import find_routers
 from rlsp.engine.router_replay import ROUTES_KEY, replay_mode
 from rlsp.models.vision_inputs import MM_KEY
@@ -91,8 +92,10 @@ class RolloutRole:
                     "multi_stage_wake_up": r.multi_stage_wake_up,  # GPU: weights, then the KV cache, per sync
                     **vllm_engine_options(r, self.ctx.prompt_len + self.cfg.data.max_response_length,
                                           on_gpu=self.ctx.device.type == "cuda")}  # verl's engine options
-        routes = {"route_finder": find_routers} if self.record_routes else {}  # R3: rlsp.rollout.route_capture
-        return {"device": str(self.ctx.device), **routes}  # resolved (cuda:<i>), like the training engines' device
+        extra: dict[str, Any] = {"route_finder": find_routers} if self.record_routes else {}  # R3: rlsp.rollout.route_capture
+        if policy_vision_tower(self.cfg):  # a Qwen3.5 wrapper whose rows carry images: the actor's class, tower included
+            extra["vision_tower"] = True
+        return {"device": str(self.ctx.device), **extra}  # resolved (cuda:<i>), like the training engines' device
 
     @register(Dispatch.BY_DP, reads=("prompt_index", "prompt_ids", *ROW_FIELDS, *IMAGE_INPUTS), writes=ROLLOUT_WRITES,
               reports=ROLLOUT_REPORTS, new_rows=True)
@@ -143,17 +146,14 @@ class RolloutRole:
     def _generate(self, prompt_ids: list[list[int]], cfg: SamplingConfig, images: list[Any] | None) -> SegmentedOutput:
         """One-shot generation, or segment-wise with weight pick-ups when following a weight feed; `images`: each
         prompt's processor outputs (None: text), for the engines that take them (refused before start-up elsewhere)."""
-        if images is not None and any(entry is not None for entry in images):
-            if self.feed is not None:
-                raise ValueError("prompts with images in partial rollouts (a weight feed) are not supported")
-            out = self.engine.generate(prompt_ids, cfg, images=images)
-            return SegmentedOutput(out, [[self.version] * len(r) for r in out.response_ids])
+        with_images = {"images": images} if images is not None and any(e is not None for e in images) else {}
         if self.feed is None:
-            out = self.engine.generate(prompt_ids, cfg)
+            out = self.engine.generate(prompt_ids, cfg, **with_images)
             return SegmentedOutput(out, [[self.version] * len(r) for r in out.response_ids])
         self._pick_up_weights()
         segment = int(self.cfg.async_training.partial_rollout_segment_tokens)
-        return generate_in_segments(self.engine, prompt_ids, cfg, segment, self.version, self._pick_up_weights)
+        return generate_in_segments(self.engine, prompt_ids, cfg, segment, self.version, self._pick_up_weights,
+                                    **with_images)  # each continued request keeps its prompt's images
 
     def _pick_up_weights(self) -> int:
         """Load the feed's weights if they are newer than the engine's; returns the version held now."""

@@ -9,7 +9,8 @@ row field (`distillation.teacher_key`, data_source): each row gets the logprobs 
 
 Every rank of a dp group must run the same micro-batches (FSDP gathers are collective), so a teacher
 scores every row of the shard it is called on and the rows are picked afterwards; the driver calls it
-only with the teachers some row of the whole batch routes to.
+only with the teachers some row of the whole batch routes to. Their logprobs stay here: the distillation
+term is added to the advantages on the same workers (`apply_distillation`, rlsp.workers.stage_distill).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from rlsp.workers.columns import POLICY_INPUTS, ROW_FIELDS
 from rlsp.workers.context import RoleContext
 from rlsp.workers.dispatch import Dispatch, register
 from rlsp.workers.roles.common import batch_temperature, fsdp_offload, token_budget
+from rlsp.workers.stage_distill import DISTILL_READS, DISTILL_REPORTS, DISTILL_WRITES, DistillRequest, run_distill_stage
 
 
 def build_teacher_engine(ctx: RoleContext, spec: TeacherSpec) -> FSDPEngine:
@@ -75,6 +77,12 @@ class TeacherRole:
             rows_B = torch.tensor([r == name for r in routes], dtype=torch.bool)
             out_BR[rows_B] = lp_BR[rows_B].to(out_BR.dtype)
         return Batch.from_dict({"teacher_logprobs": out_BR})
+
+    @register(Dispatch.BY_DP, reads=DISTILL_READS, writes=DISTILL_WRITES, reports=DISTILL_REPORTS)
+    def apply_distillation(self, batch: Batch, request: DistillRequest) -> Batch:
+        """advantages = A_task - coef * d (or -d) on this shard's rows, with the per-row values of the
+        distillation metrics (rlsp.workers.stage_distill); no model pass."""
+        return run_distill_stage(batch, request)
 
     @register(Dispatch.BY_DP, reads=(*POLICY_INPUTS, *ROW_FIELDS))
     def sp_self_check(self, batch: Batch) -> float:
