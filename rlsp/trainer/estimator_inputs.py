@@ -1,9 +1,9 @@
 """What the advantage estimator gets from the config and the batch, and the start-up checks of it.
 
-`advantage_inputs(batch, cfg)` assembles the estimator's one input record (rlsp.algos.adv_inputs):
-every setting from `algorithm.*` (the estimator's registration refuses one it does not read unless it
-is at its default), and, of the optional per-row inputs, exactly those the chosen estimator reads —
-each taken from the batch, with a clear error naming how to produce it when it is missing.
+`advantage_inputs(batch, cfg)` is the driver's call of the one builder of the estimator's input record
+(rlsp.algos.adv_columns.build_advantage_inputs): every setting from `algorithm.*` (`config_settings`; the
+estimator's registration refuses one it does not read unless it is at its default), gdpo's reward components
+from the reward function's per-row dicts (`reward_components`), and the batch's columns.
 
 `estimator_errors(cfg)` is preflight's part for the estimator: settings it would ignore, and what each
 estimator needs from the rest of the run (reward components for gdpo, the actor's sum of pi^2 for the
@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
+from rlsp.algos.adv_columns import build_advantage_inputs
 from rlsp.algos.adv_inputs import ESTIMATOR_DEFAULTS, AdvantageInputs
 from rlsp.algos.registry import estimator_uses, unused_settings, users_of
 from rlsp.data.batch import Batch
@@ -29,14 +30,6 @@ from rlsp.workers.step_stage import COMPONENTS_KEY
 # Estimator setting -> its config key.
 SETTING_KEYS = {"norm_adv_by_std": "algorithm.norm_adv_by_std_in_grpo", "gamma": "algorithm.gamma",
                 "lam": "algorithm.lam", "gdpo_reward_weights": "algorithm.gdpo_reward_weights"}
-# Optional per-row input -> (batch key, what produces it).
-BATCH_INPUTS = {
-    "values_BR": ("values", "the critic (algorithm.adv_estimator=gae builds one)"),
-    "reward_baselines_B": ("reward_baselines", "the greedy baseline rollout (rlsp.trainer.baselines)"),
-    "old_logprobs_BR": ("old_logprobs", "the actor's logprob pass"),
-    "sum_pi_squared_BR": ("sum_pi_squared", "the actor's logprob pass with "
-                          "actor_rollout_ref.actor.calculate_sum_pi_squared=true"),
-}
 
 
 def config_settings(cfg: Any) -> dict[str, Any]:
@@ -51,24 +44,11 @@ def config_settings(cfg: Any) -> dict[str, Any]:
 def advantage_inputs(batch: Batch, cfg: Any) -> AdvantageInputs:
     """The estimator's input record for `batch` under config `cfg` (see the module docstring)."""
     name = cfg.algorithm.adv_estimator
-    uses = estimator_uses(name)
-    rows: dict[str, Any] = {}
-    for field, (key, source) in BATCH_INPUTS.items():
-        if field not in uses:
-            continue
-        if key not in batch:
-            raise RuntimeError(f"advantage estimator {name!r} needs {key!r} from {source}; the batch has none")
-        rows[field] = batch[key]
-    if "reward_components" in uses:
-        rows["reward_components"] = reward_components(batch, list(cfg.algorithm.gdpo_reward_keys or []))
-    if reads_is_weights(cfg):  # verl hands the optimal token baseline the rollout IS weights
-        if "rollout_is_weights" not in batch:
-            raise RuntimeError(f"advantage estimator {name!r} reads the rollout-correction weights "
-                               "(algorithm.rollout_correction.rollout_is); the batch has none: run the correction "
-                               "(rlsp.trainer.off_policy.correct_rollout) before the advantages")
-        rows["rollout_is_weights_BR"] = batch["rollout_is_weights"]
-    return AdvantageInputs(batch["token_level_rewards"], batch["response_mask"], batch.meta["uid"],
-                           **config_settings(cfg), **rows)
+    keys = list(cfg.algorithm.gdpo_reward_keys or [])
+    components = reward_components(batch, keys) if "reward_components" in estimator_uses(name) else None
+    # is_weights: verl hands the optimal token baselines the rollout-correction weights
+    return build_advantage_inputs(name, batch, batch.meta.get("uid"), config_settings(cfg), components=components,
+                                  is_weights=reads_is_weights(cfg))
 
 
 def reward_components(batch: Batch, keys: list[str]) -> dict[str, torch.Tensor]:

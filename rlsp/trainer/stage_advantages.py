@@ -39,7 +39,7 @@ from rlsp.data.batch import Batch
 from rlsp.trainer.estimator_inputs import advantage_inputs, config_settings, set_stage_components
 from rlsp.trainer.off_policy import reads_is_weights
 from rlsp.trainer.row_advantages import ROW_LEVEL_ESTIMATORS
-from rlsp.workers.step_stage import StageRequest, stage_estimators
+from rlsp.workers.step_stage import StageRequest
 
 
 def _rows_by_group(uids: Sequence[Any]) -> dict[Any, list[int]]:
@@ -103,7 +103,7 @@ def needs_group_shards(cfg: Any) -> bool:
     """Whether the step's estimator reads groups and runs on the workers (the outcome estimators that the
     driver computes from per-row values, rlsp.trainer.row_advantages, do not need group shards)."""
     alg, name = cfg.algorithm, cfg.algorithm.adv_estimator
-    if name not in stage_estimators() or not reads_groups(name):
+    if not reads_groups(name):
         return False
     shaped = bool(OmegaConf.select(cfg, "reward.reward_kwargs.overlong_buffer_cfg.enable", default=False))
     return (name not in ROW_LEVEL_ESTIMATORS or bool(alg.use_kl_in_reward) or shaped
@@ -127,10 +127,7 @@ def _dp_size(wg: Any) -> int:
 def stage_order(batch: Any, cfg: Any, dp: int) -> list[int] | None:
     """The row order in which the workers compute this step's advantages (None: the driver computes them;
     see the module docstring)."""
-    name = cfg.algorithm.adv_estimator
-    if name not in stage_estimators():
-        return None
-    uids = list(batch.meta["uid"]) if reads_groups(name) else []
+    uids = list(batch.meta["uid"]) if reads_groups(cfg.algorithm.adv_estimator) else []
     if not uids or whole_groups(uids, dp):
         return list(range(len(batch)))
     return group_aligned_order(uids, dp)

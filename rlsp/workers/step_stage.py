@@ -35,22 +35,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlsp.algos.adv_inputs import AdvantageInputs
+from rlsp.algos.adv_columns import build_advantage_inputs
 from rlsp.algos.aggregation import masked_sum
 from rlsp.algos.kl_ctrl import compute_kl_penalty
-from rlsp.algos.registry import compute_advantages, estimator_uses, list_adv_estimators, reads_groups
+from rlsp.algos.registry import compute_advantages, estimator_uses
 from rlsp.data.batch import Batch
 from rlsp.rewards.token_scores import shaped_token_scores
 
-# The estimators' optional per-row inputs the stage provides -> the column it reads them from.
-STAGE_INPUTS = {"values_BR": "values", "reward_baselines_B": "reward_baselines", "old_logprobs_BR": "old_logprobs",
-                "sum_pi_squared_BR": "sum_pi_squared"}
 # gdpo's named reward components: one float per row and component, [B, K] in the order of the request's
 # `components` (the driver takes them from the reward function's per-row dicts: rlsp.trainer.estimator_inputs).
 COMPONENTS_KEY = "reward_components"
-# Inputs the stage does not provide: none (the optimal token baselines' rollout-correction weights are the
-# column the correction wrote before the stage, rlsp.workers.stage_correction: `StageRequest.rollout_is_weights`).
-NOT_ON_WORKERS: tuple[str, ...] = ()
 STAGE_READS = ("token_level_scores", "row_reward", "rm_scores", "overlong_reward", "step_rewards", "response_mask",
                "old_logprobs", "ref_logprobs", "values", "reward_baselines", "sum_pi_squared", COMPONENTS_KEY, "rollout_is_weights",
                "uid")
@@ -62,14 +56,9 @@ STAGE_REPORTS = ("reward_kl", *ROW_SUMS)
 STAGE_WRITES = ("token_level_rewards", "advantages", "returns", *STAGE_REPORTS)
 
 
-def stage_estimators() -> tuple[str, ...]:
-    """The registered estimators that run on the workers' shards: every one whose inputs they hold."""
-    return tuple(n for n in list_adv_estimators() if not set(estimator_uses(n)) & set(NOT_ON_WORKERS))
-
-
 @dataclass(frozen=True)
 class StageRequest:
-    """What the workers compute: `estimator` (one of `stage_estimators()`, or None: the token rewards only)
+    """What the workers compute: `estimator` (any registered one, or None: the token rewards only)
     with its `settings` (algorithm.*: rlsp.trainer.estimator_inputs.config_settings), the KL penalty in
     the reward with coefficient `kl_coef` and estimate `kl_kind` (None: no KL in the reward), and whether
     the scores get the agent loop's `step_rewards` (when the driver has not built them, `token_scores`); gdpo's
@@ -86,11 +75,6 @@ class StageRequest:
     rollout_is_weights: bool = False  # the estimator reads the rollout-correction weights (algorithm.rollout_correction.rollout_is)
 
     def __post_init__(self) -> None:
-        legal = stage_estimators()
-        if self.estimator is not None and self.estimator not in legal:
-            raise ValueError(f"advantage estimator {self.estimator!r} does not run on the workers' shards (it reads "
-                             f"{sorted(set(estimator_uses(self.estimator)) & set(NOT_ON_WORKERS))}, which the "
-                             f"driver holds); estimators that do: {list(legal)}")
         if self.estimator is not None and "reward_components" in estimator_uses(self.estimator) and not self.components:
             raise ValueError(f"advantage estimator {self.estimator!r} reads named reward components: give their names "
                              "(algorithm.gdpo_reward_keys) as the request's components")
@@ -143,32 +127,6 @@ def row_sums(columns: dict[str, torch.Tensor], mask_BR: torch.Tensor) -> dict[st
     return out
 
 
-def estimator_inputs(rows: Batch, rewards_BR: torch.Tensor, request: StageRequest,
-                     reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> AdvantageInputs:
-    """The estimator's record for these rows: its settings, the per-row inputs it reads (`STAGE_INPUTS`), the
-    rows' groups (uid) when it reads them, and `reduce` when it declares batch-wide sums."""
-    name = request.estimator
-    uses = estimator_uses(name)
-    missing = [k for f, k in STAGE_INPUTS.items() if f in uses and k not in rows]
-    if missing:
-        raise RuntimeError(f"advantage estimator {name!r} needs {missing} in the step stage's rows (they have "
-                           f"{sorted(rows.keys())}): produce them before the advantages")
-    extra = {f: rows[k] for f, k in STAGE_INPUTS.items() if f in uses}
-    if "rollout_is_weights_BR" in uses and request.rollout_is_weights:
-        if "rollout_is_weights" not in rows:
-            raise RuntimeError(f"advantage estimator {name!r} was asked to read the rollout-correction weights, but the "
-                               "rows have no 'rollout_is_weights': run the correction (ActorRole.compute_rollout_correction) "
-                               "before the advantages")
-        extra["rollout_is_weights_BR"] = rows["rollout_is_weights"]
-    if "reward_components" in uses:
-        extra["reward_components"] = component_inputs(rows, request.components)
-    index = rows.meta.get("uid") if reads_groups(name) else None
-    if reads_groups(name) and index is None:
-        raise RuntimeError(f"advantage estimator {name!r} needs each row's group (meta 'uid'); the rows have none")
-    return AdvantageInputs(rewards_BR, rows["response_mask"], index, reduce=reduce if "reduce" in uses else None,
-                           **request.settings, **extra)
-
-
 def component_inputs(rows: Batch, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """gdpo's reward components of these rows, name -> [B], from the column `COMPONENTS_KEY` [B, K]."""
     if COMPONENTS_KEY not in rows:
@@ -194,7 +152,10 @@ def run_step_stage(rows: Batch, request: StageRequest,
         rewards_BR = columns["scores"]
     columns["token_level_rewards"] = rewards_BR
     if request.estimator is not None:
-        inputs = estimator_inputs(rows, rewards_BR, request, reduce)
+        components = component_inputs(rows, request.components) if request.components else None
+        inputs = build_advantage_inputs(request.estimator, {k: rows[k] for k in rows.tensors.keys()} | columns,
+                                        rows.meta.get("uid"), request.settings, reduce, components,
+                                        is_weights=request.rollout_is_weights)  # the correction's column
         if inputs.values_BR is not None:
             columns["values"] = inputs.values_BR
         columns["advantages"], columns["returns"] = compute_advantages(request.estimator, inputs)

@@ -1,4 +1,4 @@
-"""Every estimator the step stage runs (rlsp.workers.step_stage.stage_estimators), with KL in the reward, on two
+"""Every registered estimator, run by the step stage (rlsp.workers.step_stage), with KL in the reward, on two
 data-parallel ranks against the driver's one-process computation, every element; once on the rows' scores
 alone and once with dapo's overlong penalty and tool step rewards, which the stage adds to the scores itself
 from the per-row penalty and the step-reward column (the driver built them in place before).
@@ -26,15 +26,16 @@ import torch
 from _launch import layout_dims, run_distributed
 from tolerances import assert_tensor_close, roundoff_rtol
 
+from rlsp.algos.adv_columns import INPUT_COLUMNS
 from rlsp.algos.adv_inputs import AdvantageInputs
 from rlsp.algos.aggregation import group_mean_std, masked_sum
 from rlsp.algos.kl_ctrl import apply_kl_penalty, batch_kl
-from rlsp.algos.registry import compute_advantages, estimator_uses
+from rlsp.algos.registry import compute_advantages, estimator_uses, list_adv_estimators
 from rlsp.data.batch import Batch
 from rlsp.rewards.overlong import OverlongShaping, compute_overlong_penalty
 from rlsp.rewards.scoring import place_scores
 from rlsp.trainer.stage_advantages import group_aligned_order
-from rlsp.workers.step_stage import STAGE_INPUTS, STAGE_READS, StageRequest, dp_sum, run_step_stage, stage_estimators
+from rlsp.workers.step_stage import STAGE_READS, StageRequest, dp_sum, run_step_stage
 
 pytestmark = pytest.mark.distributed
 
@@ -84,7 +85,7 @@ def _stage_worker(rank: int, world: int) -> dict[tuple[str, bool], dict[str, tor
     for shaped in (False, True):  # the rows' scores alone, or with the overlong penalty and step rewards
         keys = [k for k in STAGE_READS if k in rows.tensors.keys() and (shaped or k not in SHAPED)]
         shard = Batch.from_dict({k: rows[k] for k in keys}, meta={"uid": rows.meta["uid"]})
-        for name in stage_estimators():
+        for name in list_adv_estimators():
             result = run_step_stage(shard, _request(name, shaped), reduce)
             out[name, shaped] = {k: result[k] for k in result.keys()}
     return out
@@ -107,7 +108,7 @@ def _reference(name: str, shaped: bool) -> dict[str, torch.Tensor]:
     mask = full["response_mask"]
     rewards, current_kl = apply_kl_penalty(_scores(full, shaped), full["old_logprobs"],
                                            full["ref_logprobs"], mask, request.kl_coef, request.kl_kind)
-    extra = {f: full[k] for f, k in STAGE_INPUTS.items() if f in estimator_uses(name)}
+    extra = {f: full[k] for f, (k, _) in INPUT_COLUMNS.items() if f in estimator_uses(name) and k in full}
     if "reward_components" in estimator_uses(name):
         extra["reward_components"] = dict(zip(COMPONENTS, full["reward_components"].unbind(-1)))
     adv, ret = compute_advantages(name, AdvantageInputs(rewards, mask, UIDS, **request.settings, **extra))
@@ -142,9 +143,9 @@ def test_group_aligned_order_keeps_groups_whole():
 
 
 def test_every_stage_estimator_with_kl_on_dp_shards_equals_the_driver():
-    assert set(stage_estimators()) >= {"grpo", "rloo", "gpg", "opo", "grpo_passk", "remax", "gae", "reinforce_plus_plus",
-                                       "reinforce_plus_plus_baseline", "optimal_token_baseline",
-                                       "tir_optimal_token_baseline", "grpo_vectorized", "rloo_vectorized", "gdpo"}
+    assert set(list_adv_estimators()) >= {"grpo", "rloo", "gpg", "opo", "grpo_passk", "remax", "gae",
+                                          "reinforce_plus_plus", "reinforce_plus_plus_baseline", "optimal_token_baseline",
+                                          "tir_optimal_token_baseline", "grpo_vectorized", "rloo_vectorized", "gdpo"}
     results = run_distributed(_stage_worker, 2)
     order = group_aligned_order(UIDS, 2)
     back = sorted(range(B), key=order.__getitem__)

@@ -152,7 +152,7 @@ def test_trainer_hands_the_actor_outputs_and_the_is_weights_to_the_estimator() -
     # Token-level truncated IS (threshold 2): rho = pi_old / pi_rollout = [1.5, 3 -> 2, 1], [1, .5], [2], the
     # column the correction wrote on the workers before the advantages (rlsp.workers.stage_correction).
     weighted_cfg = _otb_cfg(**{"algorithm.rollout_correction.rollout_is": "token"})
-    with pytest.raises(RuntimeError, match="reads the rollout-correction weights .* run the correction"):
+    with pytest.raises(RuntimeError, match="needs 'rollout_is_weights' from the rollout correction .*, run before the advantages"):
         advantage_inputs(batch, weighted_cfg)
     batch.update(run_correction(batch, rollout_correction_settings(weighted_cfg), None))
     rho = advantage_inputs(batch, weighted_cfg).rollout_is_weights_BR
