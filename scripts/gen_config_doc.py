@@ -75,7 +75,7 @@ count *prompts*; each yields `rollout.n` samples. `*_micro_batch_size_per_gpu` c
 worker per forward. Generation splits prompts over all workers; training splits samples over the
 dp = workers / sp groups, and every rank of an sp group gets the same rows.
 
-`builtin://tiny-qwen2` and `builtin://arithmetic/{train,test}` are built locally under
+`builtin://tiny-qwen2`, `builtin://tiny-qwen2.5-vl` (a tiny vision-language model) and `builtin://arithmetic/{train,test}` are built locally under
 `trainer.cache_dir` on first use; any other value is a local path.
 
 | key | default | notes |

@@ -13,16 +13,12 @@ CLI: `python -m rlsp.models.tiny --out DIR [--layers N --heads H --kv-heads K --
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import hashlib
-import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rlsp.config.choices import VLLM_CPU_HEAD_DIMS
+from rlsp.models.built_dir import build_atomically, built_digest, spec_digest, write_spec_file
 
 if TYPE_CHECKING:  # torch and transformers are imported where a model is built: a built one needs neither
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -75,8 +71,7 @@ class TinyModelSpec:
 
     def digest(self) -> str:
         """Hash of the spec and factory version; a mismatch triggers a rebuild."""
-        payload = json.dumps({"spec": dataclasses.asdict(self), "version": FACTORY_VERSION}, sort_keys=True)
-        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+        return spec_digest(self, FACTORY_VERSION)
 
 
 def build_tiny_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_ids: list[int]) -> Qwen2Config:
@@ -131,8 +126,7 @@ def _write_model(spec: TinyModelSpec, out_dir: str) -> None:
     )
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
-    with open(os.path.join(out_dir, SPEC_FILE), "w") as f:
-        json.dump({"digest": spec.digest(), "spec": dataclasses.asdict(spec)}, f, indent=2)
+    write_spec_file(out_dir, SPEC_FILE, spec, spec.digest())
 
 
 def build_tiny_reward_model(spec: TinyModelSpec, out_dir: str, chat_template: str | None = None) -> str:
@@ -170,41 +164,15 @@ def build_tiny_model(spec: TinyModelSpec, out_dir: str) -> str:
 
 
 def _build(spec: TinyModelSpec, out_dir: str, keep_matching: bool) -> str:
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".tiny-build-", dir=parent)
-    try:
-        _write_model(spec, staging)
-        os.chmod(staging, 0o755)  # mkdtemp creates it owner-only
-        # Another process may have installed the same build meanwhile: keep it rather than delete
-        # a directory someone may be reading.
-        if keep_matching and _built_digest(out_dir) == spec.digest():
-            shutil.rmtree(staging)
-            return out_dir
-        if os.path.exists(out_dir):
-            shutil.rmtree(out_dir)
-        os.replace(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        if keep_matching and _built_digest(out_dir) == spec.digest():
-            return out_dir  # lost a rename race against an identical build
-        raise
-    return out_dir
-
-
-def _built_digest(out_dir: str) -> str | None:
-    try:
-        with open(os.path.join(out_dir, SPEC_FILE)) as f:
-            return json.load(f).get("digest")
-    except (OSError, ValueError):
-        return None
+    return build_atomically(out_dir, lambda staging: _write_model(spec, staging), spec.digest(), SPEC_FILE,
+                            keep_matching)
 
 
 def ensure_tiny_model(out_dir: str, spec: TinyModelSpec | None = None) -> str:
     """Return `out_dir` (absolute), building the model only if missing or built from another spec."""
     spec = spec or TinyModelSpec()
     out_dir = os.path.abspath(out_dir)
-    if _built_digest(out_dir) == spec.digest():
+    if built_digest(out_dir, SPEC_FILE) == spec.digest():
         return out_dir
     return _build(spec, out_dir, keep_matching=True)
 

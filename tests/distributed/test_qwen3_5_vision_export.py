@@ -1,6 +1,6 @@
 """A Qwen3.5 checkpoint trained with its vision tower exports as the vision-language model, processor included.
 
-The tiny qwen3_5 of tests/tiny_vl.py with the tiny processor files (tests/tiny_vl_processor.py), loaded with its tower
+The tiny qwen3_5 of tests/tiny_vl.py with the tiny processor files (rlsp/models/tiny_vl.py), loaded with its tower
 as the actor loads it for rows with images (rlsp.data.vision_run), takes one update at Ulysses 2 on rows with 0, 1 and
 2 images and is saved as the actor saves it (sharded model state, the model's config -- still qwen3_5, not its text
 config -- tokenizer and processor files). `export_hf` then writes a directory that AutoModelForImageTextToText and
@@ -18,7 +18,6 @@ import torch
 from _launch import layout_dims, run_distributed
 from test_fsdp_engine import LOSS
 from tiny_vl import build_tiny_vl, hf_row_logprobs, hybrid_vl_config, vl_rows
-from tiny_vl_processor import write_tiny_vl_processor
 from tolerances import decoder_chain, logprob_tol
 from transformers import AutoModelForImageTextToText, AutoTokenizer
 
@@ -28,6 +27,7 @@ from rlsp.engine.export import export_hf
 from rlsp.engine.fsdp_engine import FSDPEngine
 from rlsp.engine.optim import OptimSettings
 from rlsp.models.loading import load_causal_lm
+from rlsp.models.tiny_vl import write_tiny_vl_processor
 from rlsp.models.vision_lm import build_logprob_model
 from rlsp.workers.actor_loss import make_actor_loss
 from rlsp.workers.ppo_loop import global_counts

@@ -1,7 +1,7 @@
 """End to end: 2 GRPO steps of Qwen3.5 (a hybrid Gated DeltaNet vision-language checkpoint) on prompts with images.
 
 `rlsp.main.run` on the tiny random qwen3_5 of tests/tiny_vl.py (transformers' classes; its tower without deepstack)
-beside the tiny processor files of tests/tiny_vl_processor.py (their vocabulary and vision token ids are the model's),
+beside the tiny processor files of rlsp/models/tiny_vl.py (their vocabulary and vision token ids are the model's),
 on the synthetic shapes task: because the rows carry images, the actor at Ulysses 2, the reference and the hf rollout
 engine load the checkpoint with its vision tower (rlsp.data.vision_run) instead of as its text model; the engine
 decodes with the model's own cache (Gated DeltaNet conv and recurrent state, gated attention keys) and interleaved
@@ -28,12 +28,12 @@ from test_families_grpo import FINITE, OVERRIDES
 from test_grpo_e2e import ray_session  # noqa: F401 (the module's shared Ray session)
 from test_sequence_layouts_e2e import run_logprob_tol
 from tiny_vl import build_tiny_vl, hybrid_vl_config
-from tiny_vl_processor import write_tiny_vl_processor
 from transformers import AutoModelForImageTextToText
 
 from rlsp.config.schema import RLSPConfig
 from rlsp.data.tasks.shapes import write_shapes_parquet
 from rlsp.data.vision_processor import load_processor
+from rlsp.models.tiny_vl import write_tiny_vl_processor
 
 pytestmark = pytest.mark.e2e
 

@@ -27,11 +27,11 @@ from omegaconf import OmegaConf
 from test_families_grpo import FINITE, OVERRIDES
 from test_grpo_e2e import ray_session  # noqa: F401 (the module's shared Ray session)
 from test_sequence_layouts_e2e import run_logprob_tol
-from tiny_vl_processor import write_tiny_vl_dir
 from transformers import AutoConfig, AutoModelForImageTextToText
 
 from rlsp.config.schema import RLSPConfig
 from rlsp.data.tasks.shapes import write_shapes_parquet
+from rlsp.models.tiny_vl import write_tiny_vl_dir
 
 pytestmark = pytest.mark.e2e
 

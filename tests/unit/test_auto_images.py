@@ -28,8 +28,8 @@ from rlsp.data.dataset import prompt_report
 from rlsp.data.image_count import largest_row_image_tokens, train_image_tokens
 from rlsp.data.multimodal import IMAGE_PLACEHOLDER
 from rlsp.data.vision_processor import load_processor
+from rlsp.models.tiny_vl import write_tiny_vl_dir
 from rlsp.plan.memory import HeadShare, MemoryOptions, Workload, activation_terms
-from tests.tiny_vl_processor import write_tiny_vl_dir
 
 KEY = "actor_rollout_ref.model.enable_gradient_checkpointing"
 PROMPT, RESPONSE, TOKENS = 64, 64, 512  # rows of up to 128 tokens, micro-batches of 512

@@ -14,7 +14,7 @@ from PIL import Image
 from rlsp.data.dataset import PromptDataset, prompt_report
 from rlsp.data.multimodal import IMAGE_PLACEHOLDER, Where, decode_images, multimodal_meta, vision_prompt
 from rlsp.data.vision_processor import has_torchvision, load_processor
-from tests.tiny_vl_processor import MERGE, write_tiny_vl_dir
+from rlsp.models.tiny_vl import MERGE, write_tiny_vl_dir
 
 KEY = "actor_rollout_ref.model.path"
 

@@ -13,7 +13,7 @@ import pytest
 from rlsp.check import run_checks
 from rlsp.data.tasks.shapes import write_shapes_parquet
 from rlsp.data.vision_processor import has_torchvision
-from tests.tiny_vl_processor import write_tiny_vl_dir
+from rlsp.models.tiny_vl import write_tiny_vl_dir
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Qwen3.5 / Qwen3.5-MoE with images in a run: the hf rollout engine, the load decision and the checks.
 
 The tiny hybrid vision-language models of tests/tiny_vl.py in a directory with the tiny processor of
-tests/tiny_vl_processor.py (its vocabulary and vision token ids are the model's). Checked:
+rlsp/models/tiny_vl.py (its vocabulary and vision token ids are the model's). Checked:
 * the hf rollout engine loaded with the tower (`vision_tower=True`) samples left-padded prompts with 0, 1 and 2 images
   (Gated DeltaNet conv and recurrent state and the gated attention's keys kept while decoding, interleaved
   multimodal rope continued after each prompt), and every sampled token's logprob equals the trainer's packed forward
@@ -21,13 +21,13 @@ import pandas as pd
 import pytest
 import torch
 from tiny_vl import HYBRID_VL_FAMILIES, IMAGE, PIXEL_DIM, build_tiny_vl, hybrid_vl_config, vl_rows
-from tiny_vl_processor import write_tiny_vl_processor
 from tolerances import decoder_chain, logprob_tol
 
 from rlsp.check import main as check_main
 from rlsp.data.tasks.shapes import write_shapes_parquet
 from rlsp.data.vision_run import policy_vision_tower, tower_switch_problem
 from rlsp.models.loading import load_causal_lm
+from rlsp.models.tiny_vl import write_tiny_vl_processor
 from rlsp.rollout.base import SamplingConfig
 from rlsp.rollout.hf_engine import HFEngine
 

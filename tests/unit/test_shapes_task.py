@@ -75,10 +75,12 @@ def test_count_rows_hold_that_many_shapes_of_the_asked_kind(seed):
     ("red", "red", 1.0), (" Red.<|im_end|>", "red", 1.0), ("red square", "red", 0.5), ("blue", "red", 0.1),
     ("purple", "red", 0.0), ("", "red", 0.0), ("3", "3", 1.0), ("03", "3", 1.0), ("3 squares", "3", 0.5),
     ("30", "3", 0.1), ("2", "3", 0.1), ("red", "3", 0.0), ("three", "3", 0.0),
+    ("r", "red", 0.05 / 3), ("re", "red", 0.1 / 3), ("rxq", "red", 0.05 / 3), ("yell<|im_end|>", "yellow", 0.05 * 4 / 6),
+    ("x", "3", 0.0), ("ed", "red", 0.0),
 ])
 def test_reward_tiers(response, truth, score):
-    assert score_shapes(response, truth) == score
-    assert get_reward_fn(DATA_SOURCE)(DATA_SOURCE, response, truth) == score
+    assert score_shapes(response, truth) == pytest.approx(score, rel=1e-12)
+    assert get_reward_fn(DATA_SOURCE)(DATA_SOURCE, response, truth) == pytest.approx(score, rel=1e-12)
 
 
 def test_cli_writes_parquet_the_reward_scores(tmp_path):

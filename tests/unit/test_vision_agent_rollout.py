@@ -1,5 +1,5 @@
 """Images in agent loops and partial rollouts, on the hf engine with a tiny random Qwen2.5-VL / Qwen3-VL and its real
-processor (tests/tiny_vl.py, tests/tiny_vl_processor.py: the PIL image processor, Qwen-VL vision tokens, chat
+processor (tests/tiny_vl.py, rlsp/models/tiny_vl.py: the PIL image processor, Qwen-VL vision tokens, chat
 template).
 
 * A 2-turn agent loop over a prompt with an image (rlsp.workers.agent_rollout.agent_generate, the real runner and
@@ -25,7 +25,6 @@ import pytest
 import torch
 from PIL import Image
 from tiny_vl import IMAGE, write_tiny_vl
-from tiny_vl_processor import write_tiny_vl_processor
 from tolerances import decoder_chain, logprob_tol
 from transformers import AutoConfig, AutoTokenizer
 
@@ -38,6 +37,7 @@ from rlsp.data.vision_processor import image_run_errors, load_processor
 from rlsp.engine.micro import prepare_micro_batch
 from rlsp.models.family_checks import num_heads
 from rlsp.models.loading import build_causal_lm_from_config
+from rlsp.models.tiny_vl import write_tiny_vl_processor
 from rlsp.models.vision_lm import VisionLogprobModel
 from rlsp.rollout import SamplingConfig, build_rollout_engine
 from rlsp.rollout.segments import generate_in_segments
