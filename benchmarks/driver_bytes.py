@@ -6,6 +6,7 @@
     python benchmarks/driver_bytes.py --workload small-grpo  # grpo_step.py's small workload (256 tokens, vLLM), 2 steps
     python benchmarks/driver_bytes.py --workload small-ppo   # the same with a critic
     python benchmarks/driver_bytes.py --workload large-grpo  # tiny model, 128 prompts x 8 samples x 1024 forced tokens, 2 steps
+    python benchmarks/driver_bytes.py --workload large-ppo   # the same with a critic (GAE)
     python benchmarks/driver_bytes.py --workload stage-grpo-kl --response-length 64  # the step stage's algorithms:
     #   stage-grpo-kl, stage-rloo-kl, stage-gpg-kl, stage-otb, stage-grpo-overlong (dapo's shaping), stage-distill
     #   (GRPO + on-policy distillation from a tiny teacher of other weights), stage-gdpo (two reward components),
@@ -61,6 +62,7 @@ CORRECTION = {"algorithm.rollout_correction.rollout_is": "token", "algorithm.rol
 WORKLOADS = {  # name: (grpo_step.py workload, overrides on top, steps)
     "tiny-grpo": ("tiny", {}, 4), "tiny-ppo": ("tiny", PPO, 4), "tiny-async": ("tiny", ASYNC, 4),
     "small-grpo": ("small", {}, 2), "small-ppo": ("small", PPO, 2), "large-grpo": ("tiny", LARGE, 2),
+    "large-ppo": ("tiny", {**LARGE, **PPO}, 2),
     "stage-grpo-kl": ("tiny", {**STAGE, **KL, "algorithm.adv_estimator": "grpo"}, 3),
     "stage-rloo-kl": ("tiny", {**STAGE, **KL, "algorithm.adv_estimator": "rloo"}, 3),
     "stage-gpg-kl": ("tiny", {**STAGE, **KL, "algorithm.adv_estimator": "gpg"}, 3),
