@@ -18,20 +18,15 @@ multimodal rope, and the trained weights -- tower included -- are synced into it
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
-from test_families_grpo import FINITE, OVERRIDES
 from test_grpo_e2e import ray_session  # noqa: F401 (the module's shared Ray session)
-from test_sequence_layouts_e2e import run_logprob_tol
+from test_vision_grpo import run_vision_grpo
 from tiny_vl import build_tiny_vl, hybrid_vl_config
 from transformers import AutoModelForImageTextToText
 
-from rlsp.config.schema import RLSPConfig
-from rlsp.data.tasks.shapes import write_shapes_parquet
 from rlsp.data.vision_processor import load_processor
 from rlsp.models.tiny_vl import write_tiny_vl_processor
 
@@ -40,27 +35,10 @@ pytestmark = pytest.mark.e2e
 
 @pytest.mark.usefixtures("ray_session")
 def test_qwen3_5_grpo_with_images_two_steps_ulysses2_hf_rollouts(tmp_path: Path, capsys) -> None:
-    from rlsp.main import run
-
     model = write_tiny_vl_processor(str(tmp_path / "model"))
     initial = build_tiny_vl(hybrid_vl_config("qwen3_5"))
     initial.save_pretrained(model)
-    train, test = write_shapes_parquet(str(tmp_path / "data"), n_train=8, n_test=2, image_size=24)
-    cfg = OmegaConf.structured(RLSPConfig)
-    for key, val in {**OVERRIDES, "actor_rollout_ref.model.path": model, "data.train_files": [train],
-                     "data.val_files": [test], "data.max_prompt_length": 96, "trainer.save_final_model": True,
-                     "trainer.default_local_dir": str(tmp_path / "run"),
-                     "trainer.cache_dir": str(tmp_path / "cache")}.items():
-        OmegaConf.update(cfg, key, val)
-    history = run(cfg)
-    assert [m["step"] for m in history] == [1, 2]
-    assert "sp self-check passed (actor)" in capsys.readouterr().err  # image rows at Ulysses 2 == unsharded
-    tol = run_logprob_tol(tmp_path / "run")
-    for metrics in history:
-        for key in FINITE:
-            assert isinstance(metrics[key], float) and math.isfinite(metrics[key]), (key, metrics.get(key))
-        assert metrics["actor/grad_norm"] > 0.0
-        assert metrics["rollout/logprob_diff_max"] <= tol, (metrics["step"], metrics["rollout/logprob_diff_max"], tol)
+    run_vision_grpo(tmp_path, model, capsys, **{"trainer.save_final_model": True})
     exported = AutoModelForImageTextToText.from_pretrained(tmp_path / "run" / "actor_hf", dtype=torch.float32)
     assert type(exported).__name__ == "Qwen3_5ForConditionalGeneration"
     before, after = dict(initial.named_parameters()), dict(exported.named_parameters())

@@ -44,16 +44,18 @@ def _vl_model(out: Path) -> str:
     return path
 
 
-@pytest.mark.usefixtures("ray_session")
-def test_vision_language_grpo_two_steps_ulysses2_hf_rollouts(tmp_path: Path, capsys) -> None:
+def run_vision_grpo(tmp_path: Path, model: str, capsys, **extra) -> list[dict]:
+    """2 GRPO steps of `model` on the shapes task at Ulysses 2 (OVERRIDES, hf rollouts) through rlsp.main.run, with
+    the checks every vision run shares: both steps finite, the start-up sp self-check on image rows passed, a non-zero
+    gradient, and the engine's sampling logprobs within tests/tolerances.py's bound of the trainer's."""
     from rlsp.main import run
 
     train, test = write_shapes_parquet(str(tmp_path / "data"), n_train=8, n_test=2, image_size=24)
     cfg = OmegaConf.structured(RLSPConfig)
-    for key, val in {**OVERRIDES, "actor_rollout_ref.model.path": _vl_model(tmp_path / "model"),
-                     "data.train_files": [train], "data.val_files": [test], "data.max_prompt_length": 96,
+    for key, val in {**OVERRIDES, "actor_rollout_ref.model.path": model, "data.train_files": [train],
+                     "data.val_files": [test], "data.max_prompt_length": 96,
                      "trainer.default_local_dir": str(tmp_path / "run"),
-                     "trainer.cache_dir": str(tmp_path / "cache")}.items():
+                     "trainer.cache_dir": str(tmp_path / "cache"), **extra}.items():
         OmegaConf.update(cfg, key, val)
     history = run(cfg)
     assert [m["step"] for m in history] == [1, 2]
@@ -64,3 +66,9 @@ def test_vision_language_grpo_two_steps_ulysses2_hf_rollouts(tmp_path: Path, cap
             assert isinstance(metrics[key], float) and math.isfinite(metrics[key]), (key, metrics.get(key))
         assert metrics["actor/grad_norm"] > 0.0
         assert metrics["rollout/logprob_diff_max"] <= tol, (metrics["step"], metrics["rollout/logprob_diff_max"], tol)
+    return history
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_vision_language_grpo_two_steps_ulysses2_hf_rollouts(tmp_path: Path, capsys) -> None:
+    run_vision_grpo(tmp_path, _vl_model(tmp_path / "model"), capsys)
