@@ -27,7 +27,7 @@ from rlsp.data.dataset import PromptDataset  # noqa: E402
 from rlsp.data.tasks.word_problems import write_word_problems_parquet  # noqa: E402
 from rlsp.rewards.gsm8k import score_gsm8k  # noqa: E402
 from rlsp.rollout import SamplingConfig, build_rollout_engine  # noqa: E402
-from rlsp.trainer.assets import resolve_data_files, resolve_model_path  # noqa: E402
+from rlsp.run.assets import resolve_data_files, resolve_model_path  # noqa: E402
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

@@ -12,7 +12,7 @@ import argparse
 import sys
 
 from rlsp.engine.export import export_hf
-from rlsp.trainer.checkpoint import latest_checkpoint
+from rlsp.run.checkpoint import latest_checkpoint
 from rlsp.utils.fast_exit import run_and_exit
 
 

@@ -63,7 +63,7 @@ from rlsp.controller.stopping import (
     stop_exit_code,
 )
 from rlsp.data.image_count import train_image_tokens
-from rlsp.trainer.checkpoint import finished_step, latest_checkpoint
+from rlsp.run.checkpoint import finished_step, latest_checkpoint
 from rlsp.utils.fast_exit import run_and_exit
 from rlsp.utils.logging import RUN_LOG_NAME, get_logger, log_to_run_file
 

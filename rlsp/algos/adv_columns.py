@@ -1,7 +1,7 @@
 """From a step's columns to the estimator's input record: the one place it is built.
 
-The driver (outcome advantages from per-row values, rlsp.trainer.row_advantages, and token-level ones it
-computes itself, rlsp.trainer.stage_advantages) and the policy workers' step stage (rlsp.workers.step_stage)
+The driver (outcome advantages from per-row values, rlsp.step.row_advantages, and token-level ones it
+computes itself, rlsp.step.stage_advantages) and the policy workers' step stage (rlsp.workers.step_stage)
 all call `build_advantage_inputs`: it takes any columns (a Batch, the driver's step after its reads, a dict)
 and gives the estimator the settings, exactly the optional per-row inputs it declares (rlsp.algos.registry),
 the rows' groups when it reads them and `reduce` when it declares batch-wide sums. `INPUT_COLUMNS` says which
@@ -24,7 +24,7 @@ from rlsp.algos.registry import estimator_uses, reads_groups
 # Optional per-row input (a field of AdvantageInputs) -> (the column holding it, what produces that column).
 INPUT_COLUMNS: dict[str, tuple[str, str]] = {
     "values_BR": ("values", "the critic (algorithm.adv_estimator=gae builds one)"),
-    "reward_baselines_B": ("reward_baselines", "the greedy baseline rollout (rlsp.trainer.baselines)"),
+    "reward_baselines_B": ("reward_baselines", "the greedy baseline rollout (rlsp.step.baselines)"),
     "old_logprobs_BR": ("old_logprobs", "the actor's logprob pass"),
     "sum_pi_squared_BR": ("sum_pi_squared", "the actor's logprob pass with "
                           "actor_rollout_ref.actor.calculate_sum_pi_squared=true"),
@@ -54,7 +54,7 @@ def build_advantage_inputs(name: str, columns: Columns, index: Sequence[Any] | n
                            is_weights: bool = False) -> AdvantageInputs:
     """Estimator `name`'s record for rows `columns` (token_level_rewards [B, R], response_mask [B, R] and the
     columns of `input_columns`), with group ids `index` (kept when it reads groups), `settings` (algorithm.*,
-    rlsp.trainer.estimator_inputs.config_settings), `reduce` (kept when it declares batch-wide sums) and gdpo's
+    rlsp.step.estimator_inputs.config_settings), `reduce` (kept when it declares batch-wide sums) and gdpo's
     named reward `components` (name -> [B])."""
     uses = estimator_uses(name)
     fields: dict[str, Any] = {}

@@ -12,7 +12,7 @@ loss is replaced by this one, chosen by `algorithm.rollout_correction.loss_type`
                          truncated importance weight pi_theta / pi_rollout (detached) of
                          `rollout_is` (token | sequence), or w = 1 with rollout_is=null (plain REINFORCE)
 
-Unlike the decoupled correction (rlsp/trainer/off_policy.py, computed once a step on the policy workers from
+Unlike the decoupled correction (rlsp/step/off_policy.py, computed once a step on the policy workers from
 the recomputed old logprobs), the weights and the rejection mask here come from the *current* logprobs,
 per micro-batch, inside the update (as verl computes them in its bypass loss): `rollout_is`,
 `rollout_is_threshold`, `rollout_is_batch_normalize` (the mean over the micro-batch's tokens or rows)

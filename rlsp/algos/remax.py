@@ -7,7 +7,7 @@ y_bar = argmax decoding of the same policy, the REINFORCE gradient with the gree
     sum_t grad log pi(y_t | x, y_<t) * (r(x, y) - r(x, y_bar)),
 
 so no critic and no group of samples is needed: one extra greedy generation per prompt (the trainer
-runs it, rlsp/trainer/baselines.py) gives b(x) = r(x, y_bar). As verl's "remax" estimator does, the
+runs it, rlsp/step/baselines.py) gives b(x) = r(x, y_bar). As verl's "remax" estimator does, the
 token-level form uses the undiscounted reward-to-go G_t = sum_{t' >= t} r_t' (equal to r(x, y) at every
 token for an outcome reward), and A_t = G_t - b(x).
 

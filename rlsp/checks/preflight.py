@@ -34,11 +34,11 @@ from rlsp.models.feature_support import run_feature_errors
 from rlsp.models.loading import read_model_config, tokenizer_problem
 from rlsp.rewards.loader import load_custom_reward_fn
 from rlsp.rollout.support import check_rollout_support
-from rlsp.trainer.assets import copy_to_shm, resolve_data_files, resolve_model_path
-from rlsp.trainer.distill import teacher_vocab_problems
-from rlsp.trainer.estimator_inputs import estimator_errors
-from rlsp.trainer.off_policy import check_rollout_correction_names
-from rlsp.trainer.trackers import check_trackers
+from rlsp.run.assets import copy_to_shm, resolve_data_files, resolve_model_path
+from rlsp.run.trackers import check_trackers
+from rlsp.step.distill import teacher_vocab_problems
+from rlsp.step.estimator_inputs import estimator_errors
+from rlsp.step.off_policy import check_rollout_correction_names
 from rlsp.utils.device import resolve_device_type
 from rlsp.utils.logging import get_logger
 
@@ -76,7 +76,7 @@ def _check_names(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None:
 
 def _check_estimator_settings(cfg: DictConfig, errors: list[str]) -> None:
     """A setting the chosen estimator does not read must stay at its default: never silently ignored;
-    and what the estimator needs from the run must be there (rlsp.trainer.estimator_inputs)."""
+    and what the estimator needs from the run must be there (rlsp.step.estimator_inputs)."""
     errors += estimator_errors(cfg)
 
 

@@ -33,7 +33,7 @@ from rlsp.config.lora_keys import lora_enabled
 from rlsp.config.schema import RLSPConfig
 from rlsp.data.vision_run import tower_switch_problem
 from rlsp.models.family_checks import text_model_config
-from rlsp.trainer.checkpoint import STEP_DIR, TrainerState, complete_steps, damaged_file, resolve_resume, step_dir
+from rlsp.run.checkpoint import STEP_DIR, TrainerState, complete_steps, damaged_file, resolve_resume, step_dir
 from rlsp.utils.dicts import flatten
 from rlsp.utils.logging import get_logger
 

@@ -17,7 +17,7 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 KL_ESTIMATOR_NAMES = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
 KL_CTRL_TYPES = ("fixed", "adaptive")
 BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")  # algorithm.rollout_correction.loss_type (verl's names)
-# trainer.logger entries; rlsp/trainer/trackers.py holds one adapter per name (and asserts the match).
+# trainer.logger entries; rlsp/run/trackers.py holds one adapter per name (and asserts the match).
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 # Rollout engines (actor_rollout_ref.rollout.name); rlsp.rollout.base builds them.
 ROLLOUT_ENGINES = ("vllm", "hf")
@@ -45,7 +45,7 @@ LEGACY_WORKER_IMPL = ("auto", "enable", "disable")
 # naive with the run's trainer.experiment_name in every row's extra_info (as verl's gdpo manager does).
 REWARD_MANAGERS = ("naive", "dapo", "gdpo")
 # algorithm.filter_groups.metric: the per-sample value DAPO's dynamic sampling compares within a prompt's group
-# (verl's names; rlsp.trainer.dynamic_sampling computes them).
+# (verl's names; rlsp.step.dynamic_sampling computes them).
 FILTER_GROUP_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
 # reward_model.rollout.name: the reward loop's engine (rlsp.rollout.vllm_reward, a vLLM pooling engine).
 REWARD_ENGINES = ("vllm",)

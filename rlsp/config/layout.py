@@ -39,7 +39,7 @@ from dataclasses import dataclass
 # Advantage estimators that need a value model (critic workers).
 CRITIC_ESTIMATORS = ("gae",)
 # How rewards are computed, which decides what runs where (`ParallelLayout.reward_mode`):
-#   rules          rule/custom reward functions in reward_model.num_workers scoring actors (rlsp.trainer.reward)
+#   rules          rule/custom reward functions in reward_model.num_workers scoring actors (rlsp.step.reward)
 #   model_fsdp     a frozen reward model on the policy workers, FSDP2 (reward_model.use_reward_loop=false)
 #   model_vllm     verl's reward loop: a vLLM pooling engine in the policy workers' processes
 #   model_servers  the reward loop's engines in processes of their own beside the policy workers (a rollout

@@ -63,7 +63,7 @@ class RewardConfig:
 class FilterGroupsConfig:
     """DAPO's dynamic sampling (verl's `algorithm.filter_groups`): prompt groups whose `metric` is the same for every
     sample carry no GRPO signal and are dropped; more prompt batches are generated until data.train_batch_size
-    prompts with informative groups are collected (rlsp/trainer/dynamic_sampling.py)."""
+    prompts with informative groups are collected (rlsp/step/dynamic_sampling.py)."""
 
     enable: bool = False
     metric: str | None = None  # acc | score (the reward function's value) | seq_reward | seq_final_reward (token sums)

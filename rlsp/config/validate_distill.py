@@ -3,7 +3,7 @@ the trainer and the teacher role read is resolved in rlsp.config.run_spec.
 
 Arithmetic on config values only (no torch, no files): called by `validate_config`, which collects every
 message into one error. The checks that need files (teacher/student vocabularies, the data_source values
-of the data) run in rlsp.trainer.distill before any worker has the run's config.
+of the data) run in rlsp.step.distill before any worker has the run's config.
 """
 
 from __future__ import annotations

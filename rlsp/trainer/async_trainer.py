@@ -27,7 +27,7 @@ running generation continues with the new weights from its next segment on.
 
 With dynamic sampling (algorithm.filter_groups) a step takes further units from the queue until it has
 data.train_batch_size prompts with informative groups; those extra units do not count against the bound
-(`extra_units`: the queue may run that many units further ahead). rlsp/trainer/dynamic_sampling.py.
+(`extra_units`: the queue may run that many units further ahead). rlsp/step/dynamic_sampling.py.
 
 A checkpoint records the data position of the last *trained* batch: units generated ahead are
 dropped when a run stops, and a resumed run generates them again with weights it has.

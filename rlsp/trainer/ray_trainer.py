@@ -6,7 +6,7 @@
     -> update critic -> update actor (after the critic warm-up) -> sync weights to the rollout engine
 
 With DAPO's dynamic sampling (algorithm.filter_groups) generate -> score repeats over further prompt batches
-until enough groups are informative (rlsp/trainer/dynamic_sampling.py); the rest of the step is unchanged.
+until enough groups are informative (rlsp/step/dynamic_sampling.py); the rest of the step is unchanged.
 """
 
 from __future__ import annotations
@@ -32,14 +32,15 @@ from rlsp.controller.worker_group import RayWorkerGroup
 from rlsp.controller.worker_pools import StartedPool
 from rlsp.data.batch import Batch
 from rlsp.engine.export import export_hf
-from rlsp.trainer.baselines import add_greedy_baselines, greedy_sampling, needs_greedy_baseline
-from rlsp.trainer.batch_metrics import check_finite, compute_batch_metrics, row_tokens
-from rlsp.trainer.checkpoint import CheckpointWriter, TrainerState, latest_checkpoint, read_metrics_lines
-from rlsp.trainer.distill import Distillation
-from rlsp.trainer.driver_reads import GREEDY_READS, advantage_reads
-from rlsp.trainer.dynamic_sampling import build_dynamic_sampler
-from rlsp.trainer.metrics import MetricsLogger
-from rlsp.trainer.off_policy import (
+from rlsp.run.checkpoint import CheckpointWriter, TrainerState, latest_checkpoint, read_metrics_lines
+from rlsp.run.metrics import MetricsLogger
+from rlsp.run.run_checkpoint import load_run, save_run
+from rlsp.step.baselines import add_greedy_baselines, greedy_sampling, needs_greedy_baseline
+from rlsp.step.batch_metrics import check_finite, compute_batch_metrics, row_tokens
+from rlsp.step.distill import Distillation
+from rlsp.step.driver_reads import GREEDY_READS, advantage_reads
+from rlsp.step.dynamic_sampling import build_dynamic_sampler
+from rlsp.step.off_policy import (
     actor_batch,
     correct_rollout,
     correction_due,
@@ -47,18 +48,17 @@ from rlsp.trainer.off_policy import (
     rollout_correction_settings,
     uses_rollout_logprobs,
 )
-from rlsp.trainer.progress import RunProgress
-from rlsp.trainer.reward import Reward, build_reward, start_rule_scorers
-from rlsp.trainer.rollout_inputs import batch_stream, load_datasets, prompt_batch, sampling_params
-from rlsp.trainer.row_advantages import compute_row_advantages, row_level
-from rlsp.trainer.run_checkpoint import load_run, save_run
-from rlsp.trainer.stage_advantages import (
+from rlsp.step.reward import Reward, build_reward, start_rule_scorers
+from rlsp.step.row_advantages import compute_row_advantages, row_level
+from rlsp.step.stage_advantages import (
     advantages_on_workers,
     balanced_step_order,
     compute_driver_advantages,
     compute_token_rewards,
     stage_order,
 )
+from rlsp.trainer.progress import RunProgress
+from rlsp.trainer.rollout_inputs import batch_stream, load_datasets, prompt_batch, sampling_params
 from rlsp.trainer.val_generations import ValGenerationLog
 from rlsp.trainer.validation import run_validation
 from rlsp.utils.logging import get_logger
@@ -150,8 +150,8 @@ class RayTrainer:
     # ------------------------------------------------------------------ one step
     def _rewards(self, batch: Batch) -> dict[str, float]:
         """token_level_rewards = scores, minus beta * KL(old || ref) per token with use_kl_in_reward; on the
-        workers, with the advantages of the estimators that run there (rlsp.trainer.stage_advantages)."""
-        if row_level(self.cfg, batch):  # outcome advantages from per-row values (rlsp.trainer.row_advantages)
+        workers, with the advantages of the estimators that run there (rlsp.step.stage_advantages)."""
+        if row_level(self.cfg, batch):  # outcome advantages from per-row values (rlsp.step.row_advantages)
             return {}
         if not self.cfg.algorithm.use_kl_in_reward and stage_order(batch, self.cfg, self.layout.dp_size) is None:
             self.read(batch, ["token_level_scores"])  # the token rewards are the scores, on the driver

@@ -9,8 +9,8 @@ from typing import Any
 from rlsp.controller.reads import read_columns
 from rlsp.controller.worker_group import RayWorkerGroup
 from rlsp.data.dataset import PromptDataset
-from rlsp.trainer.batch_metrics import compute_agent_metrics
-from rlsp.trainer.reward import Reward
+from rlsp.step.batch_metrics import compute_agent_metrics
+from rlsp.step.reward import Reward
 from rlsp.trainer.rollout_inputs import prompt_batch, sampling_params
 from rlsp.trainer.val_generations import ValGenerationLog
 

@@ -13,7 +13,7 @@ rank runs the same rlsp.algos functions on it as the driver would on the whole b
   (the same numbers as the one-process computation, bit for bit);
 - the estimator (`compute_advantages`). Statistics within a prompt group (GRPO's mean and std, RLOO's
   leave-one-out mean, the optimal token baselines, ...; `reads_groups`) are local: the driver cuts the
-  shards on group boundaries (rlsp.trainer.stage_advantages.group_aligned_order). Batch-wide statistics
+  shards on group boundaries (rlsp.step.stage_advantages.group_aligned_order). Batch-wide statistics
   (the whitening of GAE, REINFORCE++ and its group-baseline variant and GDPO, GPG's row counts) are sums, taken by
   a `reduce` that all-reduces over the data-parallel group only: the ranks of one dp group hold the same
   rows, so summing over them would count rows twice (rlsp.algos.whiten). GDPO's reward is the reward function's
@@ -43,7 +43,7 @@ from rlsp.data.batch import Batch
 from rlsp.rewards.token_scores import shaped_token_scores
 
 # gdpo's named reward components: one float per row and component, [B, K] in the order of the request's
-# `components` (the driver takes them from the reward function's per-row dicts: rlsp.trainer.estimator_inputs).
+# `components` (the driver takes them from the reward function's per-row dicts: rlsp.step.estimator_inputs).
 COMPONENTS_KEY = "reward_components"
 STAGE_READS = ("token_level_scores", "row_reward", "rm_scores", "overlong_reward", "step_rewards", "response_mask",
                "old_logprobs", "ref_logprobs", "values", "reward_baselines", "sum_pi_squared", COMPONENTS_KEY, "rollout_is_weights",
@@ -59,7 +59,7 @@ STAGE_WRITES = ("token_level_rewards", "advantages", "returns", *STAGE_REPORTS)
 @dataclass(frozen=True)
 class StageRequest:
     """What the workers compute: `estimator` (any registered one, or None: the token rewards only)
-    with its `settings` (algorithm.*: rlsp.trainer.estimator_inputs.config_settings), the KL penalty in
+    with its `settings` (algorithm.*: rlsp.step.estimator_inputs.config_settings), the KL penalty in
     the reward with coefficient `kl_coef` and estimate `kl_kind` (None: no KL in the reward), and whether
     the scores get the agent loop's `step_rewards` (when the driver has not built them, `token_scores`); gdpo's
     reward `components` name the columns of the rows' `COMPONENTS_KEY`. An estimator that reads groups needs

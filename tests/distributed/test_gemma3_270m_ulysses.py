@@ -123,7 +123,7 @@ def test_gemma3_270m_conversion_is_cached_by_content(model_path: str) -> None:
 
     from rlsp.models.fetch import PACKAGED_MODELS, packaged_gguf_path
     from rlsp.models.gguf import SOURCE_FILE
-    from rlsp.trainer.assets import resolve_model_path
+    from rlsp.run.assets import resolve_model_path
 
     sha = PACKAGED_MODELS[NAME].sha256
     cache = os.path.dirname(os.path.dirname(model_path))

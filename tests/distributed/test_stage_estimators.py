@@ -4,7 +4,7 @@ alone and once with dapo's overlong penalty and tool step rewards, which the sta
 from the per-row penalty and the step-reward column (the driver built them in place before).
 
 The rows' groups are interleaved (a prompt's samples are not next to each other, as after balancing), so the
-driver's group-aligned cut (rlsp.trainer.stage_advantages.group_aligned_order) has to reorder them; each rank
+driver's group-aligned cut (rlsp.step.stage_advantages.group_aligned_order) has to reorder them; each rank
 runs `run_step_stage` on its shard with the reduction `ActorRole.compute_advantages` gives it (`dp_sum`), and the
 shards, put back in the step's row order, are compared with `apply_kl_penalty` then `compute_advantages` on the
 whole batch:
@@ -34,7 +34,7 @@ from rlsp.algos.registry import compute_advantages, estimator_uses, list_adv_est
 from rlsp.data.batch import Batch
 from rlsp.rewards.overlong import OverlongShaping, compute_overlong_penalty
 from rlsp.rewards.scoring import place_scores
-from rlsp.trainer.stage_advantages import group_aligned_order
+from rlsp.step.stage_advantages import group_aligned_order
 from rlsp.workers.step_stage import STAGE_READS, StageRequest, dp_sum, run_step_stage
 
 pytestmark = pytest.mark.distributed
@@ -93,7 +93,7 @@ def _stage_worker(rank: int, world: int) -> dict[tuple[str, bool], dict[str, tor
 
 def _scores(full: Batch, shaped: bool) -> torch.Tensor:
     """The driver's token scores: the row's reward on its last policy token, then (shaped) dapo's shaping in
-    place (`OverlongShaping.apply`) and the step rewards added (rlsp.trainer.reward's former steps)."""
+    place (`OverlongShaping.apply`) and the step rewards added (rlsp.step.reward's former steps)."""
     mask = full["response_mask"]
     rows = Batch.from_dict({"response_mask": mask, "token_level_scores": place_scores(full["row_reward"].tolist(), mask)})
     if not shaped:

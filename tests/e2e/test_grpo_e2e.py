@@ -27,7 +27,7 @@ from rlsp.checks.preflight import preflight
 from rlsp.config.schema import RLSPConfig
 from rlsp.config.validate import validate_config
 from rlsp.controller.ray_session import init_ray
-from rlsp.trainer.checkpoint import step_dir
+from rlsp.run.checkpoint import step_dir
 from rlsp.trainer.ray_trainer import RayTrainer
 from rlsp.trainer.rollout_inputs import prompt_batch, sampling_params
 

@@ -29,7 +29,7 @@ from test_grpo_e2e import SMALL
 from timing import allowed
 
 from rlsp.models.tiny import TinyModelSpec, ensure_tiny_model
-from rlsp.trainer.checkpoint import damaged_file
+from rlsp.run.checkpoint import damaged_file
 
 pytestmark = pytest.mark.e2e
 

@@ -27,7 +27,7 @@ from test_faults import _assert_nothing_left, _cmdline, _marked, _steps, _wait_f
 from timing import allowed
 
 from rlsp.controller.stopping import Terminated, ray_start_signals
-from rlsp.trainer.checkpoint import damaged_file
+from rlsp.run.checkpoint import damaged_file
 
 pytestmark = pytest.mark.e2e
 

@@ -23,7 +23,7 @@ from test_grpo_e2e import _main
 from tolerances import decoder_chain, model_rtol, scalar_tol
 from transformers import AutoConfig
 
-from rlsp.trainer.assets import resolve_model_path
+from rlsp.run.assets import resolve_model_path
 
 pytestmark = pytest.mark.e2e
 

@@ -1,5 +1,5 @@
 """One builder of the estimator's input record (rlsp.algos.adv_columns.build_advantage_inputs) for the driver
-(rlsp.trainer.estimator_inputs.advantage_inputs) and the policy workers' step stage (rlsp.workers.step_stage):
+(rlsp.step.estimator_inputs.advantage_inputs) and the policy workers' step stage (rlsp.workers.step_stage):
 on the same rows every registered estimator gives the same advantages and returns bit for bit on both routes,
 and a missing input column fails on both with the same message, naming the column and what produces it."""
 
@@ -14,9 +14,9 @@ from rlsp.algos.registry import list_adv_estimators
 from rlsp.config.schema import RLSPConfig
 from rlsp.data.batch import Batch
 from rlsp.rewards.scoring import place_scores
-from rlsp.trainer.estimator_inputs import config_settings, set_stage_components
-from rlsp.trainer.off_policy import reads_is_weights
-from rlsp.trainer.stage_advantages import compute_driver_advantages
+from rlsp.step.estimator_inputs import config_settings, set_stage_components
+from rlsp.step.off_policy import reads_is_weights
+from rlsp.step.stage_advantages import compute_driver_advantages
 from rlsp.workers.step_stage import STAGE_READS, StageRequest, run_step_stage
 
 B, R = 6, 4
@@ -50,7 +50,7 @@ def _rows() -> Batch:
 
 
 def _driver(cfg, rows: Batch) -> Batch:
-    """The driver's computation (rlsp.trainer.stage_advantages.compute_driver_advantages) on `rows`."""
+    """The driver's computation (rlsp.step.stage_advantages.compute_driver_advantages) on `rows`."""
     driver = rows.copy()
     driver.set("token_level_rewards", driver["token_level_scores"])
     compute_driver_advantages(driver, cfg)

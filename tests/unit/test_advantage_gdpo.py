@@ -28,7 +28,7 @@ from rlsp.config.validate import GROUP_ESTIMATORS
 from rlsp.data.batch import Batch
 from rlsp.models.tokenizer import build_char_tokenizer
 from rlsp.rewards.scoring import Scorer
-from rlsp.trainer.estimator_inputs import advantage_inputs, estimator_errors, reward_components
+from rlsp.step.estimator_inputs import advantage_inputs, estimator_errors, reward_components
 
 F64 = torch.float64
 TOL = {"rtol": 0.0, "atol": 1e-12}

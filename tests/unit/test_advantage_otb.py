@@ -23,8 +23,8 @@ from rlsp.algos.registry import compute_advantages, estimator_uses, get_adv_esti
 from rlsp.config.schema import RLSPConfig
 from rlsp.config.validate import GROUP_ESTIMATORS
 from rlsp.data.batch import Batch
-from rlsp.trainer.estimator_inputs import advantage_inputs, estimator_errors
-from rlsp.trainer.off_policy import rollout_correction_settings
+from rlsp.step.estimator_inputs import advantage_inputs, estimator_errors
+from rlsp.step.off_policy import rollout_correction_settings
 from rlsp.workers.stage_correction import run_correction
 
 F64 = torch.float64

@@ -19,8 +19,8 @@ from rlsp.algos.registry import estimator_uses, get_adv_estimator
 from rlsp.algos.remax import compute_remax_advantages
 from rlsp.config.schema import RLSPConfig
 from rlsp.data.batch import Batch
-from rlsp.trainer.baselines import greedy_sampling, prompts_of
-from rlsp.trainer.estimator_inputs import estimator_errors
+from rlsp.step.baselines import greedy_sampling, prompts_of
+from rlsp.step.estimator_inputs import estimator_errors
 from rlsp.workers.rollout_rows import build_rollout_rows
 
 F64 = torch.float64

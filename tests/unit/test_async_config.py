@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 from rlsp.config.layout import World
 from rlsp.config.schema import RLSPConfig
 from rlsp.config.validate import validate_config
-from rlsp.trainer.off_policy import check_rollout_correction_names, rollout_correction_settings, uses_rollout_logprobs
+from rlsp.step.off_policy import check_rollout_correction_names, rollout_correction_settings, uses_rollout_logprobs
 from rlsp.trainer.staleness import max_staleness, max_units_ahead
 
 BASE = {"data.train_batch_size": 4, "actor_rollout_ref.actor.ppo_mini_batch_size": 4, "actor_rollout_ref.rollout.n": 2,

@@ -18,7 +18,7 @@ from rlsp.algos.registry import get_policy_loss
 from rlsp.config.run_spec import actor_policy_loss
 from rlsp.config.schema import RLSPConfig
 from rlsp.config.validate_bypass import check_bypass_mode
-from rlsp.trainer.off_policy import check_rollout_correction_names, rollout_correction_settings, uses_rollout_logprobs
+from rlsp.step.off_policy import check_rollout_correction_names, rollout_correction_settings, uses_rollout_logprobs
 
 F64 = torch.float64
 R = 4

@@ -22,7 +22,7 @@ from rlsp.data.tasks.calculator_problems import (
 from rlsp.rewards import calculator
 from rlsp.rewards.calculator import compute_score, last_integer
 from rlsp.rewards.registry import get_reward_fn, known_sources
-from rlsp.trainer.assets import BUILTIN_DATASETS, resolve_data_files
+from rlsp.run.assets import BUILTIN_DATASETS, resolve_data_files
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 

@@ -8,9 +8,9 @@ import os
 import pytest
 from omegaconf import OmegaConf
 
-import rlsp.trainer.checkpoint as ckpt
+import rlsp.run.checkpoint as ckpt
 from rlsp.config.schema import RLSPConfig
-from rlsp.trainer.checkpoint import CheckpointWriter, TrainerState, latest_checkpoint, resolve_resume
+from rlsp.run.checkpoint import CheckpointWriter, TrainerState, latest_checkpoint, resolve_resume
 
 
 def _save(writer: CheckpointWriter, step: int) -> str:

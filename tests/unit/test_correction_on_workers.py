@@ -1,4 +1,4 @@
-"""The driver's side of the rollout correction on the workers (rlsp.trainer.off_policy.correct_rollout,
+"""The driver's side of the rollout correction on the workers (rlsp.step.off_policy.correct_rollout,
 actor_batch): one call whose columns stay with the workers, rollout_corr/* metrics from per-row reports equal to
 the whole-batch computation, a fixed number of reported bytes per row whatever the response length, and the
 actor's update reading the rejection mask as its response mask while the step keeps the rollout's.
@@ -19,7 +19,7 @@ from tensordict import TensorDict
 from rlsp.algos.rollout_correction import RolloutCorrection, compute_rollout_correction
 from rlsp.controller.step_data import Block, StepData, from_results, new_row_ids
 from rlsp.data.batch import Batch
-from rlsp.trainer.off_policy import actor_batch, correct_rollout
+from rlsp.step.off_policy import actor_batch, correct_rollout
 from rlsp.workers.columns import POLICY_INPUTS, assemble, row_report
 from rlsp.workers.dispatch import declared_fields
 from rlsp.workers.roles.actor import ActorRole

@@ -11,7 +11,7 @@ from rlsp.data.batch import Batch
 from rlsp.models.tokenizer import build_char_tokenizer
 from rlsp.rewards.overlong import OverlongShaping, compute_overlong_penalty
 from rlsp.rewards.scoring import Scorer
-from rlsp.trainer.dynamic_sampling import GroupCollector, informative_groups, sample_metric
+from rlsp.step.dynamic_sampling import GroupCollector, informative_groups, sample_metric
 
 # ---------------------------------------------------------------------------------------------- overlong shaping
 

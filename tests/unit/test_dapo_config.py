@@ -11,7 +11,7 @@ from rlsp.check import run_checks
 from rlsp.config.schema import RLSPConfig
 from rlsp.config.validate import validate_config
 from rlsp.rewards.overlong import OverlongShaping, build_overlong_shaping
-from rlsp.trainer.dynamic_sampling import build_dynamic_sampler
+from rlsp.step.dynamic_sampling import build_dynamic_sampler
 
 BUF = "reward.reward_kwargs.overlong_buffer_cfg."
 

@@ -1,5 +1,5 @@
 """distillation.* (verl's keys): validation names the key, the value and what is legal; the teacher table
-and routing; the start-up checks of vocabularies and data_source routes (rlsp.trainer.distill)."""
+and routing; the start-up checks of vocabularies and data_source routes (rlsp.step.distill)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from rlsp.config.run_spec import TeacherSpec, teacher_specs
 from rlsp.config.schema import RLSPConfig
 from rlsp.config.validate import validate_config
 from rlsp.models.tiny import TinyModelSpec, build_tiny_model
-from rlsp.trainer.distill import Distillation
+from rlsp.step.distill import Distillation
 from rlsp.workers.roles.teacher import route_rows
 
 ON = {"distillation.enabled": True, "distillation.teacher_models.teacher_model.model_path": "/models/teacher"}

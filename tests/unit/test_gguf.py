@@ -23,7 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from rlsp.models.fetch import packaged_gguf_path
 from rlsp.models.gguf import SOURCE_FILE, convert_gguf, ensure_hf_checkpoint, file_sha256, find_gguf
-from rlsp.trainer.assets import resolve_model_path
+from rlsp.run.assets import resolve_model_path
 
 NAME = "smollm2-135m-instruct"
 MESSAGES = [{"role": "user", "content": "Sam has 12 apples and buys 7 more. How many apples does Sam have now?"}]

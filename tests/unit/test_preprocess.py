@@ -27,7 +27,7 @@ from rlsp.data.preprocess import (
 from rlsp.data.tasks.word_problems import INSTRUCTION, TEMPLATES, generate_word_problems, write_word_problems_parquet
 from rlsp.models.tokenizer import build_char_tokenizer
 from rlsp.rewards import score_batch
-from rlsp.trainer.assets import resolve_data_files
+from rlsp.run.assets import resolve_data_files
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "data")
 GSM8K_SAMPLE = os.path.join(DATA, "gsm8k_sample.jsonl")

@@ -23,7 +23,7 @@ from transformers import Qwen2Config
 
 from rlsp.checks.resume_check import changed_settings, check_resume
 from rlsp.config.schema import RLSPConfig
-from rlsp.trainer.checkpoint import CheckpointWriter, TrainerState, damaged_file
+from rlsp.run.checkpoint import CheckpointWriter, TrainerState, damaged_file
 
 
 def _model(root, name: str, heads: int = 4, kv: int = 2, hidden: int = 128) -> str:

@@ -1,6 +1,6 @@
 """Outcome advantages from per-row values equal the token-level computation, element for element.
 
-For every estimator rlsp computes from per-row values (rlsp.trainer.row_advantages), the compact
+For every estimator rlsp computes from per-row values (rlsp.step.row_advantages), the compact
 path — the registered estimator on a one-position response axis, broadcast as value * response_mask
 — is compared with the same estimator on the full token-level rows: token rewards on each row's last
 policy token, masks with holes (multi-turn tool output) and rows without any response token.
@@ -16,8 +16,8 @@ from rlsp.algos.registry import compute_advantages
 from rlsp.config.schema import RLSPConfig
 from rlsp.controller.step_data import StepData, new_row_ids
 from rlsp.data.batch import Batch, last_policy_token
-from rlsp.trainer.estimator_inputs import advantage_inputs
-from rlsp.trainer.row_advantages import ROW_LEVEL_ESTIMATORS, compute_row_advantages, row_level
+from rlsp.step.estimator_inputs import advantage_inputs
+from rlsp.step.row_advantages import ROW_LEVEL_ESTIMATORS, compute_row_advantages, row_level
 from rlsp.workers.columns import expand_row_broadcasts
 
 

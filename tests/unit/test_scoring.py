@@ -13,7 +13,7 @@ from rlsp.data.batch import Batch
 from rlsp.data.dataset import PromptDataset
 from rlsp.models.tokenizer import build_char_tokenizer
 from rlsp.rewards.scoring import RewardError, Scorer
-from rlsp.trainer.batch_metrics import check_finite
+from rlsp.step.batch_metrics import check_finite
 
 
 def _reward_file(tmp_path, body: str) -> str:

@@ -1,4 +1,4 @@
-"""Where the driver sends a step's advantages (rlsp.trainer.stage_advantages.stage_order): to the workers, in
+"""Where the driver sends a step's advantages (rlsp.step.stage_advantages.stage_order): to the workers, in
 shards that keep every prompt group whole when the estimator reads groups, or to the driver's own computation
 when the groups cannot be cut evenly over the dp ranks. (The numbers of the stage: tests/distributed/test_stage_estimators.py.)"""
 
@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from rlsp.config.schema import RLSPConfig
 from rlsp.data.balance import balanced_order
 from rlsp.data.batch import Batch
-from rlsp.trainer.stage_advantages import balanced_group_order, balanced_step_order, stage_order, whole_groups
+from rlsp.step.stage_advantages import balanced_group_order, balanced_step_order, stage_order, whole_groups
 from rlsp.workers.step_stage import StageRequest
 
 

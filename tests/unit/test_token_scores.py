@@ -1,8 +1,8 @@
 """A step's token scores from per-row parts (rlsp.rewards.token_scores): the driver's lazily built column
-(rlsp.trainer.reward.derive_shaped_scores) equals its former in-place steps — the row's reward on its last
+(rlsp.step.reward.derive_shaped_scores) equals its former in-place steps — the row's reward on its last
 policy token, dapo's overlong shaping (`OverlongShaping.apply`), the tool step rewards added — bit for bit, on
 rows with holes (tool output) and a row without policy tokens; and a shaped step leaves the per-row outcome
-path (rlsp.trainer.row_advantages) for the workers' stage. (The stage's side: tests/distributed/test_stage_estimators.py.)"""
+path (rlsp.step.row_advantages) for the workers' stage. (The stage's side: tests/distributed/test_stage_estimators.py.)"""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from rlsp.data.batch import Batch
 from rlsp.rewards.overlong import OverlongShaping
 from rlsp.rewards.scoring import place_scores
 from rlsp.rewards.token_scores import shaped_token_scores
-from rlsp.trainer.reward import derive_shaped_scores, overlong_penalties
-from rlsp.trainer.row_advantages import row_level
+from rlsp.step.reward import derive_shaped_scores, overlong_penalties
+from rlsp.step.row_advantages import row_level
 
 B, P, R = 6, 2, 8
 SHAPING = OverlongShaping(max_resp_len=R, buffer_len=4, penalty_factor=1.5)
@@ -71,4 +71,4 @@ def test_a_shaped_step_is_not_an_outcome_step():
     step.meta["uid"] = [f"p{i // 2}" for i in range(B)]
     assert row_level(cfg, step)
     step.set("overlong_reward", overlong_penalties(SHAPING, step))
-    assert not row_level(cfg, step)  # token-level: the workers add the penalty (rlsp.trainer.stage_advantages)
+    assert not row_level(cfg, step)  # token-level: the workers add the penalty (rlsp.step.stage_advantages)

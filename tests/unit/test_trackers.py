@@ -13,8 +13,8 @@ import sys
 import pytest
 
 from rlsp.config.validate import LOGGERS
-from rlsp.trainer.metrics import MetricsLogger
-from rlsp.trainer.trackers import TRACKERS, check_trackers
+from rlsp.run.metrics import MetricsLogger
+from rlsp.run.trackers import TRACKERS, check_trackers
 
 STEPS = [
     {"reward/mean": 0.25, "actor/pg_loss": -0.5, "timing/step_s": 1.5, "val/accuracy": 0.0},

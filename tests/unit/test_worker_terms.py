@@ -23,9 +23,9 @@ from rlsp.config.schema import RLSPConfig
 from rlsp.controller.step_data import Block, StepData, from_results, new_row_ids
 from rlsp.data.batch import Batch
 from rlsp.rewards.scoring import place_scores
-from rlsp.trainer.distill import Distillation
-from rlsp.trainer.estimator_inputs import config_settings, set_stage_components
-from rlsp.trainer.stage_advantages import compute_driver_advantages
+from rlsp.step.distill import Distillation
+from rlsp.step.estimator_inputs import config_settings, set_stage_components
+from rlsp.step.stage_advantages import compute_driver_advantages
 from rlsp.workers.columns import assemble, row_report
 from rlsp.workers.dispatch import declared_fields
 from rlsp.workers.roles.teacher import TeacherRole

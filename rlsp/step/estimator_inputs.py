@@ -23,8 +23,8 @@ from rlsp.algos.adv_columns import build_advantage_inputs
 from rlsp.algos.adv_inputs import ESTIMATOR_DEFAULTS, AdvantageInputs
 from rlsp.algos.registry import estimator_uses, unused_settings, users_of
 from rlsp.data.batch import Batch
-from rlsp.trainer.baselines import baseline_errors
-from rlsp.trainer.off_policy import reads_is_weights, uses_rollout_logprobs
+from rlsp.step.baselines import baseline_errors
+from rlsp.step.off_policy import reads_is_weights, uses_rollout_logprobs
 from rlsp.workers.step_stage import COMPONENTS_KEY
 
 # Estimator setting -> its config key.

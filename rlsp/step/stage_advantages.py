@@ -3,7 +3,7 @@
 Where a step's rewards and advantages are computed:
 
 - outcome estimators (GRPO, RLOO, ...) without anything that changes the token rewards: on the driver,
-  from per-row values (rlsp.trainer.row_advantages);
+  from per-row values (rlsp.step.row_advantages);
 - every other estimator, with or without KL in the reward: on the workers, in one call
   (`ActorRole.compute_advantages`, rlsp.workers.step_stage); the driver sends the request and receives
   each row's KL and the row sums of its metrics. An estimator that reads groups gets shards cut on group
@@ -12,14 +12,14 @@ Where a step's rewards and advantages are computed:
   penalty `overlong_reward`) and the agent loop's step rewards stay a worker column; the workers build the
   [rows x response] scores from them (rlsp.rewards.token_scores), the driver only if it reads them;
 - gdpo's reward is the named components of the reward function's per-row dicts, held here: the driver sends
-  them with the call, one float per row and component (rlsp.trainer.estimator_inputs.set_stage_components);
+  them with the call, one float per row and component (rlsp.step.estimator_inputs.set_stage_components);
 - the optimal token baselines with rollout-correction importance weights: on the workers, reading the weights
-  the correction wrote before the advantages (rlsp.trainer.off_policy.correct_rollout, once a step);
+  the correction wrote before the advantages (rlsp.step.off_policy.correct_rollout, once a step);
 - on the driver, reading the token-level columns it needs: an estimator reading groups when the groups cannot
   be split evenly over the dp ranks (`group_aligned_order` gives None). trainer.balance_batch keeps groups
   whole on one dp rank when the workers need them (`balanced_step_order`), so the stage's shards are the
   step's own;
-- after the advantages, on the workers: distillation's term (rlsp.trainer.distill, rlsp.workers.stage_distill).
+- after the advantages, on the workers: distillation's term (rlsp.step.distill, rlsp.workers.stage_distill).
 
 The adaptive KL controller stays on the driver: it is updated with the mean over rows of each row's
 token-mean KL, the workers' per-row values (the same number as the one-process computation).
@@ -36,9 +36,9 @@ from rlsp.algos.kl_ctrl import KLController, batch_kl
 from rlsp.algos.registry import compute_advantages, reads_groups
 from rlsp.data.balance import balanced_order
 from rlsp.data.batch import Batch
-from rlsp.trainer.estimator_inputs import advantage_inputs, config_settings, set_stage_components
-from rlsp.trainer.off_policy import reads_is_weights
-from rlsp.trainer.row_advantages import ROW_LEVEL_ESTIMATORS
+from rlsp.step.estimator_inputs import advantage_inputs, config_settings, set_stage_components
+from rlsp.step.off_policy import reads_is_weights
+from rlsp.step.row_advantages import ROW_LEVEL_ESTIMATORS
 from rlsp.workers.step_stage import StageRequest
 
 
@@ -101,7 +101,7 @@ def balanced_group_order(tokens: Sequence[int], uids: Sequence[Any], parts: int)
 
 def needs_group_shards(cfg: Any) -> bool:
     """Whether the step's estimator reads groups and runs on the workers (the outcome estimators that the
-    driver computes from per-row values, rlsp.trainer.row_advantages, do not need group shards)."""
+    driver computes from per-row values, rlsp.step.row_advantages, do not need group shards)."""
     alg, name = cfg.algorithm, cfg.algorithm.adv_estimator
     if not reads_groups(name):
         return False
@@ -179,7 +179,7 @@ def _reported(batch: Any, keys: tuple[str, ...]) -> bool:
 
 
 def reported_critic_metrics(batch: Any) -> dict[str, float] | None:
-    """The critic metrics of rlsp.trainer.batch_metrics from the workers' per-row sums (None without them)."""
+    """The critic metrics of rlsp.step.batch_metrics from the workers' per-row sums (None without them)."""
     needed = ("response_tokens", "score_sum", "reward_sum", "advantages_sum", "returns_sum", "values_sum",
               "returns_sq_sum", "residual_sum", "residual_sq_sum")
     if not _reported(batch, needed):

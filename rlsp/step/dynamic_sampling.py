@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -39,11 +39,24 @@ from rlsp.controller.reads import Read, held
 from rlsp.data.batch import Batch
 from rlsp.utils.timing import timed
 
-if TYPE_CHECKING:  # the trainers use this module; only their types are read here
-    from rlsp.trainer.async_trainer import InFlight
-    from rlsp.trainer.reward import Reward
+if TYPE_CHECKING:  # only its type is read here
+    from rlsp.step.reward import Reward
 
 Generate = Callable[[list[dict[str, Any]], int], Batch]  # (prompt items, index of the first) -> their samples
+
+
+
+class _Call(Protocol):
+    def result(self) -> Batch: ...
+
+
+class Unit(Protocol):
+    """A unit the asynchronous trainer's pool generates (rlsp.trainer.async_trainer.InFlight)."""
+
+    call: _Call
+
+
+U = TypeVar("U", bound=Unit)
 
 LIMIT_KEY = "algorithm.filter_groups.max_num_gen_batches"
 
@@ -178,14 +191,14 @@ class DynamicSampler:
             first_index += len(items)
             items = _next_batch(batches, collector)
 
-    def collect_units(self, take_unit: Callable[[bool], InFlight], units_per_step: int, reward: Reward,
+    def collect_units(self, take_unit: Callable[[bool], U], units_per_step: int, reward: Reward,
                       timing: dict[str, float], read: Read = held
-                      ) -> tuple[list[InFlight], list[Batch], Batch, dict[str, float]]:
+                      ) -> tuple[list[U], list[Batch], Batch, dict[str, float]]:
         """Take the pool's units (`take_unit(extra)`: the next one; `extra` when it replaces filtered groups, so
         beyond the step's `units_per_step`) until the step has train_batch_size prompts with informative groups:
         (units taken, their batches, the trimmed batch, the sampling metrics)."""
         collector = self.collector(read)
-        units: list[InFlight] = []
+        units: list[U] = []
         parts: list[Batch] = []
         while not collector.ready:
             extra = len(units) >= units_per_step  # replaces filtered groups: outside the staleness bound

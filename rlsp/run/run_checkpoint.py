@@ -1,6 +1,6 @@
 """A run's checkpoint on the workers' side and the driver's: every role's sharded state and each worker's
 RNG state, then the driver's state (TrainerState, metrics so far, the resolved config), made visible
-atomically by the CheckpointWriter (rlsp.trainer.checkpoint); loading reads them back in the same order."""
+atomically by the CheckpointWriter (rlsp.run.checkpoint); loading reads them back in the same order."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 from rlsp.config.schema_verl_runtime import HF_MODEL
 from rlsp.controller.worker_group import RayWorkerGroup
 from rlsp.engine.export import export_hf
-from rlsp.trainer.checkpoint import CheckpointWriter, TrainerState
+from rlsp.run.checkpoint import CheckpointWriter, TrainerState
 
 
 def save_run(ckpt: CheckpointWriter, cfg: DictConfig, state: TrainerState, metrics_lines: list[str],

@@ -12,7 +12,7 @@ listed here against it, on masks with holes and empty rows).
 Anything that makes token rewards differ from "the row's reward on its last token" (a KL penalty in
 the reward, tool step rewards, overlong shaping) or an estimator that reads per-token inputs (GAE,
 REINFORCE++, the optimal token baselines) takes the token-level path: on the policy workers
-(rlsp.trainer.stage_advantages), or on the driver for what the workers cannot compute.
+(rlsp.step.stage_advantages), or on the driver for what the workers cannot compute.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 
 from rlsp.algos.registry import compute_advantages
 from rlsp.data.batch import Batch
-from rlsp.trainer.estimator_inputs import advantage_inputs
+from rlsp.step.estimator_inputs import advantage_inputs
 
 # Estimators whose advantage is one value per row, broadcast over its response tokens.
 ROW_LEVEL_ESTIMATORS = ("grpo", "grpo_vectorized", "rloo", "rloo_vectorized", "grpo_passk", "gpg", "remax")

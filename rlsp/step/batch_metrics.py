@@ -15,7 +15,7 @@ from rlsp.algos.aggregation import masked_mean
 from rlsp.algos.value_loss import explained_variance
 from rlsp.controller.reads import Read, held
 from rlsp.data.batch import Batch, response_lengths
-from rlsp.trainer.stage_advantages import reported_advantage_mean, reported_critic_metrics
+from rlsp.step.stage_advantages import reported_advantage_mean, reported_critic_metrics
 
 
 def _mean(x: torch.Tensor, mask: torch.Tensor) -> float:

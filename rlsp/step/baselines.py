@@ -26,7 +26,7 @@ from rlsp.rollout.base import SamplingConfig
 from rlsp.utils.timing import timed
 
 if TYPE_CHECKING:  # the trainer's reward path; only its type is read here
-    from rlsp.trainer.reward import Reward
+    from rlsp.step.reward import Reward
 
 
 def needs_greedy_baseline(cfg: Any) -> bool:

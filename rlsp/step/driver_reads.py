@@ -13,15 +13,15 @@ from typing import Any
 
 from rlsp.algos.adv_columns import input_columns
 from rlsp.algos.registry import estimator_uses
-from rlsp.trainer.baselines import PROMPT_META
-from rlsp.trainer.off_policy import reads_is_weights
+from rlsp.step.baselines import PROMPT_META
+from rlsp.step.off_policy import reads_is_weights
 
-# rlsp.trainer.baselines.add_greedy_baselines: the samples' prompts (prompts_of) and the mask's dtype.
+# rlsp.step.baselines.add_greedy_baselines: the samples' prompts (prompts_of) and the mask's dtype.
 GREEDY_READS = ("input_ids", "attention_mask", "response_mask", *PROMPT_META)
 
 
 def advantage_reads(cfg: Any) -> list[str]:
-    """What rlsp.trainer.estimator_inputs.advantage_inputs reads for the configured estimator."""
+    """What rlsp.step.estimator_inputs.advantage_inputs reads for the configured estimator."""
     name = cfg.algorithm.adv_estimator
     names = ["token_level_rewards", "response_mask", "uid", *input_columns(name, reads_is_weights(cfg)).values()]
     if "reward_components" in estimator_uses(name):

@@ -1,5 +1,5 @@
 """MetricsLogger: the run's per-step records, fanned out to the trackers named in `trainer.logger`
-(rlsp/trainer/trackers.py), plus a reward plot at the end."""
+(rlsp/run/trackers.py), plus a reward plot at the end."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import threading
 from typing import Any
 
-from rlsp.trainer.trackers import RunInfo, Tracker, build_trackers, check_trackers, to_record
+from rlsp.run.trackers import RunInfo, Tracker, build_trackers, check_trackers, to_record
 from rlsp.utils.logging import get_logger
 
 log = get_logger("rlsp.trainer")
