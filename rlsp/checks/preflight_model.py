@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 from rlsp.config.checks import CheckContext
 from rlsp.config.layout import CRITIC_ESTIMATORS, ParallelLayout
 from rlsp.config.run_spec import agent_loops_enabled
-from rlsp.data.vision_processor import image_rows, image_run_errors, vision_data_errors
+from rlsp.data.vision_processor import image_patch_size_errors, image_rows, image_run_errors, vision_data_errors
 from rlsp.data.vision_run import data_files, model_type_of, policy_vision_tower
 from rlsp.engine.router_aux import router_aux_errors, with_overrides
 from rlsp.engine.router_replay import replay_config_errors
@@ -68,11 +68,12 @@ def check_wrapper_tower(cfg: DictConfig, errors: list[str]) -> None:
 
 
 def check_vision_data(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None:
-    """Rows with images need a vision-language model with its processor (a Qwen3.5 wrapper loads its tower for them);
-    videos need torchvision (rlsp.data.vision_processor)."""
+    """Rows with images need a vision-language model with its processor (a Qwen3.5 wrapper loads its tower for them)
+    and data.image_patch_size null or the processor's; videos need torchvision (rlsp.data.vision_processor)."""
     path = cfg.actor_rollout_ref.model.path
     files = data_files(cfg)
     errors += vision_data_errors("actor_rollout_ref.model.path", path, files)
+    errors += image_patch_size_errors(cfg.data.image_patch_size, "actor_rollout_ref.model.path", path, files)
     if any(image_rows(file, "images") for file in files):
         errors += image_run_errors(cfg)
 

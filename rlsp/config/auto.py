@@ -61,7 +61,7 @@ from rlsp.config.choices import VLLM_CPU_HEAD_DIMS
 from rlsp.config.layout import CRITIC_ESTIMATORS
 from rlsp.config.layout_build import has_reference
 from rlsp.config.machine import Machine, machine_facts
-from rlsp.config.model_shape import ModelShape, read_model_shape
+from rlsp.config.model_shape import ModelShape, read_model_shape, shape_of_config
 from rlsp.config.run_spec import rollout_pool_enabled
 from rlsp.config.schema import ActorConfig
 
@@ -72,11 +72,25 @@ __all__ = ["AUTO", "AUTO_KEYS", "BUILTIN_SHAPES", "HF_ROLLOUT_MAX_PARAMS", "LORA
 # On these 2-core CPUs: 0.3M parameters (2 layers, hidden 128) generate 64 x 32 tokens in 0.13 s with HF
 # against 0.29 s with vLLM; at 22.5M (8 layers, hidden 512, 256 tokens) both take ~19 s (docs/benchmarks.md).
 HF_ROLLOUT_MAX_PARAMS = 10_000_000
+# The built-in tiny Qwen2.5-VL's config.json as far as its shape goes (rlsp.models.tiny_vl's TinyVLSpec() over its
+# 78-token vocabulary: 64 tokens + one per colour word; rlsp.config may not import rlsp.models, so
+# tests/unit/test_builtin_vl_shape.py compares these numbers with the spec and the built model's config.json).
+TINY_VL_CONFIG = {
+    "model_type": "qwen2_5_vl", "tie_word_embeddings": False,
+    "text_config": {"model_type": "qwen2_5_vl_text", "num_hidden_layers": 2, "hidden_size": 128,
+                    "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 78,
+                    "max_position_embeddings": 512, "layer_types": ["full_attention"] * 2,
+                    "use_sliding_window": False, "sliding_window": None},
+    "vision_config": {"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "in_channels": 3,
+                      "out_hidden_size": 128, "patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2},
+}
 # The models rlsp builds itself (rlsp.models.tiny's default spec with the 58-token char tokenizer;
-# tests/unit/test_auto_settings.py reads the built model's config.json against this).
+# tests/unit/test_auto_settings.py reads the built model's config.json against this), and its tiny vision-language
+# model with its tower (what the memory rules count for the tower: rlsp.config.auto_vision).
 BUILTIN_SHAPES = {"builtin://tiny-qwen2": ModelShape(layers=2, hidden=128, q_heads=4, kv_heads=2, head_dim=32,
                                                      intermediate=256, vocab=58, tied=True, qkv_bias=True,
-                                                     name="tiny-qwen2", max_positions=256)}
+                                                     name="tiny-qwen2", max_positions=256),
+                  "builtin://tiny-qwen2.5-vl": shape_of_config(TINY_VL_CONFIG, "tiny-qwen2.5-vl")}
 DYNAMIC_BSZ_KEYS = ("actor_rollout_ref.actor.use_dynamic_bsz", "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
                     "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz", "critic.use_dynamic_bsz")
 FSDP_ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model", "reward_model.model")

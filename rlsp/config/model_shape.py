@@ -198,8 +198,12 @@ def read_model_shape(path: str | Path) -> ModelShape:
     file = p / "config.json" if p.is_dir() else p
     if not file.is_file():
         raise ValueError(f"no config.json at {file}: pass a model directory (Hugging Face layout) or its config.json")
-    config = json.loads(file.read_text())
-    name = p.name if p.is_dir() else p.parent.name
+    return shape_of_config(json.loads(file.read_text()), p.name if p.is_dir() else p.parent.name)
+
+
+def shape_of_config(config: dict[str, Any], name: str = "model") -> ModelShape:
+    """The shape of a whole config.json's dict as rlsp trains the model: a Qwen3.5 wrapper's text model, a
+    vision-language model's text model with its tower, any other decoder as it is."""
     if config.get("model_type") in TEXT_WRAPPERS and isinstance(config.get("text_config"), dict):
         config = config["text_config"]  # a Qwen3.5 wrapper checkpoint: rlsp trains its text model alone
     mt = config.get("model_type")

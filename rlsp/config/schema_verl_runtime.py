@@ -1,6 +1,6 @@
 """verl's engine and runtime keys that rlsp declares with verl's names and defaults: Ray start-up (`ray_kwargs.*`),
-the rollout engine's vLLM options and weight-transfer settings, entropy memory switches, checkpoint contents,
-validation-sample logging. Mixed into the sections of rlsp/config/schema.py (one base class per section), so
+the rollout engine's vLLM options, length caps and weight-transfer settings, entropy memory switches, checkpoint
+contents, validation-sample logging, the image resize patch (data.image_patch_size). Mixed into the sections of rlsp/config/schema.py (one base class per section), so
 each section keeps its own fields there. No torch import here.
 
 What each key does in rlsp (some are verl's results reached another way) is in rlsp.config.verl_compat
@@ -85,6 +85,8 @@ class RolloutVerlKeys:
     expert_parallel_size: int = 1  # 1, or tensor_model_parallel_size with vllm on GPU: vLLM spreads the experts over the engine's ranks (enable_expert_parallel) instead of splitting each expert (verl's rule: tp x dp, dp = 1 here)
     # GPU vLLM: a weight sync wakes the weights, loads them, then the KV cache (lower peak memory); CPU: no sleep mode
     multi_stage_wake_up: bool = False
+    prompt_length: int | None = None  # verl's engine prompt cap (its default: data.max_prompt_length): null or that value
+    response_length: int | None = None  # verl's generation limit (its default: data.max_response_length): null or that value
     engine_kwargs: RolloutEngineKwargs = field(default_factory=RolloutEngineKwargs)
     checkpoint_engine: CheckpointEngineConfig = field(default_factory=CheckpointEngineConfig)
 
@@ -98,6 +100,7 @@ class ActorRolloutRefVerlKeys:
 class DataVerlKeys:
     filter_overlong_prompts_workers: int = 1  # verl's filter processes; rlsp counts prompt lengths in the driver
     apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the policy tokenizer's apply_chat_template wherever a prompt or agent turn is rendered (e.g. enable_thinking: false for Qwen3)
+    image_patch_size: int | None = None  # verl's resize patch for images: null or the model processor's patch_size (checked on data with images)
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """Start-up checks of verl's engine and runtime keys (rlsp.config.schema_verl_runtime).
 
 Values only (no torch, no files): `check_verl_runtime_keys` appends one message per refused value, naming the
-key, the value and what is legal. The vLLM options built from these keys live with the rollout
-(rlsp.rollout.engine_options).
+key, the value and what is legal. data.image_patch_size is checked here as a value only; against the model's
+processor by the preflight stage (rlsp.data.vision_processor.image_patch_size_errors), which reads the model files.
+The vLLM options built from these keys live with the rollout (rlsp.rollout.engine_options).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def _check_rollout(cfg: Any, errors: list[str]) -> None:
         errors.append(f"{ROLLOUT}.max_model_len={cap!r} is smaller than a whole sequence (data.max_prompt_length + "
                       f"data.max_response_length = {longest}): verl's engine would cut prompts or responses at it, "
                       f"rlsp's engine holds every whole sequence; legal values: null or an integer >= {longest}")
+    _check_engine_lengths(cfg, errors)
     if r.data_parallel_size != 1:
         errors.append(f"{ROLLOUT}.data_parallel_size={r.data_parallel_size} is not supported: every rlsp rollout engine "
                       f"is one tensor-parallel group of policy workers ({ROLLOUT}.tensor_model_parallel_size); legal "
@@ -77,6 +79,19 @@ def _check_rollout(cfg: Any, errors: list[str]) -> None:
     if ce.engine_kwargs:
         errors.append(f"{key}.engine_kwargs={OmegaConf.to_container(ce.engine_kwargs)} is not supported: rlsp's weight "
                       "transfer has no engine options; legal: {}")
+
+
+def _check_engine_lengths(cfg: Any, errors: list[str]) -> None:
+    """verl's rollout.prompt_length / response_length: null or the data lengths they default to in verl (rlsp's engine
+    takes prompts of data.max_prompt_length and generates data.max_response_length tokens, with no separate caps)."""
+    r = cfg.actor_rollout_ref.rollout
+    for key, data_key, what in (("prompt_length", "max_prompt_length", "takes prompts of up to"),
+                                ("response_length", "max_response_length", "generates up to")):
+        value, length = r[key], cfg.data[data_key]
+        if value is not None and (isinstance(value, bool) or value != length):
+            errors.append(f"{ROLLOUT}.{key}={value!r} differs from data.{data_key}={length}: rlsp's rollout engine "
+                          f"{what} data.{data_key} tokens (verl's default for {ROLLOUT}.{key}) and has no separate "
+                          f"cap; legal values: null or {length} (data.{data_key} sets the limit)")
 
 
 def _check_checkpoint(prefix: str, ckpt: Any, errors: list[str]) -> None:
@@ -107,6 +122,8 @@ def _check_checkpoint(prefix: str, ckpt: Any, errors: list[str]) -> None:
 def _check_runtime(cfg: Any, errors: list[str]) -> None:
     t, ray_init = cfg.trainer, cfg.ray_kwargs.ray_init
     _positive_int("data.filter_overlong_prompts_workers", cfg.data.filter_overlong_prompts_workers, errors)
+    if cfg.data.image_patch_size is not None:  # against the model's processor: rlsp.data.vision_processor (preflight)
+        _positive_int("data.image_patch_size", cfg.data.image_patch_size, errors)
     if not isinstance(t.log_val_generations, int) or t.log_val_generations < 0:
         errors.append(f"trainer.log_val_generations={t.log_val_generations!r} must be an integer >= 0")
     if ray_init.num_cpus is not None:

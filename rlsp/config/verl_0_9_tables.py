@@ -32,8 +32,6 @@ _TOKENIZER = "rlsp reads the tokenizer from the model directory (actor_rollout_r
 _DATASET = "rlsp reads parquet/jsonl rows with its own dataset (data.prompt_key); custom dataset classes are not loaded"
 _REMOTE = ("remote code is not run: rlsp loads model types transformers ships (trust_remote_code is always false)")
 _LIGER = "Liger kernels are not used: rlsp's vocab-chunked head and packed sequences cover the logits memory"
-_ENGINE_LENGTHS = ("rlsp sizes the rollout engine from data.max_prompt_length and data.max_response_length; set "
-                   "those")
 _TEACHER = ("a teacher's inference engine takes rlsp's own settings (distillation.teacher_models.<name>.inference keys "
             "that rlsp declares)")
 _PREFIX_GROUPER = ("verl's prefix grouper computes a group's shared prompt once in the actor's forward (one prompt "
@@ -122,8 +120,6 @@ UNSUPPORTED_0_9: dict[str, str] = {
                                                  "(rlsp's async_training keys)",
     "actor_rollout_ref.rollout.full_determinism": "bitwise-deterministic vLLM sampling is not switched on by rlsp; "
                                                   "sampling is seeded (trainer.seed)",
-    "actor_rollout_ref.rollout.prompt_length": _ENGINE_LENGTHS,
-    "actor_rollout_ref.rollout.response_length": _ENGINE_LENGTHS,
     "actor_rollout_ref.rollout.cudagraph_capture_sizes": "rlsp's vLLM engine uses vLLM's CUDA-graph sizes; "
                                                          "rollout.enforce_eager=true turns graphs off",
     "actor_rollout_ref.rollout.pipeline_model_parallel_size": "pipeline parallel rollouts are not implemented: rlsp's "
@@ -177,7 +173,6 @@ UNSUPPORTED_0_9: dict[str, str] = {
     "data.return_full_prompt": "rlsp keeps the prompt ids and chat messages with each row itself",
     "data.dataloader_num_workers": "rlsp reads and tokenizes prompts in the driver",
     "data.validation_shuffle": "rlsp validates in file order",
-    "data.image_patch_size": _VISION,
     "data.return_multi_modal_inputs": _VISION,
     "data.mm_processor_kwargs": _VISION,
     "data.continuous_token.*": _VISION,

@@ -24,6 +24,22 @@ NOTES_0_9 = {
                                                "+ data.max_response_length, where it never binds (rlsp sizes its "
                                                "engine to exactly that sum, so every prompt and response fits either "
                                                "way); a smaller value, which would cut sequences, is refused",
+    "actor_rollout_ref.rollout.prompt_length": "verl's cap on the prompts its engine takes (its default: "
+                                               "data.max_prompt_length): null or data.max_prompt_length, the bound "
+                                               "rlsp's prompts already keep (data.filter_overlong_prompts, "
+                                               "data.truncation); another value is refused (set "
+                                               "data.max_prompt_length instead)",
+    "actor_rollout_ref.rollout.response_length": "verl's generation limit (its default: data.max_response_length; "
+                                                 "an agent loop's whole trajectory): null or data.max_response_length, "
+                                                 "the limit rlsp's engine generates to; another value is refused (set "
+                                                 "data.max_response_length instead)",
+    "data.image_patch_size": "null or the model processor's patch_size (14 for Qwen2.5-VL, 16 for Qwen3-VL and "
+                             "Qwen3.5): verl 0.9 resizes images with it (qwen_vl_utils.fetch_image, multiples of "
+                             "patch x merge) only to count prompt lengths for data.filter_overlong_prompts, and rolls "
+                             "out and trains with the processor's own patch size; rlsp counts and processes every "
+                             "image with the processor's own, so these values give verl's result. Another value is "
+                             "refused on data with images (rlsp.check names the processor's patch_size); on data "
+                             "without images the key changes nothing",
     "distillation.n_gpus_per_node": f"verl's teacher pool, any value >= 0: {_TEACHER_POOL}",
     "distillation.nnodes": f"verl's teacher pool, any value >= 0: {_TEACHER_POOL}",
     "distillation.teacher_models.*.num_replicas": f"the teacher's replicas in verl's teacher pool, any value >= 0: "

@@ -6,6 +6,10 @@ it, and the processor checks every sub-processor's class); the images need none 
 numpy only). There the same processor class is loaded without its video part (`_image_only`): the same
 `__call__`, placeholder expansion and chat template, read from the same files. Such a processor takes images
 only; rows with videos are refused by name (rlsp.data.multimodal).
+
+The preflight checks of data with images live here too: the model can read them (`vision_data_errors`), verl's
+data.image_patch_size is the processor's patch size (`image_patch_size_errors`), the rollout engine takes them
+(`image_run_errors`).
 """
 
 from __future__ import annotations
@@ -131,6 +135,31 @@ def vision_data_errors(model_key: str, model_path: str, files: list[str], image_
     except (ValueError, OSError) as exc:
         errors.append(f"data.image_key={image_key!r}: {file} has images in {n} rows; {exc}")
     return errors
+
+
+def image_patch_size_errors(value: int | None, model_key: str, model_path: str, files: list[str],
+                            image_key: str = "images") -> list[str]:
+    """data.image_patch_size=`value` against the patch size of the model's processor (what verl 0.9 defaults it to
+    and rolls out with; rlsp resizes every image with it): null or equal is verl's result, another value is refused
+    when `files` have rows with images. Without images the key changes nothing; a model that cannot read the images
+    is named by `vision_data_errors`."""
+    if value is None:
+        return []
+    with_images = [(file, n) for file in files if (n := image_rows(file, image_key))]
+    if not with_images:
+        return []
+    try:
+        processor = load_processor(model_key, model_path)
+    except (ValueError, OSError):
+        return []  # vision_data_errors names the model that has no processor
+    patch = getattr(processor.image_processor, "patch_size", None)
+    if value == patch:
+        return []
+    file, n = with_images[0]
+    return [f"data.image_patch_size={value!r}: {file} has images in {n} rows, and the processor of {model_key}="
+            f"{model_path!r} resizes them with patch_size={patch!r}; verl 0.9 would count their prompt lengths with "
+            f"{value!r} while rolling out with {patch!r}, and rlsp reads every image with the processor's; legal "
+            f"values: null or {patch!r}"]
 
 
 def image_run_errors(cfg: Any) -> list[str]:

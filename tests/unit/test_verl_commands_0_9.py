@@ -9,25 +9,31 @@ reward model's for rlsp's tiny reward model, a custom reward file for a local on
 
 Each family's tiny model is written once per module from transformers' own config class of that family:
 config.json, generation_config.json and the char tokenizer of rlsp.models.tokenizer (rlsp.check reads the
-config and the tokenizer, never the weights, so none are written). The text families rlsp trains (qwen2,
-qwen3, qwen3_moe, mistral, seed_oss) get 8 query and 8 kv heads of dim 32, so every Ulysses and rollout
-tensor-parallel degree of the commands (up to 8) fits. qwen3_next (trained since rlsp.models.linear_attention),
-qwen3_5 and qwen3_5_moe (multimodal wrapper configs whose text model rlsp trains text-only, loaded as transformers'
-causal LM of the wrapper type) and the families rlsp does not support yet (the vision-language ones) are 2 layers of
-hidden size 64 (8 heads of dim 32; the hybrid ones one linear-attention layer and one attention layer); the
-commands of the unsupported ones must be refused by a problem that names the model type. minicpmo has no class in transformers (its model ships remote code): its
-directory holds only a config.json of that model_type.
+config and the tokenizer, never the weights, so none are written; no processor files either). The text families
+(qwen2, qwen3, qwen3_moe, mistral, seed_oss) get 8 query and 8 kv heads of dim 32, so every Ulysses and rollout
+tensor-parallel degree of the commands (up to 8) fits. The others are 2 layers of hidden size 64 (8 heads of dim
+32; the hybrid ones one linear-attention layer and one attention layer): qwen3_next (rlsp.models.linear_attention);
+qwen3_5 and qwen3_5_moe (multimodal wrapper configs: their text model is trained, with the vision tower only when
+the rows carry images, rlsp.data.vision_run); the vision-language families qwen2_5_vl, qwen3_vl and qwen3_vl_moe
+(trained with their tower, rlsp.models.vision_lm); and glm4v, which rlsp does not train: its command must be
+refused by a problem that names the model type. minicpmo has no class in transformers (its model ships remote
+code): its directory holds only a config.json of that model_type.
 
 Per command the test pins the exact set of refusals, each a (key, words of the reason) pair; every other key is
 accepted; NOTES pins the note of each key accepted because it changes nothing computed. Keys and values of
-features still in progress (rlsp.config.verl_compat NOT_YET_KEYS /
-NOT_YET_VALUES) count as accepted while undeclared. EXPECTED_ACCEPTED lists the commands accepted today and
-ACCEPTED_PER_FAMILY counts them per family. rlsp.check never raises on any of them: every problem is a line.
+features still in progress (rlsp.config.verl_compat NOT_YET_KEYS / NOT_YET_VALUES) count as accepted while
+undeclared. EXPECTED_ACCEPTED lists the commands accepted today and ACCEPTED_PER_FAMILY counts them per family.
+rlsp.check never raises on any of them: every problem is a line. The Qwen3.5 and Qwen3-Next commands are refused
+only for `actor_rollout_ref.rollout.name=vllm` on this CPU machine (vLLM has no CPU kernel for their linear
+attention) and, for two of them, settings of their own (REFUSED says which).
 
-The vision-language commands (qwen2_5_vl, qwen3_vl, qwen3_vl_moe; rlsp.models.vision_lm trains them with their vision
-tower) are checked here with the test's text data files, and accepted. On verl's geo3k image data rlsp.check also
-refuses their `actor_rollout_ref.rollout.name=vllm`: prompts with images roll out with the hf engine
-(rlsp.data.vision_processor.image_run_errors; tests/unit/test_multimodal_check.py).
+All commands are checked with the test's text data files. The Qwen3.5 image and video scripts' keys are accepted
+with their notes: `data.image_patch_size=16` (compared with the model processor's patch size only on data with
+images, rlsp.data.vision_processor.image_patch_size_errors; 16 is Qwen3.5's) and
+`actor_rollout_ref.rollout.prompt_length` / `response_length` (equal to data.max_prompt_length /
+max_response_length, verl's defaults; rlsp.config.validate_verl_runtime). On image data rlsp.check would also refuse
+the vision-language commands' `actor_rollout_ref.rollout.name=vllm` (prompts with images roll out with the hf engine:
+rlsp.data.vision_processor.image_run_errors; tests/unit/test_multimodal_check.py), and video rows without torchvision.
 """
 
 from __future__ import annotations
@@ -49,8 +55,8 @@ DATA = Path(__file__).resolve().parents[2] / "tests" / "data"
 COMMANDS = [c for c in json.loads((DATA / "verl_commands_0_9.json").read_text())["commands"] if c["rollout"] == "vllm"]
 # The families rlsp trains; qwen3_next since its Gated DeltaNet layers run in rlsp.models.linear_attention (its tiny
 # model here stays the small hybrid one: one linear-attention layer, one attention layer); qwen3_5 and qwen3_5_moe
-# (wrapper configs) since their text model is trained text-only (rlsp.models.loading.TEXT_WRAPPERS). All 4 are refused
-# here only for vLLM on this CPU machine (and the vision-language scripts for their image keys).
+# (wrapper configs) since their text model is trained (rlsp.models.loading.TEXT_WRAPPERS; with the tower on rows with
+# images). Their commands are refused here for vLLM on this CPU machine (REFUSED); the vision-language ones accepted.
 SUPPORTED = ("qwen2", "qwen3", "qwen3_moe", "mistral", "seed_oss", "qwen3_next", "qwen3_5", "qwen3_5_moe",
              "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 MAX_POSITIONS = 32768  # the longest prompt + response of the commands: 22528 (Qwen3-Next)
@@ -101,11 +107,6 @@ def _wrapper(family: str, cls: str) -> list[tuple[str, str]]:
         ("tensor_model_parallel_size", f"config {cls} needs integer num_attention_heads"))]
 
 
-_ROLLOUT_LENGTHS = [(f"actor_rollout_ref.rollout.{k}", "rlsp sizes the rollout engine") for k in
-                    ("prompt_length", "response_length")]
-_IMAGES = [("data.image_patch_size", "this vision-language option is not implemented"), *_ROLLOUT_LENGTHS]
-
-
 def _vllm_linear(text_family: str) -> tuple[str, str]:
     """A Qwen3.5 wrapper's text model (Gated DeltaNet layers) is trained, but not served by vLLM on this CPU machine."""
     return ("actor_rollout_ref.rollout.name=vllm", f"cannot serve {text_family} on cpu: its linear_attention")
@@ -122,8 +123,8 @@ REFUSED: dict[str, list[tuple[str, str]]] = {
         ("actor_rollout_ref.rollout.free_cache_engine=false", "always frees the rollout engine's KV cache"),
         ("actor_rollout_ref.model.path", "model_type='minicpmo', which transformers 5.19.0 does not know")],
     "examples/grpo_trainer/run_qwen3_5_27b_fsdp.sh": [_vllm_linear("qwen3_5_text")],
-    "examples/grpo_trainer/run_qwen3_5_2b_openr1_fsdp.sh": [*_IMAGES, _vllm_linear("qwen3_5_text")],
-    "examples/grpo_trainer/run_qwen3_5_2b_video_fsdp.sh": [*_IMAGES, _vllm_linear("qwen3_5_text")],
+    "examples/grpo_trainer/run_qwen3_5_2b_openr1_fsdp.sh": [_vllm_linear("qwen3_5_text")],
+    "examples/grpo_trainer/run_qwen3_5_2b_video_fsdp.sh": [_vllm_linear("qwen3_5_text")],
     "examples/grpo_trainer/run_qwen3_5_35b_fsdp.sh": [_vllm_linear("qwen3_5_moe_text")],
     # The layout is refused (16 prompts over 32 workers); the model itself is trained (linear attention), but not
     # served by vLLM on this CPU machine.
@@ -303,8 +304,14 @@ def test_accepted_per_family(outcomes):
     assert sum(ok for ok, _ in per_family.values()) == len(EXPECTED_ACCEPTED)
 
 
+_LENGTH_AND_PATCH_NOTES = [
+    "actor_rollout_ref.rollout.prompt_length: verl's cap on the prompts its engine takes",
+    "actor_rollout_ref.rollout.response_length: verl's generation limit",
+    "data.image_patch_size: null or the model processor's patch_size"]
 # script -> lines its report must hold: the note of every key accepted because it changes nothing computed.
 NOTES = {
+    "examples/grpo_trainer/run_qwen3_5_2b_openr1_fsdp.sh": _LENGTH_AND_PATCH_NOTES,
+    "examples/grpo_trainer/run_qwen3_5_2b_video_fsdp.sh": _LENGTH_AND_PATCH_NOTES,
     "examples/rollout_correction/run_qwen2_5_7b_fsdp.sh": [
         "note: actor_rollout_ref.rollout.n=1 with algorithm.adv_estimator='rloo': every group is one sample, so its "
         "advantage is its raw score"],
@@ -329,7 +336,7 @@ NOTES = {
 @pytest.mark.parametrize("script", sorted(NOTES))
 def test_keys_accepted_without_effect_are_noted(outcomes, script):
     rc, problems, report = outcomes[script]
-    assert rc == 0 and problems == [], (script, problems)
+    assert rc == (2 if script in REFUSED else 0), (script, problems)  # a refused command's report notes them too
     flat = " ".join(report.split())  # the report's lines wrap nothing, but be safe about spacing
     for want in NOTES[script]:
         assert want in flat, (script, want, report)

@@ -40,6 +40,7 @@ def test_recipe_command_passes_rlsp_check(tmp_path: Path) -> None:
     rendered = report.render()
     assert report.problems == [], rendered
     assert "actor dp=1 ulysses=2" in rendered, rendered
+    assert "is unknown before it is loaded" not in rendered, rendered  # auto knows the built-in model's shape
     assert "512 rows with images; image tokens per row min/mean/max 16/16.0/16" in rendered, rendered
     model_dir = tmp_path / "cache" / "models" / "tiny-qwen2.5-vl"
     assert (model_dir / "model.safetensors").is_file()
