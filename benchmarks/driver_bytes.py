@@ -11,7 +11,8 @@
     #   stage-grpo-kl, stage-rloo-kl, stage-gpg-kl, stage-otb, stage-grpo-overlong (dapo's shaping), stage-distill
     #   (GRPO + on-policy distillation from a tiny teacher of other weights), stage-gdpo (two reward components),
     #   stage-correction (GRPO + the rollout correction), stage-otb-is (the optimal token baselines reading the
-    #   correction's weights): the tiny model, 8 prompts x 4 samples, forced lengths
+    #   correction's weights), stage-dapo-filter (dynamic sampling on seq_reward with dapo's overlong shaping):
+    #   the tiny model, 8 prompts x 4 samples, forced lengths
 
 Each workload runs `python -m rlsp.main` in a subprocess (cwd and PYTHONPATH: `--root`, this checkout by
 default, so another checkout of rlsp can be measured with the same workloads) and reads the run's
@@ -22,9 +23,12 @@ from the mean over steps 2..N, and `bytes_per_row` (that mean over the step's ro
 config overrides (key=value).
 
 The `stage-*` workloads run an algorithm of the step stage (rlsp.workers.step_stage: an estimator with KL in
-the reward, the optimal token baselines, GRPO with dapo's overlong shaping, gdpo) or distillation's term
-(rlsp.workers.stage_distill) at a forced response length (`--response-length`, vLLM with ignore_eos): run one
-at two lengths; `bytes_per_row` stays the same when nothing crosses the driver per token.
+the reward, the optimal token baselines, GRPO with dapo's overlong shaping, gdpo), distillation's term
+(rlsp.workers.stage_distill) or DAPO's dynamic sampling (rlsp.step.dynamic_sampling: its reward, the gdpo
+workload's function, scores a continuous `score`, so nearly every group is informative; `gen_batches` is the
+mean of train/num_gen_batches, and `bytes_per_row` is over the step's kept rows) at a forced response length
+(`--response-length`, vLLM with ignore_eos): run one at two lengths; `bytes_per_row` stays the same when
+nothing crosses the driver per token.
 """
 
 from __future__ import annotations
@@ -56,6 +60,9 @@ KL = {"algorithm.use_kl_in_reward": True, "algorithm.kl_ctrl.kl_coef": 0.05, "ac
 OTB = {"algorithm.adv_estimator": "optimal_token_baseline", "actor_rollout_ref.actor.calculate_sum_pi_squared": True}
 OVERLONG = {"reward.reward_manager.name": "dapo", "reward.reward_kwargs.overlong_buffer_cfg.enable": True,
             "reward.reward_kwargs.overlong_buffer_cfg.len": 4, "reward.reward_kwargs.overlong_buffer_cfg.penalty_factor": 0.5}
+# DAPO's dynamic sampling on the shaped token sums (verl's metric seq_reward), with the overlong shaping.
+DAPO_FILTER = {**OVERLONG, "algorithm.filter_groups.enable": True, "algorithm.filter_groups.metric": "seq_reward",
+               "algorithm.filter_groups.max_num_gen_batches": 4}
 # The rollout correction (rlsp.workers.stage_correction): token IS weights, batch-normalised, and token rejection.
 CORRECTION = {"algorithm.rollout_correction.rollout_is": "token", "algorithm.rollout_correction.rollout_is_batch_normalize": True,
               "algorithm.rollout_correction.rollout_rs": "token_k1", "algorithm.rollout_correction.rollout_rs_threshold": 2.0}
@@ -68,6 +75,7 @@ WORKLOADS = {  # name: (grpo_step.py workload, overrides on top, steps)
     "stage-gpg-kl": ("tiny", {**STAGE, **KL, "algorithm.adv_estimator": "gpg"}, 3),
     "stage-otb": ("tiny", {**STAGE, **OTB}, 3),
     "stage-grpo-overlong": ("tiny", {**STAGE, **OVERLONG, "algorithm.adv_estimator": "grpo"}, 3),
+    "stage-dapo-filter": ("tiny", {**STAGE, **DAPO_FILTER, "algorithm.adv_estimator": "grpo"}, 3),
     "stage-correction": ("tiny", {**STAGE, **CORRECTION, "algorithm.adv_estimator": "grpo"}, 3),
     "stage-otb-is": ("tiny", {**STAGE, **OTB, **CORRECTION}, 3),
     "stage-distill": ("tiny", {**STAGE, "algorithm.adv_estimator": "grpo", "distillation.enabled": True}, 3),
@@ -95,7 +103,7 @@ def overrides(name: str, cache: str, steps: int | None, run_dir: str, response_l
         teacher = TinyModelSpec(**{**spec.__dict__, "seed": 1})
         args["distillation.teacher_models.teacher_model.model_path"] = ensure_tiny_model(
             os.path.join(cache, "bench-tiny-teacher"), teacher)
-    if name == "stage-gdpo":
+    if name in ("stage-gdpo", "stage-dapo-filter"):  # a reward whose score varies within a group
         path = os.path.join(cache, "gdpo_reward.py")
         with open(path, "w") as f:
             f.write(GDPO_REWARD)
@@ -145,6 +153,7 @@ def summary(name: str, args: dict, rows: list[dict], wall: float, root: str) -> 
             "rows": (rows := int(args["data.train_batch_size"]) * int(args["actor_rollout_ref.rollout.n"])),
             "bytes_per_row": round(mean("perf/driver_bytes") / rows, 1),
             "response_length": args.get("data.max_response_length"),
+            **({"gen_batches": mean("train/num_gen_batches")} if "train/num_gen_batches" in later[0] else {}),
             "tokens": round(sum(r["throughput/tokens_per_s"] * r["timing/step_s"] for r in later) / len(later)),
             "wall_s": round(wall, 1)}
 

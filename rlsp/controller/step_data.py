@@ -15,8 +15,9 @@ on a worker group whose rank 0 builds just those columns from the blocks (counte
 rlsp.controller.traffic), so a driver-side computation pays for exactly the columns it names. Indexing
 a column nobody read raises `ColumnNotRead` naming it: nothing is fetched as a side effect of indexing.
 A column built on the driver (`derive`) is built from the row's own columns, so selecting rows carries
-the build along. A *row broadcast* (`set_row`: one value per row for every response token, e.g. an
-outcome advantage) travels as one number per row and becomes `value * response_mask` where it is used.
+the build along, and concatenating steps that all build it joins their builds (`concat`). A *row
+broadcast* (`set_row`: one value per row for every response token, e.g. an outcome advantage) travels
+as one number per row and becomes `value * response_mask` where it is used.
 
 Rows have ids unique in the driver process, so the rows of several generation calls (asynchronous
 units, dynamic sampling rounds) concatenate without renumbering.
@@ -168,7 +169,9 @@ class StepData:
 
     def spec(self, positions: Sequence[int], reads: Iterable[str]) -> tuple[RowsSpec, list[Any]]:
         """How a process builds rows `positions` (of the current order) with the columns in `reads` it
-        can have: (the spec, the block refs it receives, in argument order)."""
+        can have: (the spec, the block refs it receives, in argument order). No positions (a dp group without
+        rows in an uneven cut) still give every column, with no rows: the process gets one block holding each,
+        so its empty tensors have the column's dtype and trailing shape (its collectives match its peers')."""
         reads = set(reads)
         table_keys = {k for k in reads if k in self.table.tensors.keys() or k in self.table.meta}
         table_keys |= {k + ROW_SUFFIX for k in reads if k + ROW_SUFFIX in self.table.tensors.keys()}
@@ -188,6 +191,8 @@ class StepData:
                 per_block.setdefault(b, ([], []))
                 per_block[b][0].append(src)
                 per_block[b][1].append(dst)
+            if not positions:  # an empty shard: no rows of one block that holds the column (its dtype and shape)
+                per_block[max(b for b, _ in where.values())] = ([], [])
             for b, (src, dst) in per_block.items():
                 routes.setdefault((b, tuple(src), tuple(dst)), []).append((key, name))
         used = sorted({b for b, _, _ in routes})
@@ -256,8 +261,9 @@ class StepData:
     def concat(parts: Sequence[StepData]) -> StepData:
         if not parts:
             raise ValueError("cannot concatenate an empty list of steps")
-        for p in parts:  # each part's own builds, before their tables are joined
-            for key in list(p._derived):
+        carried = set.intersection(*(set(p._derived) for p in parts))  # every part builds it: the join builds it
+        for p in parts:  # each part's other builds, before their tables are joined
+            for key in [k for k in p._derived if k not in carried]:
                 p[key]
         table = Batch.concat([p.table for p in parts]) if any(len(p.table.tensors.keys()) for p in parts) else \
             _empty(sum(len(p) for p in parts), {k: [x for p in parts for x in p.table.meta[k]] for k in parts[0].table.meta},
@@ -266,7 +272,26 @@ class StepData:
         out = StepData([i for p in parts for i in p.ids], table, blocks, set().union(*(p._tensor_keys for p in parts)))
         for p in parts:
             out._aliases.update(p._aliases)
+        out._derived = {key: _joined_build([(p.ids, p._derived[key]) for p in parts]) for key in carried}
         return out
+
+
+def _joined_build(builds: Sequence[tuple[Sequence[int], Callable[[StepData], torch.Tensor]]]
+                  ) -> Callable[[StepData], torch.Tensor]:
+    """The build of a column over rows of several steps (`concat`): each step's build (`derive`: row-wise) on
+    its own rows, known by row id, in the order of the rows built."""
+    def build(data: StepData) -> torch.Tensor:
+        pieces, order = [], []
+        for ids, part_build in builds:
+            mine = set(ids)
+            positions = [i for i, rid in enumerate(data.ids) if rid in mine]
+            if positions:
+                pieces.append(part_build(data.select_rows(positions)))
+                order += positions
+        if not pieces:  # no rows: any part's build gives the empty column
+            return builds[0][1](data)
+        return torch.cat(pieces)[torch.argsort(torch.tensor(order))]
+    return build
 
 
 def from_batch(batch: Batch) -> StepData:

@@ -4,13 +4,16 @@ Calls name a role and a method; the dispatch contract is the one the role method
 (rlsp/workers/dispatch.py), never chosen at the call site. BY_DP splits over the dp groups of the
 *role's* mesh (the critic may use another sp size than the actor on the same workers); its rows are a
 StepData (rlsp/controller/step_data.py): each rank gets the declared columns of its rows, the ones
-other processes hold straight from them, and what it returns stays with it.
+other processes hold straight from them, and what it returns stays with it. The rows are cut into equal
+contiguous chunks, or, where a call gives `shards`, into contiguous shards of those row counts (the step
+stage's whole prompt groups when they do not divide evenly over dp; a shard may be empty).
 """
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,6 +119,21 @@ class PendingCall:
         TRAFFIC.receive(*held)
         return from_results(source, self.groups, [h[0] for h in held], firsts, [*tensors, *meta], tensors)
 
+
+def dp_row_ranges(rows: int, dp: int, shards: Sequence[int] | None = None) -> list[range]:
+    """The positions of each dp group's rows in a BY_DP call of `rows` rows: `dp` equal contiguous chunks, or
+    contiguous shards of `shards[g]` rows (any sizes, 0 included, summing to `rows`)."""
+    if shards is None:
+        if rows % dp != 0:
+            raise ValueError(f"cannot split a batch of {rows} rows into {dp} equal chunks")
+        shards = [rows // dp] * dp
+    elif len(shards) != dp or sum(shards) != rows or min(shards) < 0:
+        raise ValueError(f"shards={list(shards)}: need {dp} row counts (one per dp group, each >= 0) summing to the "
+                         f"call's {rows} rows")
+    starts = itertools.accumulate(shards, initial=0)
+    return [range(start, start + size) for start, size in zip(starts, shards)]
+
+
 class RayWorker(Worker):
     """The Worker as a Ray actor: what a BY_DP method returns is put into the object store by the worker
     itself, which owns it; the driver receives the reference (a few bytes), never the rows. (Returned
@@ -160,19 +178,23 @@ class RayWorkerGroup:
         return infos
 
     # ------------------------------------------------------------------ calls
-    def call(self, role: str, method: str, *args: Any) -> Any:
-        """Call `role.method` on the workers with the contract the method declares."""
-        return self.submit(role, method, *args).result()
+    def call(self, role: str, method: str, *args: Any, shards: Sequence[int] | None = None) -> Any:
+        """Call `role.method` on the workers with the contract the method declares; a BY_DP call's rows go to
+        the dp groups in equal chunks, or `shards[g]` rows to dp group g (contiguous, in order)."""
+        return self.submit(role, method, *args, shards=shards).result()
 
-    def submit(self, role: str, method: str, *args: Any) -> PendingCall:
+    def submit(self, role: str, method: str, *args: Any, shards: Sequence[int] | None = None) -> PendingCall:
         """`call` without waiting: the workers start now; `.result()` collects (or raises) later."""
         if role not in self.roles:
             raise ValueError(f"role {role!r} is not hosted by the {self.group} workers (they host {list(self.roles)})")
         mode = dispatch_mode(ROLE_CLASSES[role], method)
+        if mode is Dispatch.ALL and shards is not None:
+            raise ValueError(f"shards={list(shards)} given to {role}.{method}, which every rank runs on the same "
+                             "arguments (Dispatch.ALL): shards cut the rows of BY_DP calls only")
         TRAFFIC.call(f"{role}.{method}", self.world_size)
         if mode is Dispatch.ALL:
             return self._all(lambda w, *a: w.execute.remote(role, method, *a), args)
-        return self._by_dp(role, method, args)
+        return self._by_dp(role, method, args, shards)
 
     def call_worker(self, method: str, *args: Any) -> Any:
         """Call a method of the worker itself (set-up, weight sync, shutdown); always ALL."""
@@ -184,7 +206,7 @@ class RayWorkerGroup:
         TRAFFIC.send(*args)  # once: Ray stores each argument once for all ranks
         return PendingCall(self, [submit(w, *args) for w in self.workers], None)
 
-    def _by_dp(self, role: str, method: str, args: tuple[Any, ...]) -> PendingCall:
+    def _by_dp(self, role: str, method: str, args: tuple[Any, ...], shards: Sequence[int] | None) -> PendingCall:
         """One row shard per dp group (the dp groups' ranks are consecutive: dp is the outermost dimension
         of every role's layout); each rank receives the declared columns of its group's rows: the
         driver's by value, the rest as the blocks that hold them."""
@@ -193,10 +215,7 @@ class RayWorkerGroup:
         fields = declared_fields(ROLE_CLASSES[role], method)
         per_dp = self.layout.role(role).ranks_per_dp
         dp = self.world_size // per_dp
-        if len(data) % dp != 0:
-            raise ValueError(f"cannot split a batch of {len(data)} rows into {dp} equal chunks")
-        size = len(data) // dp
-        groups = [range(g * size, (g + 1) * size) for g in range(dp)]
+        groups = dp_row_ranges(len(data), dp, shards)
         specs = [data.spec(rows, fields.reads) for rows in groups]
         TRAFFIC.send(rest, *specs)
         spec_refs = [ray.put(spec) for spec, _ in specs]  # shared by the group's ulysses/ring/tp ranks

@@ -15,6 +15,13 @@ model's score with one);
 `seq_final_reward`, the sum of its token-level rewards (equal to seq_reward: validation refuses it with
 the in-reward KL penalty, which is applied after filtering). A group of one sample is always kept.
 
+The filter reads per-row values only (`ROW_PARTS`): the reward function's values and entries, and for the
+seq_* metrics the token scores' row sums from the parts they are built of (rlsp.rewards.token_scores
+.shaped_row_sums: the row's reward, its overlong penalty, the reward model's row score, the step rewards'
+sum the rollout reports), never the [rows x response] columns, so the driver's bytes per row do not grow
+with the response length. The kept rows keep the token scores' build: they are built on the workers, or on
+the driver only where it reads them (rlsp.controller.step_data.StepData.derive).
+
 Synchronous trainer: every round generates one data batch on the rollout engines. Asynchronous trainer
 (rollout pool): units come from the pool's queue; a unit taken beyond the step's `require_batches` to
 replace filtered groups is not counted against the staleness bound (the queue may run that many units
@@ -37,6 +44,7 @@ import numpy as np
 from rlsp.config.choices import FILTER_GROUP_METRICS
 from rlsp.controller.reads import Read, held
 from rlsp.data.batch import Batch
+from rlsp.rewards.token_scores import shaped_row_sums
 from rlsp.utils.timing import timed
 
 if TYPE_CHECKING:  # only its type is read here
@@ -59,6 +67,9 @@ class Unit(Protocol):
 U = TypeVar("U", bound=Unit)
 
 LIMIT_KEY = "algorithm.filter_groups.max_num_gen_batches"
+# The per-row values the seq_* metrics read: the row's policy tokens and the parts of its token-level scores
+# (rule reward, the reward model's row score, dapo's overlong penalty, the step rewards on its policy tokens).
+ROW_PARTS = ("response_tokens", "row_reward", "rm_score", "overlong_reward", "step_reward_policy_sum")
 
 
 def _reward_entry(metric: str, batch: Batch, scores_B: np.ndarray) -> np.ndarray:
@@ -77,14 +88,39 @@ def _reward_entry(metric: str, batch: Batch, scores_B: np.ndarray) -> np.ndarray
     return np.asarray(values, dtype=np.float64)
 
 
-def sample_metric(metric: str, batch: Batch, scores_B: np.ndarray) -> np.ndarray:
-    """[B] values of `metric` (see the module docstring) for the scored rows of `batch`."""
+def _held(batch: Any, key: str) -> bool:
+    """Whether the driver holds tensor column `key` of `batch` (a Batch, or a StepData's own table)."""
+    return key in getattr(batch, "table", batch).tensors.keys()
+
+
+def seq_rewards(batch: Any, step_rewards: bool = False) -> np.ndarray:
+    """[B] float64 sums of each row's token-level scores (verl's seq_reward): the driver's own scores where it
+    holds them (a Batch), else from the rows' per-row parts (`ROW_PARTS`); `step_rewards`: the scores hold the
+    agent loop's step rewards (multi_turn.use_step_rewards, rlsp.step.reward.Reward)."""
+    if _held(batch, "token_level_scores"):
+        return batch["token_level_scores"].sum(-1).double().numpy()
+    if "row_reward" not in batch and "rm_score" not in batch:
+        raise RuntimeError(f"dynamic sampling found no per-row scores in the rows (they have {sorted(batch.keys())}): "
+                           "score them first (row_reward, or the reward model's rm_score)")
+    step = step_rewards and "step_rewards" in batch
+    if step and "step_reward_policy_sum" not in batch:
+        raise RuntimeError("dynamic sampling with multi_turn.use_step_rewards needs the rollout's per-row "
+                           f"step_reward_policy_sum (the rows have {sorted(batch.keys())})")
+    part = lambda key: batch[key] if key in batch else None  # noqa: E731
+    sums_B = shaped_row_sums(batch["response_tokens"], part("row_reward"), part("rm_score"), part("overlong_reward"),
+                             batch["step_reward_policy_sum"] if step else None)  # rm_score before row_reward
+    return sums_B.double().numpy()
+
+
+def sample_metric(metric: str, batch: Batch, scores_B: np.ndarray, step_rewards: bool = False) -> np.ndarray:
+    """[B] values of `metric` (see the module docstring) for the scored rows of `batch`; `step_rewards` as in
+    `seq_rewards`."""
     if metric in ("acc", "score"):
         return _reward_entry(metric, batch, scores_B)
-    if metric == "seq_reward" or (metric == "seq_final_reward" and "token_level_rewards" not in batch):
-        return batch["token_level_scores"].sum(-1).double().numpy()
-    if metric == "seq_final_reward":
+    if metric == "seq_final_reward" and _held(batch, "token_level_rewards"):
         return batch["token_level_rewards"].sum(-1).double().numpy()
+    if metric in ("seq_reward", "seq_final_reward"):  # the token rewards are the scores until after filtering
+        return seq_rewards(batch, step_rewards)
     raise ValueError(f"algorithm.filter_groups.metric={metric!r}; legal values: {list(FILTER_GROUP_METRICS)}")
 
 
@@ -112,6 +148,7 @@ class GroupCollector:
     filtered: int = 0
     errors: int = 0
     read: Read = held  # worker-held columns to the driver (rlsp.controller.reads)
+    step_rewards: bool = False  # the token scores hold the agent loop's step rewards (seq_* metrics)
 
     @property
     def ready(self) -> bool:
@@ -123,10 +160,10 @@ class GroupCollector:
 
     def add(self, batch: Batch, scores_B: np.ndarray, errors: int = 0) -> None:
         """Keep the informative groups of a scored batch; `scores_B` are the reward function's values."""
-        # The token-level scores scoring left to build (select_rows builds them; seq_* metrics sum them).
-        self.read(batch, ["token_level_scores"])
+        if self.metric.startswith("seq_"):  # per-row values only (ROW_PARTS); the driver holds them already
+            self.read(batch, [k for k in ROW_PARTS if k in batch])
         uids = list(batch.meta["uid"])
-        kept, dropped = informative_groups(uids, sample_metric(self.metric, batch, scores_B))
+        kept, dropped = informative_groups(uids, sample_metric(self.metric, batch, scores_B, self.step_rewards))
         keep = set(kept)
         batch.meta["row_score"] = [float(s) for s in scores_B]  # train_on reads them instead of scoring again
         self.parts.append(batch.select_rows([i for i, u in enumerate(uids) if u in keep]))
@@ -168,16 +205,16 @@ class DynamicSampler:
         self.metric, self.train_batch_size, self.max_num_gen_batches = metric, train_batch_size, max_num_gen_batches
         self.gen_batch_size = gen_batch_size or train_batch_size  # prompts per generation round (data batch)
 
-    def collector(self, read: Read = held) -> GroupCollector:
+    def collector(self, read: Read = held, step_rewards: bool = False) -> GroupCollector:
         return GroupCollector(self.metric, self.train_batch_size, self.gen_batch_size, self.max_num_gen_batches,
-                              read=read)
+                              read=read, step_rewards=step_rewards)
 
     def collect(self, generate: Generate, reward: Reward, items: list[dict[str, Any]], batches: Iterator,
                 timing: dict[str, float], read: Read = held) -> tuple[Batch, dict[str, float]]:
         """Generate (`generate(items, first_index)`) and score (`reward`) data batches -- the first is `items`,
         then the next ones of `batches` -- until the step has train_batch_size prompts with informative groups;
         `read` brings the worker-held columns the filter reads to the driver."""
-        collector, first_index = self.collector(read), 0
+        collector, first_index = self.collector(read, reward.step_rewards), 0
         while True:
             with timed("timing/gen_s", timing):
                 # Continuing prompt indices: each round's samples get seeds of their own.
@@ -197,7 +234,7 @@ class DynamicSampler:
         """Take the pool's units (`take_unit(extra)`: the next one; `extra` when it replaces filtered groups, so
         beyond the step's `units_per_step`) until the step has train_batch_size prompts with informative groups:
         (units taken, their batches, the trimmed batch, the sampling metrics)."""
-        collector = self.collector(read)
+        collector = self.collector(read, reward.step_rewards)
         units: list[U] = []
         parts: list[Batch] = []
         while not collector.ready:

@@ -7,7 +7,9 @@ Where a step's rewards and advantages are computed:
 - every other estimator, with or without KL in the reward: on the workers, in one call
   (`ActorRole.compute_advantages`, rlsp.workers.step_stage); the driver sends the request and receives
   each row's KL and the row sums of its metrics. An estimator that reads groups gets shards cut on group
-  boundaries (`group_aligned_order`: the step's rows reordered for this call only, no data moves);
+  boundaries (`stage_shards`: the step's rows reordered for this call only, no data moves): equal ones when the
+  groups allow (`group_aligned_order`), else shards of unequal row counts, whole groups balanced by rows
+  (`group_shards`; a dp group may get no rows when there are fewer groups than dp groups);
 - the token scores themselves: the driver keeps their per-row parts (each row's reward, dapo's overlong
   penalty `overlong_reward`) and the agent loop's step rewards stay a worker column; the workers build the
   [rows x response] scores from them (rlsp.rewards.token_scores), the driver only if it reads them;
@@ -15,10 +17,8 @@ Where a step's rewards and advantages are computed:
   them with the call, one float per row and component (rlsp.step.estimator_inputs.set_stage_components);
 - the optimal token baselines with rollout-correction importance weights: on the workers, reading the weights
   the correction wrote before the advantages (rlsp.step.off_policy.correct_rollout, once a step);
-- on the driver, reading the token-level columns it needs: an estimator reading groups when the groups cannot
-  be split evenly over the dp ranks (`group_aligned_order` gives None). trainer.balance_batch keeps groups
-  whole on one dp rank when the workers need them (`balanced_step_order`), so the stage's shards are the
-  step's own;
+- trainer.balance_batch keeps groups whole on one dp rank when the workers need them and an equal cut allows
+  it (`balanced_step_order`), so the stage's shards are then the step's own;
 - after the advantages, on the workers: distillation's term (rlsp.step.distill, rlsp.workers.stage_distill).
 
 The adaptive KL controller stays on the driver: it is updated with the mean over rows of each row's
@@ -33,10 +33,9 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from rlsp.algos.kl_ctrl import KLController, batch_kl
-from rlsp.algos.registry import compute_advantages, reads_groups
+from rlsp.algos.registry import reads_groups
 from rlsp.data.balance import balanced_order
-from rlsp.data.batch import Batch
-from rlsp.step.estimator_inputs import advantage_inputs, config_settings, set_stage_components
+from rlsp.step.estimator_inputs import config_settings, set_stage_components
 from rlsp.step.off_policy import reads_is_weights
 from rlsp.step.row_advantages import ROW_LEVEL_ESTIMATORS
 from rlsp.workers.step_stage import StageRequest
@@ -67,6 +66,19 @@ def group_aligned_order(uids: Sequence[Any], parts: int) -> list[int] | None:
         bins[part].append(rows)
         room[part] -= len(rows)
     return [row for chunk in bins for rows in sorted(chunk) for row in rows]
+
+
+def group_shards(uids: Sequence[Any], parts: int) -> tuple[list[int], list[int]]:
+    """Whole groups in `parts` contiguous shards of near-equal row counts, for when no equal cut holds whole
+    groups: (a permutation of the rows, each shard's row count). Greedy: largest group first (first row on ties),
+    into the shard with the fewest rows so far (the first on ties), which with equal groups is the most even cut;
+    a shard gets no rows when there are fewer groups than shards. A shard's rows keep the step's order."""
+    if parts < 1:
+        raise ValueError(f"parts={parts}: need at least one shard")
+    members: list[list[int]] = [[] for _ in range(parts)]
+    for rows in sorted(_rows_by_group(uids).values(), key=lambda r: (-len(r), r[0])):
+        min(members, key=len).extend(rows)
+    return [row for rows in members for row in sorted(rows)], [len(rows) for rows in members]
 
 
 def whole_groups(uids: Sequence[Any], parts: int) -> bool:
@@ -124,51 +136,38 @@ def _dp_size(wg: Any) -> int:
     return wg.world_size // wg.layout.role("actor").ranks_per_dp
 
 
-def stage_order(batch: Any, cfg: Any, dp: int) -> list[int] | None:
-    """The row order in which the workers compute this step's advantages (None: the driver computes them;
-    see the module docstring)."""
+def stage_shards(batch: Any, cfg: Any, dp: int) -> tuple[list[int], list[int] | None]:
+    """The row order in which the workers compute this step's advantages and each dp group's row count in it
+    (None: equal chunks). The step's order when the estimator reads no groups or its equal chunks hold whole
+    groups; else group-aligned equal chunks (`group_aligned_order`) when some exist, else `group_shards`."""
     uids = list(batch.meta["uid"]) if reads_groups(cfg.algorithm.adv_estimator) else []
     if not uids or whole_groups(uids, dp):
-        return list(range(len(batch)))
-    return group_aligned_order(uids, dp)
+        return list(range(len(batch))), None
+    order = group_aligned_order(uids, dp)
+    return (order, None) if order is not None else group_shards(uids, dp)
 
 
 def compute_token_rewards(wg: Any, batch: Any, cfg: Any, kl_ctrl: KLController) -> dict[str, float]:
-    """`token_level_rewards` (and, where `stage_order` allows, `advantages` and `returns`) of `batch`, a step
-    whose rows are held by `wg`'s workers; the KL metrics with use_kl_in_reward."""
+    """`token_level_rewards`, `advantages` and `returns` of `batch`, a step whose rows are held by `wg`'s
+    workers, computed by them (`ActorRole.compute_advantages`); the KL metrics with use_kl_in_reward."""
     alg = cfg.algorithm
-    order = stage_order(batch, cfg, _dp_size(wg))
-    if order is None and not alg.use_kl_in_reward:
-        batch.set("token_level_rewards", batch["token_level_scores"])
-        return {}
+    order, shards = stage_shards(batch, cfg, _dp_size(wg))
     beta = kl_ctrl.value if alg.use_kl_in_reward else None
     step = bool(cfg.actor_rollout_ref.rollout.multi_turn.use_step_rewards) and "step_rewards" in batch
-    components = set_stage_components(batch, cfg) if order is not None else ()  # gdpo's: one float per row and key
-    request = StageRequest(alg.adv_estimator if order is not None else None,
-                           config_settings(cfg) if order is not None else {}, beta, alg.kl_penalty, step, components,
-                           rollout_is_weights=order is not None and reads_is_weights(cfg))  # the correction's column
-    if order is None or order == list(range(len(batch))):
-        batch.update(wg.call("actor", "compute_advantages", batch, request))
-    else:  # the call's rows in group-aligned shards, its columns put back in the step's order
+    components = set_stage_components(batch, cfg)  # gdpo's: one float per row and key
+    request = StageRequest(alg.adv_estimator, config_settings(cfg), beta, alg.kl_penalty, step, components,
+                           rollout_is_weights=reads_is_weights(cfg))  # the correction's column
+    if order == list(range(len(batch))):
+        batch.update(wg.call("actor", "compute_advantages", batch, request, shards=shards))
+    else:  # the call's rows in shards of whole groups, its columns put back in the step's order
         back = sorted(range(len(order)), key=order.__getitem__)
-        batch.update(wg.call("actor", "compute_advantages", batch.select_rows(order), request).select_rows(back))
+        rows = wg.call("actor", "compute_advantages", batch.select_rows(order), request, shards=shards)
+        batch.update(rows.select_rows(back))
     if beta is None:
         return {}
     current_kl = batch_kl(batch["reward_kl"])
     kl_ctrl.update(current_kl, n_steps=len(batch))
     return {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
-
-
-def advantages_on_workers(batch: Any) -> bool:
-    """Whether the workers computed this step's advantages with its token rewards (`compute_token_rewards`)."""
-    return "advantages" in batch
-
-
-def compute_driver_advantages(batch: Batch, cfg: Any) -> None:
-    """`advantages` and `returns` of an estimator that runs on the driver, from the token-level columns."""
-    adv, ret = compute_advantages(cfg.algorithm.adv_estimator, advantage_inputs(batch, cfg))
-    batch.set("advantages", adv)
-    batch.set("returns", ret)
 
 
 def _reported(batch: Any, keys: tuple[str, ...]) -> bool:

@@ -38,7 +38,7 @@ from rlsp.run.run_checkpoint import load_run, save_run
 from rlsp.step.baselines import add_greedy_baselines, greedy_sampling, needs_greedy_baseline
 from rlsp.step.batch_metrics import check_finite, compute_batch_metrics, row_tokens
 from rlsp.step.distill import Distillation
-from rlsp.step.driver_reads import GREEDY_READS, advantage_reads
+from rlsp.step.driver_reads import GREEDY_READS
 from rlsp.step.dynamic_sampling import build_dynamic_sampler
 from rlsp.step.off_policy import (
     actor_batch,
@@ -50,13 +50,7 @@ from rlsp.step.off_policy import (
 )
 from rlsp.step.reward import Reward, build_reward, start_rule_scorers
 from rlsp.step.row_advantages import compute_row_advantages, row_level
-from rlsp.step.stage_advantages import (
-    advantages_on_workers,
-    balanced_step_order,
-    compute_driver_advantages,
-    compute_token_rewards,
-    stage_order,
-)
+from rlsp.step.stage_advantages import balanced_step_order, compute_token_rewards
 from rlsp.trainer.progress import RunProgress
 from rlsp.trainer.rollout_inputs import batch_stream, load_datasets, prompt_batch, sampling_params
 from rlsp.trainer.val_generations import ValGenerationLog
@@ -153,15 +147,12 @@ class RayTrainer:
         workers, with the advantages of the estimators that run there (rlsp.step.stage_advantages)."""
         if row_level(self.cfg, batch):  # outcome advantages from per-row values (rlsp.step.row_advantages)
             return {}
-        if not self.cfg.algorithm.use_kl_in_reward and stage_order(batch, self.cfg, self.layout.dp_size) is None:
-            self.read(batch, ["token_level_scores"])  # the token rewards are the scores, on the driver
         return compute_token_rewards(self.wg, batch, self.cfg, self.kl_ctrl)
 
     def _advantages(self, batch: Batch) -> None:
+        """The outcome estimators' advantages from per-row values; the others came with the rewards (`_rewards`)."""
         if row_level(self.cfg, batch):
             compute_row_advantages(batch, self.cfg)
-        elif not advantages_on_workers(batch):  # computed with the rewards otherwise
-            compute_driver_advantages(self.read(batch, advantage_reads(self.cfg)), self.cfg)
 
     def train_step(self, step: int, items: list[dict[str, Any]]) -> dict[str, float]:
         timing: dict[str, float] = {}

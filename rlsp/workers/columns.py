@@ -123,6 +123,8 @@ ROW_SCALARS: dict[str, Callable[[Batch], torch.Tensor]] = {
     "logprob_diff_sum": lambda b: _logprob_diff(b).sum(-1),
     "logprob_diff_max": lambda b: _logprob_diff(b).amax(-1) if b["response_mask"].shape[1] else torch.zeros(len(b)),
     "step_reward_sum": lambda b: b["step_rewards"].sum(-1),
+    # the step rewards the token-level scores hold (those on policy tokens), summed: DAPO's seq_reward reads it
+    "step_reward_policy_sum": lambda b: (b["step_rewards"] * b["response_mask"]).sum(-1),
     # the reward model's row score, and the row's summed token-level score as estimators compute it
     "rm_score": lambda b: b["rm_scores"].sum(-1),
     "rm_row_reward": lambda b: masked_sum(b["rm_scores"], b["response_mask"], dim=-1),

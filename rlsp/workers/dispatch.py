@@ -1,9 +1,10 @@
 """Dispatch contracts and declared fields, stated once on the role method that needs them and read by
 the controller.
 
-    BY_DP    the batch is split into `dp` equal parts of the role's mesh; every sp rank of dp group g
-             gets part g (sp ranks must see the same rows) and the call is collective over the role's
-             world; the result of each group's sp-rank 0 is collected. Generation too: the rollout's dp
+    BY_DP    the batch is split into `dp` equal parts of the role's mesh (or contiguous parts of the
+             row counts a call gives, `shards`: rlsp.controller.worker_group); every sp rank of dp
+             group g gets part g (sp ranks must see the same rows) and the call is collective over the
+             role's world; the result of each group's sp-rank 0 is collected. Generation too: the rollout's dp
              groups are its engines (one rank each, or the ranks of a tensor-parallel engine).
     ALL      every rank gets the same arguments (collective calls such as weight sync); the results
              of all ranks are returned as a list.

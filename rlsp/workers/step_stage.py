@@ -13,11 +13,17 @@ rank runs the same rlsp.algos functions on it as the driver would on the whole b
   (the same numbers as the one-process computation, bit for bit);
 - the estimator (`compute_advantages`). Statistics within a prompt group (GRPO's mean and std, RLOO's
   leave-one-out mean, the optimal token baselines, ...; `reads_groups`) are local: the driver cuts the
-  shards on group boundaries (rlsp.step.stage_advantages.group_aligned_order). Batch-wide statistics
+  shards on group boundaries (rlsp.step.stage_advantages.stage_shards), in shards of unequal row counts
+  when the groups do not divide evenly over dp. Batch-wide statistics
   (the whitening of GAE, REINFORCE++ and its group-baseline variant and GDPO, GPG's row counts) are sums, taken by
   a `reduce` that all-reduces over the data-parallel group only: the ranks of one dp group hold the same
   rows, so summing over them would count rows twice (rlsp.algos.whiten). GDPO's reward is the reward function's
   named components, which the driver sends as one float per row and component (`COMPONENTS_KEY`).
+
+A shard may have any number of rows, none included (fewer prompt groups than dp groups). Every collective
+is a sum of a fixed number of values (the whitening's [sum, count] and its second pass, GPG's two counts), so
+every dp rank enters the same all-reduces with the same shapes; an empty shard's columns keep their dtypes
+(rlsp.controller.step_data.StepData.spec), so the sums' dtypes match too, and it adds zeros.
 
 The advantages, returns and token rewards stay here as block columns (the updates read them worker to
 worker); the driver receives per-row values only (`STAGE_REPORTS`: the row's KL and the row sums its

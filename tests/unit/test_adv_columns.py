@@ -10,13 +10,12 @@ import torch
 from omegaconf import OmegaConf
 
 from rlsp.algos.adv_columns import INPUT_COLUMNS
-from rlsp.algos.registry import list_adv_estimators
+from rlsp.algos.registry import compute_advantages, list_adv_estimators
 from rlsp.config.schema import RLSPConfig
 from rlsp.data.batch import Batch
 from rlsp.rewards.scoring import place_scores
-from rlsp.step.estimator_inputs import config_settings, set_stage_components
+from rlsp.step.estimator_inputs import advantage_inputs, config_settings, set_stage_components
 from rlsp.step.off_policy import reads_is_weights
-from rlsp.step.stage_advantages import compute_driver_advantages
 from rlsp.workers.step_stage import STAGE_READS, StageRequest, run_step_stage
 
 B, R = 6, 4
@@ -50,10 +49,12 @@ def _rows() -> Batch:
 
 
 def _driver(cfg, rows: Batch) -> Batch:
-    """The driver's computation (rlsp.step.stage_advantages.compute_driver_advantages) on `rows`."""
+    """The driver's computation (rlsp.step.estimator_inputs.advantage_inputs, then the estimator) on `rows`."""
     driver = rows.copy()
     driver.set("token_level_rewards", driver["token_level_scores"])
-    compute_driver_advantages(driver, cfg)
+    adv, ret = compute_advantages(cfg.algorithm.adv_estimator, advantage_inputs(driver, cfg))
+    driver.set("advantages", adv)
+    driver.set("returns", ret)
     return driver
 
 

@@ -1,6 +1,7 @@
-"""Where the driver sends a step's advantages (rlsp.step.stage_advantages.stage_order): to the workers, in
-shards that keep every prompt group whole when the estimator reads groups, or to the driver's own computation
-when the groups cannot be cut evenly over the dp ranks. (The numbers of the stage: tests/distributed/test_stage_estimators.py.)"""
+"""How the driver cuts a step's rows for the workers' advantages (rlsp.step.stage_advantages.stage_shards): in
+shards that keep every prompt group whole when the estimator reads groups, equal ones where the groups allow, else
+shards of unequal row counts (tests/unit/test_group_shards.py). (The numbers of the stage:
+tests/distributed/test_stage_estimators.py, tests/distributed/test_uneven_group_shards.py.)"""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from omegaconf import OmegaConf
 from rlsp.config.schema import RLSPConfig
 from rlsp.data.balance import balanced_order
 from rlsp.data.batch import Batch
-from rlsp.step.stage_advantages import balanced_group_order, balanced_step_order, stage_order, whole_groups
+from rlsp.step.stage_advantages import balanced_group_order, balanced_step_order, stage_shards, whole_groups
 from rlsp.workers.step_stage import StageRequest
 
 
@@ -39,25 +40,26 @@ def _whole_groups(order: list[int], uids: list[str], parts: int) -> bool:
 @pytest.mark.parametrize("name", ["grpo", "rloo", "gpg", "opo", "grpo_passk", "reinforce_plus_plus_baseline",
                                   "optimal_token_baseline", "tir_optimal_token_baseline"])
 def test_group_estimators_get_group_aligned_shards(name):
-    order = stage_order(_rows(INTERLEAVED), _cfg(name), dp=2)
-    assert order is not None and order != list(range(8)) and _whole_groups(order, INTERLEAVED, 2)
-    assert stage_order(_rows(INTERLEAVED), _cfg(name), dp=1) == list(range(8))
-    assert stage_order(_rows(INTERLEAVED), _cfg(name), dp=8) is None  # one row a shard: a group of 2 cannot fit
+    order, shards = stage_shards(_rows(INTERLEAVED), _cfg(name), dp=2)
+    assert shards is None and order != list(range(8)) and _whole_groups(order, INTERLEAVED, 2)
+    assert stage_shards(_rows(INTERLEAVED), _cfg(name), dp=1) == (list(range(8)), None)
+    order, shards = stage_shards(_rows(INTERLEAVED), _cfg(name), dp=8)  # one row a shard: a group of 2 cannot fit
+    assert shards == [2, 2, 2, 2, 0, 0, 0, 0] and [INTERLEAVED[r] for r in order] == sorted(INTERLEAVED)
 
 
 @pytest.mark.parametrize("name", ["gae", "reinforce_plus_plus", "remax"])
 def test_estimators_without_groups_keep_the_step_order(name):
-    assert stage_order(_rows(INTERLEAVED), _cfg(name), dp=8) == list(range(8))
+    assert stage_shards(_rows(INTERLEAVED), _cfg(name), dp=8) == (list(range(8)), None)
 
 
-def test_what_the_workers_cannot_compute_stays_on_the_driver():
+def test_gdpo_and_the_weighted_token_baselines_get_group_shards():
     # gdpo runs on the workers, its reward components sent per row (the stage needs their names)
-    assert _whole_groups(stage_order(_rows(INTERLEAVED), _cfg("gdpo"), dp=2), INTERLEAVED, 2)
+    assert _whole_groups(stage_shards(_rows(INTERLEAVED), _cfg("gdpo"), dp=2)[0], INTERLEAVED, 2)
     with pytest.raises(ValueError, match=r"'gdpo' reads named reward components.*algorithm.gdpo_reward_keys"):
         StageRequest("gdpo")
     with_weights = _cfg("optimal_token_baseline", rollout_is="token")  # its weights: the correction's worker column
-    assert _whole_groups(stage_order(_rows(INTERLEAVED), with_weights, dp=2), INTERLEAVED, 2)
-    assert stage_order(_rows(INTERLEAVED), _cfg("optimal_token_baseline", rollout_rs="token_k1"), dp=2) is not None
+    assert _whole_groups(stage_shards(_rows(INTERLEAVED), with_weights, dp=2)[0], INTERLEAVED, 2)
+    assert stage_shards(_rows(INTERLEAVED), _cfg("optimal_token_baseline", rollout_rs="token_k1"), dp=2)[1] is None
 
 
 def test_balancing_keeps_groups_whole_when_the_workers_need_them():
@@ -70,7 +72,7 @@ def test_balancing_keeps_groups_whole_when_the_workers_need_them():
     assert _whole_groups(order, INTERLEAVED, 2) and whole_groups([INTERLEAVED[r] for r in order], 2)
     loads = [sum(tokens[r] for r in order[:4]), sum(tokens[r] for r in order[4:])]
     assert loads == [20, 20]  # groups weigh 16, 10, 8, 6: heaviest first into the lighter half
-    assert stage_order(_rows([INTERLEAVED[r] for r in order]), kl, dp=2) == list(range(8))  # no reordering then
+    assert stage_shards(_rows([INTERLEAVED[r] for r in order]), kl, dp=2) == (list(range(8)), None)  # no reordering
     assert not whole_groups(INTERLEAVED, 2) and whole_groups(INTERLEAVED, 1)
     # Two heavy single rows first, one into each half, leave no room for the third pair: first fit by size then.
     uneven, heavy = ["s1", "a", "a", "b", "b", "c", "c", "s2"], [50, 1, 1, 1, 1, 1, 1, 40]

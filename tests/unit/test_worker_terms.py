@@ -19,13 +19,13 @@ from omegaconf import OmegaConf
 from tensordict import TensorDict
 
 from rlsp.algos.distillation import compute_distillation_advantages, compute_distillation_losses, distillation_metrics
+from rlsp.algos.registry import compute_advantages
 from rlsp.config.schema import RLSPConfig
 from rlsp.controller.step_data import Block, StepData, from_results, new_row_ids
 from rlsp.data.batch import Batch
 from rlsp.rewards.scoring import place_scores
 from rlsp.step.distill import Distillation
-from rlsp.step.estimator_inputs import config_settings, set_stage_components
-from rlsp.step.stage_advantages import compute_driver_advantages
+from rlsp.step.estimator_inputs import advantage_inputs, config_settings, set_stage_components
 from rlsp.workers.columns import assemble, row_report
 from rlsp.workers.dispatch import declared_fields
 from rlsp.workers.roles.teacher import TeacherRole
@@ -58,7 +58,7 @@ def test_gdpo_on_the_stage_from_per_row_components_equals_the_driver() -> None:
     cfg, rows = _gdpo_cfg(), _scored_rows()
     driver = rows.copy()
     driver.set("token_level_rewards", driver["token_level_scores"])
-    compute_driver_advantages(driver, cfg)  # gdpo on the driver, from the per-row dicts
+    adv, ret = compute_advantages("gdpo", advantage_inputs(driver, cfg))  # gdpo on the driver, from the per-row dicts
 
     names = set_stage_components(rows, cfg)
     assert names == ("fmt", "acc") and rows[COMPONENTS_KEY].dtype == torch.float64
@@ -67,7 +67,7 @@ def test_gdpo_on_the_stage_from_per_row_components_equals_the_driver() -> None:
     sent = Batch.from_dict({k: rows[k] for k in STAGE_READS if k in rows.tensors.keys() and k != "token_level_scores"},
                            meta={"uid": rows.meta["uid"]})  # the scores as the per-row rewards, as the driver sends them
     out = run_step_stage(sent, StageRequest("gdpo", config_settings(cfg), components=names), None)
-    assert torch.equal(out["advantages"], driver["advantages"]) and torch.equal(out["returns"], driver["returns"])
+    assert torch.equal(out["advantages"], adv) and torch.equal(out["returns"], ret)
     assert torch.count_nonzero(out["advantages"]) > 0
 
     other = OmegaConf.structured(RLSPConfig)  # grpo reads no components: nothing is sent

@@ -49,8 +49,8 @@ from rlsp.workers.rollout_rows import build_rollout_rows
 ROLLOUT_WRITES = ("input_ids", "attention_mask", "position_ids", "response_mask", "rollout_logprobs", "token_version",
                   "policy_version", "policy_version_max", "step_rewards", "agent_metrics", ROUTES_KEY, *ROW_FIELDS,
                   *IMAGE_INPUTS)
-ROLLOUT_REPORTS = ("num_tokens", "response_tokens", "response_length", "step_reward_sum", "policy_version",
-                   "policy_version_max", "uid", "data_source", "index", "agent_name", "agent_metrics")
+ROLLOUT_REPORTS = ("num_tokens", "response_tokens", "response_length", "step_reward_sum", "step_reward_policy_sum",
+                   "policy_version", "policy_version_max", "uid", "data_source", "index", "agent_name", "agent_metrics")
 
 
 class WeightFeed(Protocol):
