@@ -11,7 +11,8 @@
     #   stage-grpo-kl, stage-rloo-kl, stage-gpg-kl, stage-otb, stage-grpo-overlong (dapo's shaping), stage-distill
     #   (GRPO + on-policy distillation from a tiny teacher of other weights), stage-gdpo (two reward components),
     #   stage-correction (GRPO + the rollout correction), stage-otb-is (the optimal token baselines reading the
-    #   correction's weights), stage-dapo-filter (dynamic sampling on seq_reward with dapo's overlong shaping):
+    #   correction's weights), stage-dapo-filter (dynamic sampling on seq_reward with dapo's overlong shaping),
+    #   stage-remax (ReMax: a greedy response per prompt each step, its reward the samples' baseline):
     #   the tiny model, 8 prompts x 4 samples, forced lengths
 
 Each workload runs `python -m rlsp.main` in a subprocess (cwd and PYTHONPATH: `--root`, this checkout by
@@ -76,6 +77,7 @@ WORKLOADS = {  # name: (grpo_step.py workload, overrides on top, steps)
     "stage-otb": ("tiny", {**STAGE, **OTB}, 3),
     "stage-grpo-overlong": ("tiny", {**STAGE, **OVERLONG, "algorithm.adv_estimator": "grpo"}, 3),
     "stage-dapo-filter": ("tiny", {**STAGE, **DAPO_FILTER, "algorithm.adv_estimator": "grpo"}, 3),
+    "stage-remax": ("tiny", {**STAGE, "algorithm.adv_estimator": "remax"}, 3),
     "stage-correction": ("tiny", {**STAGE, **CORRECTION, "algorithm.adv_estimator": "grpo"}, 3),
     "stage-otb-is": ("tiny", {**STAGE, **OTB, **CORRECTION}, 3),
     "stage-distill": ("tiny", {**STAGE, "algorithm.adv_estimator": "grpo", "distillation.enabled": True}, 3),

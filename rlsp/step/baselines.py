@@ -7,6 +7,10 @@ that prompt its reward as `reward_baselines` (the estimator's `reward_baselines_
 timed as `timing/gen_baseline_s` (generation) and `timing/reward_baseline_s` (scoring); the baselines'
 mean reward is logged as `reward/baseline_mean` (compare with the samples' `reward/mean`).
 
+The pass reads nothing of the samples' worker-held columns: its prompts are the rows the step sent to the
+engines (kept on the driver by the trainer, rlsp.trainer.rollout_inputs.StepPrompts; images included), picked by
+the samples' uids, and the greedy rows' lengths are the rollout's per-row report (`response_tokens`).
+
 What cannot work is refused at start-up (`baseline_errors`): generation ahead of training on a rollout
 pool (the greedy pass would run with weights other than the samples').
 """
@@ -39,34 +43,36 @@ def greedy_sampling(sampling: dict[str, Any]) -> dict[str, Any]:
     return dataclasses.asdict(SamplingConfig(**sampling).greedy())
 
 
-# The prompt fields of a sample's meta (rlsp.trainer.rollout_inputs.prompt_batch) a greedy pass needs again.
-PROMPT_META = ("uid", "data_source", "ground_truth", "extra_info", "index", "messages", "agent_name")
+# The dtype of `reward_baselines`: the rollout's `response_mask` dtype (rlsp.workers.rollout_rows), as the
+# estimator's other per-row inputs have it.
+BASELINE_DTYPE = torch.float32
 
 
-def prompts_of(batch: Batch, world_size: int) -> tuple[Batch, int]:
-    """(one prompt row per uid of the samples `batch`, in first-seen order, padded by repeating prompts to a
-    multiple of `world_size`; the number of real prompts). Prompt ids are the attended part of the left-
-    padded prompt columns."""
-    first: dict[str, int] = {}
-    for row, uid in enumerate(batch.meta["uid"]):
-        first.setdefault(uid, row)
-    rows = list(first.values())
+def prompts_of(uids: list[str], step_prompts: Batch, world_size: int) -> tuple[Batch, int]:
+    """(one prompt row per uid of the samples' `uids`, in first-seen order, padded by repeating prompts to a
+    multiple of `world_size`; the number of real prompts). The rows are those the step sent to the engines
+    (`step_prompts`, rlsp.trainer.rollout_inputs.prompt_batch: ids, dataset fields, images), so nothing is read
+    back from the samples' token columns."""
+    rows = list(dict.fromkeys(uids))
     real = len(rows)
+    where = {uid: i for i, uid in enumerate(step_prompts.meta["uid"])}
+    if missing := [uid for uid in rows if uid not in where]:
+        raise RuntimeError(f"greedy baseline: no prompt row kept for the samples of uid(s) {missing[:3]} "
+                           f"(the step sent {len(where)} prompts)")
     rows += rows[: (-real) % world_size]
-    P = batch["input_ids"].shape[1] - batch["response_mask"].shape[1]
-    ids, attended = batch["input_ids"][:, :P], batch["attention_mask"][:, :P].bool()
-    meta = {k: [batch.meta[k][r] for r in rows] for k in PROMPT_META if k in batch.meta}
-    meta["prompt_ids"] = [ids[r][attended[r]].tolist() for r in rows]
-    return Batch.from_dict({"prompt_index": torch.arange(len(rows))}, meta=meta), real
+    prompts = step_prompts.select_rows([where[uid] for uid in rows])
+    prompts.set("prompt_index", torch.arange(len(rows)))
+    return prompts, real
 
 
-def add_greedy_baselines(generate: Callable[[Batch], Batch], world_size: int, reward: Reward, batch: Batch,
-                         timing: dict[str, float]) -> dict[str, float]:
+def add_greedy_baselines(generate: Callable[[Batch], Any], world_size: int, reward: Reward, batch: Any,
+                         step_prompts: Batch, timing: dict[str, float]) -> dict[str, float]:
     """Generate (`generate(prompts)`: the rollout engines' greedy samples, spread over `world_size` ranks) and
-    score (`reward`, the samples' own reward path) one greedy response per prompt of the samples `batch`; set
-    `reward_baselines` [B] on `batch` (each row: its prompt's greedy reward, matched by uid). Returns the
-    baseline metrics."""
-    prompts, real = prompts_of(batch, world_size)
+    score (`reward`, the samples' own reward path) one greedy response per prompt of the samples `batch` (their
+    prompts from `step_prompts`, see `prompts_of`); set `reward_baselines` [B] on `batch` (each row: its prompt's
+    greedy reward, matched by uid). Reads per-row values only (uid; the greedy rows' reported
+    `response_tokens`). Returns the baseline metrics."""
+    prompts, real = prompts_of(batch.meta["uid"], step_prompts, world_size)
     with timed("timing/gen_baseline_s", timing):
         greedy = generate(prompts).select_rows(slice(0, real))  # one row per prompt, in order; the padding dropped
     with timed("timing/reward_baseline_s", timing):
@@ -75,10 +81,10 @@ def add_greedy_baselines(generate: Callable[[Batch], Batch], world_size: int, re
     if len(by_uid) != real or len(scores) != real:
         raise RuntimeError(f"greedy baseline: expected one greedy response for each of {real} prompts, got "
                            f"{len(scores)} responses for {len(by_uid)} prompts")
-    baselines = torch.tensor([by_uid[uid] for uid in batch.meta["uid"]], dtype=batch["response_mask"].dtype)
-    batch.set("reward_baselines", baselines)
+    batch.set("reward_baselines", torch.tensor([by_uid[uid] for uid in batch.meta["uid"]], dtype=BASELINE_DTYPE))
     return {"reward/baseline_mean": float(scores.mean()),
-            "reward/baseline_response_length_mean": float(greedy["response_mask"].sum(-1).double().mean())}
+            # the rollout's per-row report: the greedy rows' response_mask summed
+            "reward/baseline_response_length_mean": float(greedy["response_tokens"].double().mean())}
 
 
 def baseline_errors(cfg: Any) -> list[str]:

@@ -19,7 +19,6 @@ computes the outcome reward. The trainer calls `score` (training rows), `score_v
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -27,7 +26,6 @@ import torch
 from omegaconf import DictConfig
 
 from rlsp.config.layout import ParallelLayout
-from rlsp.controller.reads import Read, held, read_columns
 from rlsp.controller.reward_servers import RewardServers
 from rlsp.controller.reward_workers import ScoringPool, start_scoring_processes
 from rlsp.controller.worker_group import RayWorkerGroup
@@ -40,12 +38,12 @@ ModelScores = Callable[[Any], Any]  # rows -> their `rm_scores` columns (a StepD
 
 
 class Reward:
-    """The run's rewards (see the module docstring); `model` is None for rule rewards; `read` brings the
-    worker-held columns the driver reads of a step's rows to the driver (rlsp.controller.reads)."""
+    """The run's rewards (see the module docstring); `model` is None for rule rewards. Scoring a step's rows
+    reads none of their worker-held columns: the scorers read the rows by reference and report each row's score."""
 
     def __init__(self, cfg: DictConfig, rules: ScoringPool, model: ModelScores | None = None,
-                 servers: RewardServers | None = None, read: Read = held) -> None:
-        self.rules, self.model, self.servers, self.read = rules, model, servers, read
+                 servers: RewardServers | None = None) -> None:
+        self.rules, self.model, self.servers = rules, model, servers
         self.shaping = build_overlong_shaping(cfg) if model is None else None  # the dapo manager's overlong shaping
         self.step_rewards = bool(cfg.actor_rollout_ref.rollout.multi_turn.use_step_rewards)
         self.last_errors = 0  # reward functions that failed on the last rows scored (reward.on_error=zero)
@@ -62,8 +60,10 @@ class Reward:
         else:
             rows.update(self.model(rows))
             self.last_errors = 0
-            # the scores reported per row where the rows stay on the workers, else their column (apply_rm_scores)
-            scores = apply_rm_scores(self.read(rows, [] if "rm_row_reward" in rows else ["rm_scores"]))
+            # A step's rows (StepData) get the reward model's per-row reports (rm_score, rm_row_reward: every path
+            # declares them, rlsp.workers.roles.reward_model), so no [rows x response] column is read; a Batch
+            # holds its rm_scores already (apply_rm_scores)
+            scores = apply_rm_scores(rows)
         # Tool step rewards at the end of the turn that earned them (rlsp/workers/agent_rollout.py).
         step = self.step_rewards and "step_rewards" in rows
         if hasattr(rows, "derive") and (step or "overlong_reward" in rows):
@@ -118,12 +118,11 @@ def build_reward(cfg: DictConfig, layout: ParallelLayout, scorers: list[Any], wg
     """The reward subsystem of this layout (`layout.reward_mode`): the rule scorers always (`scorers`, or
     the policy workers when there are none), and where a reward model runs."""
     rules = ScoringPool(scorers) if scorers else ScoringPool(list(wg.workers), wg.rank_name)
-    read = partial(read_columns, wg)
     if layout.reward_mode == "rules":
-        return Reward(cfg, rules, read=read)
+        return Reward(cfg, rules)
     if layout.reward_mode == "model_servers":
         if servers is None:
             raise RuntimeError("reward_mode 'model_servers' without reward servers: they start with the training workers")
-        return Reward(cfg, rules, servers.compute_rm_score, servers, read)
+        return Reward(cfg, rules, servers.compute_rm_score, servers)
     # model_fsdp / model_vllm: the reward_model role on the policy workers (an FSDP model, or the reward loop's engine)
-    return Reward(cfg, rules, lambda rows: wg.call("reward_model", "compute_rm_score", rows), read=read)
+    return Reward(cfg, rules, lambda rows: wg.call("reward_model", "compute_rm_score", rows))

@@ -38,7 +38,6 @@ from rlsp.run.run_checkpoint import load_run, save_run
 from rlsp.step.baselines import add_greedy_baselines, greedy_sampling, needs_greedy_baseline
 from rlsp.step.batch_metrics import check_finite, compute_batch_metrics, row_tokens
 from rlsp.step.distill import Distillation
-from rlsp.step.driver_reads import GREEDY_READS
 from rlsp.step.dynamic_sampling import build_dynamic_sampler
 from rlsp.step.off_policy import (
     actor_batch,
@@ -52,7 +51,7 @@ from rlsp.step.reward import Reward, build_reward, start_rule_scorers
 from rlsp.step.row_advantages import compute_row_advantages, row_level
 from rlsp.step.stage_advantages import balanced_step_order, compute_token_rewards
 from rlsp.trainer.progress import RunProgress
-from rlsp.trainer.rollout_inputs import batch_stream, load_datasets, prompt_batch, sampling_params
+from rlsp.trainer.rollout_inputs import StepPrompts, batch_stream, load_datasets, prompt_batch, sampling_params
 from rlsp.trainer.val_generations import ValGenerationLog
 from rlsp.trainer.validation import run_validation
 from rlsp.utils.logging import get_logger
@@ -74,6 +73,7 @@ class RayTrainer:
         self.kl_ctrl = build_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
         self.correction = rollout_correction_settings(cfg)
         self.sampler = build_dynamic_sampler(cfg)  # DAPO's dynamic sampling (algorithm.filter_groups)
+        self.prompts = StepPrompts()  # the step's prompt rows (every round), for ReMax's greedy pass
         self.val_log = ValGenerationLog.build(cfg, self.tokenizer)  # trainer.log_val_generations (None: off)
         self.wg: RayWorkerGroup | None = None
         self.reward: Reward | None = None  # the reward subsystem, once the workers it may use are up
@@ -158,6 +158,7 @@ class RayTrainer:
         timing: dict[str, float] = {}
         t0 = time.perf_counter()
         TRAFFIC.reset()  # perf/driver_bytes: this step's traffic (not start-up's, validation's or a checkpoint's)
+        self.prompts.clear()  # the prompt rows this step sends (`generate`), kept for a greedy pass
         if self.sampler is not None:  # generate more prompt batches until enough groups are informative
             generate = lambda rows, first: self.generate(step, rows, first)  # noqa: E731
             batch, sampled = self.sampler.collect(generate, self.reward, items, self._batches, timing, self.read)
@@ -170,6 +171,7 @@ class RayTrainer:
         """Samples of `items`; a prompt's sampling seed follows from its index (first_index + position)."""
         prompts = prompt_batch(items)
         prompts.set("prompt_index", torch.arange(first_index, first_index + len(items)))
+        self.prompts.add(prompts)
         return self.rollout_wg.call("rollout", "generate", prompts, sampling_params(self.cfg, step))
 
     def train_on(self, step: int, batch: Batch, t0: float, timing: dict[str, float]) -> dict[str, float]:
@@ -183,10 +185,9 @@ class RayTrainer:
             self.check_sp(batch)
         if needs_greedy_baseline(self.cfg):  # ReMax: a prompt's greedy response is its samples' baseline
             greedy = greedy_sampling(sampling_params(self.cfg, step))
-            generate = lambda prompts: self.read(self.rollout_wg.call("rollout", "generate", prompts, greedy),  # noqa: E731
-                                                 ["response_mask"])  # the greedy responses' lengths are read
-            metrics.update(add_greedy_baselines(generate, self.rollout_wg.world_size, self.reward,
-                                                self.read(batch, GREEDY_READS), timing))
+            generate = lambda prompts: self.rollout_wg.call("rollout", "generate", prompts, greedy)  # noqa: E731
+            metrics.update(add_greedy_baselines(generate, self.rollout_wg.world_size, self.reward, batch,
+                                                self.prompts.rows(), timing))
         with timed("timing/reward_s", timing):
             # Rows collected by dynamic sampling were scored before filtering.
             scores = np.asarray(batch.meta["row_score"]) if "row_score" in batch else self.reward.score(batch)

@@ -1,5 +1,6 @@
-"""What the loop asks the rollout engines for: the prompt datasets, prompt rows from their items, the
-sampling parameters of a step (or of validation), and the training batches from a data position on."""
+"""What the loop asks the rollout engines for: the prompt datasets, prompt rows from their items (and the
+step's, kept for a second pass), the sampling parameters of a step (or of validation), and the training batches
+from a data position on."""
 
 from __future__ import annotations
 
@@ -49,6 +50,37 @@ def prompt_batch(items: list[dict[str, Any]], uids: list[str] | None = None) -> 
             **multimodal_meta(items),  # a vision-language dataset's images (processor outputs and raw bytes)
         },
     )
+
+
+class StepPrompts:
+    """The prompt rows (`prompt_batch`) a step sent to the engines, every generation round of it (dynamic
+    sampling), kept on the driver: a pass that needs a sample's prompt again (ReMax's greedy baseline) takes it
+    from here by uid instead of reading the samples' token columns back from the workers."""
+
+    def __init__(self) -> None:
+        self.parts: list[Batch] = []
+
+    def clear(self) -> None:
+        """A new step: forget the last step's prompts."""
+        self.parts = []
+
+    def add(self, prompts: Batch) -> None:
+        self.parts.append(prompts)
+
+    def rows(self) -> Batch:
+        """Every prompt row of the step, in the order they were sent."""
+        if not self.parts:
+            raise RuntimeError("no prompt rows were kept for this step: its samples came from elsewhere than "
+                               "RayTrainer.generate (a rollout pool's units)")
+        keys = {k for part in self.parts for k in part.meta}
+        return Batch.concat([_with_meta(part, keys) for part in self.parts])
+
+
+def _with_meta(prompts: Batch, keys: set[str]) -> Batch:
+    """`prompts` with every meta field in `keys`: a round of text-only items from an image dataset has no image
+    fields (`multimodal_meta`), filled here as a text row's (no processor outputs, no images)."""
+    missing = {k: [[] if k == "images" else None for _ in range(len(prompts))] for k in keys - set(prompts.meta)}
+    return Batch(prompts.tensors, {**prompts.meta, **missing}, dict(prompts.info)) if missing else prompts
 
 
 def sampling_params(cfg: Any, step: int, *, validate: bool = False) -> dict[str, Any]:

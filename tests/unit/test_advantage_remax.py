@@ -2,8 +2,8 @@
 
 The estimator is compared element by element with values worked out by hand (fp64, atol 1e-12, rtol 0),
 on rows with rewards spread over several tokens, a hole in the mask, an empty row and garbage (99) on
-masked-out positions. The trainer side is checked on real Batches: the prompts a greedy pass gets back
-from the samples (ids, meta, order, padding to the rollout world), the greedy sampling settings, and the
+masked-out positions. The trainer side is checked on real Batches: the prompts a greedy pass takes from the
+step's prompt rows by the samples' uids (ids, meta, order, padding to the rollout world), the greedy sampling settings, and the
 start-up refusals.
 """
 
@@ -21,7 +21,7 @@ from rlsp.config.schema import RLSPConfig
 from rlsp.data.batch import Batch
 from rlsp.step.baselines import greedy_sampling, prompts_of
 from rlsp.step.estimator_inputs import estimator_errors
-from rlsp.workers.rollout_rows import build_rollout_rows
+from rlsp.trainer.rollout_inputs import prompt_batch
 
 F64 = torch.float64
 G = 99.0  # garbage on masked-out positions: must never leak into the results
@@ -61,27 +61,24 @@ def test_remax_needs_one_baseline_per_row_and_refuses_other_settings() -> None:
     assert estimator_uses("remax") == ("reward_baselines_B",)
 
 
-def _samples() -> Batch:
-    """Two prompts x 2 samples (contiguous, as the rollout returns them), then a third prompt x 2."""
-    prompts = [[5, 6, 7], [5, 6, 7], [8], [8], [9, 10], [9, 10]]
-    rows = build_rollout_rows(prompts, [[1], [1, 2], [3], [], [4, 4], [4]], [[0.0], [0.0, 0.0], [0.0], [], [0.0] * 2,
-                                                                             [0.0]], 4, 3, 0)
-    meta = {"uid": ["u1", "u1", "u2", "u2", "u3", "u3"], "data_source": ["d1"] * 2 + ["d2"] * 2 + ["d3"] * 2,
-            "ground_truth": ["1", "1", "2", "2", "3", "3"], "extra_info": [None] * 6, "index": [0, 0, 1, 1, 2, 2],
-            "messages": [None] * 6, "agent_name": [None] * 6, "row_score": [0.0] * 6}
-    return Batch.from_dict(rows, meta=meta)
+def _step_prompts() -> Batch:
+    """The prompt rows a step sent (rlsp.trainer.rollout_inputs.prompt_batch): three prompts, and one sent in another
+    round whose samples were all dropped."""
+    items = [{"prompt_ids": ids, "data_source": f"d{k}", "ground_truth": str(k), "index": k}
+             for k, ids in enumerate([[5, 6, 7], [8], [9, 10], [11]], start=1)]
+    return prompt_batch(items, ["u1", "u2", "u3", "u4"])
 
 
 def test_prompts_of_the_samples_one_per_uid_padded_to_the_world() -> None:
-    batch = _samples().select_rows([4, 0, 2, 5, 1, 3])  # balanced order: uids first seen u3, u1, u2
-    prompts, real = prompts_of(batch, world_size=2)
+    uids = ["u3", "u1", "u2", "u3", "u1", "u2"]  # the samples' uids in balanced order: first seen u3, u1, u2
+    prompts, real = prompts_of(uids, _step_prompts(), world_size=2)
     assert real == 3 and len(prompts) == 4  # padded with the first prompt again
     assert prompts.meta["uid"] == ["u3", "u1", "u2", "u3"]
     assert prompts.meta["prompt_ids"] == [[9, 10], [5, 6, 7], [8], [9, 10]]
-    assert prompts.meta["ground_truth"] == ["3", "1", "2", "3"] and prompts.meta["index"] == [2, 0, 1, 2]
-    assert "row_score" not in prompts.meta  # only the prompt's own fields travel to the greedy pass
+    assert prompts.meta["ground_truth"] == ["3", "1", "2", "3"] and prompts.meta["index"] == [3, 1, 2, 3]
+    assert set(prompts.meta) == set(_step_prompts().meta)  # the prompt's own fields, as the step sent them
     assert torch.equal(prompts["prompt_index"], torch.arange(4))
-    assert prompts_of(batch, world_size=3)[0].meta["uid"] == ["u3", "u1", "u2"]
+    assert prompts_of(uids, _step_prompts(), world_size=3)[0].meta["uid"] == ["u3", "u1", "u2"]
 
 
 def test_greedy_sampling_keeps_the_limits_and_takes_one_argmax_sample() -> None:
