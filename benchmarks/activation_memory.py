@@ -49,7 +49,8 @@ from transformers import Qwen2Config  # noqa: E402
 from rlsp.data.packing import pack_sequences  # noqa: E402
 from rlsp.models.lm import TokenLogprobModel  # noqa: E402
 from rlsp.models.loading import build_causal_lm_from_config  # noqa: E402
-from rlsp.parallel.tensor_parallel import apply_tensor_parallel, local_head_counts  # noqa: E402
+from rlsp.parallel.tensor_parallel import apply_tensor_parallel  # noqa: E402
+from rlsp.parallel.tp_checks import local_head_counts  # noqa: E402
 from rlsp.parallel.ulysses import build_sp_context, shard_for_rank  # noqa: E402
 
 ROW_LENS = (700, 300, 512, 96, 431, 257, 1000, 64, 333, 190, 213)  # sum 4096

@@ -2,9 +2,12 @@
 Ulysses 1 / 2 / 4 (CPU, gloo, one process per rank).
 
 Model: Qwen3.5 (text) random init with the widths of Qwen3-Next's Gated DeltaNet layer (hidden 2048, 16 linear key
-heads / 32 value heads of dim 128, conv 4) by default; `--layers` picks the layer types (default one
-linear_attention layer: the layer whose memory matters here; add full_attention for the hybrid pair, whose CPU cost
-is quadratic in the tokens). The MLP is narrow (512) and the vocabulary small (1024): neither is what is measured.
+heads / 32 value heads of dim 128, conv 4) by default; `--hidden`, `--key-heads`, `--value-heads` and `--head-dim`
+narrow it (for sequences whose Qwen3-Next-width run does not fit the machine; keep value heads = 2 x key heads as in
+Qwen3-Next; `--head-dim` is the linear key and value head dim and the full-attention head dim). `--layers` picks the
+layer types (default one linear_attention layer: the layer whose memory matters here; add full_attention for the
+hybrid pair, 16 query / 2 kv heads, whose CPU cost is quadratic in the tokens). The MLP is narrow (512) and the
+vocabulary small (1024): neither is what is measured.
 Each rank runs rlsp's packed, Ulysses-aware Gated DeltaNet (rlsp.models.linear_attention: key-head groups split
 over the Ulysses ranks, conv and recurrent state per packed row) on its 1/u of the tokens and takes the logprobs'
 sum backward.
@@ -12,6 +15,12 @@ sum backward.
 Measured per rank: peak resident set size (getrusage ru_maxrss: the process's high-water mark, the Python and torch
 runtime, the weights and their gradients included) and the same after building the model and the batch
 (`rss_before_mib`): `peak_delta_mib` = peak - before is what the forward + backward of the sequence added.
+
+CPU time: transformers' reference chunked delta rule (the CPU kernel) loops over 64-token chunks and indexes one chunk
+of its whole-segment tensors per step, so its backward builds a full-size gradient per chunk: quadratic in the
+segment's tokens (at hidden 128, 4 / 8 heads of dim 32 and Ulysses 1: 4096 / 8192 / 16384 tokens 2.2 / 9.9 / 37 s).
+On a shared machine give each rank one thread (`--threads` is split over the ranks): two OpenMP threads on
+oversubscribed cores took 41 s instead of 2.2 s for 4096 tokens.
 
 Prints one JSON line:
     .venv/bin/python benchmarks/linear_attention_memory.py --tokens 8192 --ulysses 1 2 4
@@ -45,9 +54,9 @@ VOCAB = 1024
 def _config(args: argparse.Namespace) -> Qwen3_5TextConfig:
     return Qwen3_5TextConfig(
         vocab_size=VOCAB, hidden_size=args.hidden, intermediate_size=512, num_hidden_layers=len(args.layers),
-        layer_types=list(args.layers), num_attention_heads=16, num_key_value_heads=2, head_dim=128,
-        linear_num_key_heads=args.key_heads, linear_num_value_heads=args.value_heads, linear_key_head_dim=128,
-        linear_value_head_dim=128, linear_conv_kernel_dim=4)
+        layer_types=list(args.layers), num_attention_heads=16, num_key_value_heads=2, head_dim=args.head_dim,
+        linear_num_key_heads=args.key_heads, linear_num_value_heads=args.value_heads, linear_key_head_dim=args.head_dim,
+        linear_value_head_dim=args.head_dim, linear_conv_kernel_dim=4)
 
 
 def _rss_mib() -> float:
@@ -74,29 +83,54 @@ def _measure(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
             "seconds": round(seconds, 1), "local_tokens": lp_S.shape[0]}
 
 
-def main() -> None:
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+def _positive(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return number
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; refuses widths the model cannot be built with, naming the option, its value and the rule."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", type=int, default=65536)
-    parser.add_argument("--ulysses", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--layers", nargs="+", default=["linear_attention"])
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--key-heads", type=int, default=16)
-    parser.add_argument("--value-heads", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="split over the ranks")
-    args = parser.parse_args()
-    runs = []
-    for u in args.ulysses:
-        results = run_distributed(_measure, u, args, timeout_s=3600)
-        runs.append({"ulysses": u, "per_rank": results,
-                     "max_peak_delta_mib": max(r["peak_delta_mib"] for r in results),
-                     "max_rss_peak_mib": max(r["rss_peak_mib"] for r in results)})
+    parser.add_argument("--tokens", type=_positive, default=65536)
+    parser.add_argument("--ulysses", type=_positive, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--layers", nargs="+", choices=LAYER_TYPES, default=["linear_attention"])
+    parser.add_argument("--hidden", type=_positive, default=2048)
+    parser.add_argument("--key-heads", type=_positive, default=16)
+    parser.add_argument("--value-heads", type=_positive, default=32)
+    parser.add_argument("--head-dim", type=_positive, default=128,
+                        help="linear key / value and full-attention head dim")
+    parser.add_argument("--threads", type=_positive, default=torch.get_num_threads(), help="split over the ranks")
+    args = parser.parse_args(argv)
+    if args.value_heads % args.key_heads:
+        parser.error(f"--value-heads {args.value_heads} must be a multiple of --key-heads {args.key_heads} "
+                     "(each value head reads key head j // (value heads / key heads))")
+    return args
+
+
+def summarise(u: int, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One Ulysses degree: the ranks' results, their maxima, and the peak delta per local token (KiB)."""
+    delta, local = max(r["peak_delta_mib"] for r in results), max(r["local_tokens"] for r in results)
+    return {"ulysses": u, "per_rank": results, "max_peak_delta_mib": delta,
+            "max_rss_peak_mib": max(r["rss_peak_mib"] for r in results),
+            "delta_kib_per_local_token": round(delta * 1024 / local, 1),
+            "max_seconds": max(r["seconds"] for r in results)}
+
+
+def main() -> None:
+    args = parse_args()
+    runs = [summarise(u, run_distributed(_measure, u, args, timeout_s=3600)) for u in args.ulysses]
     base = runs[0]["max_peak_delta_mib"]
     for run in runs:
         run["delta_ratio_vs_first"] = round(run["max_peak_delta_mib"] / max(base, 1), 3)
     print(json.dumps({"benchmark": "linear_attention_memory", "device": "cpu", "torch": torch.__version__,
                       "tokens": args.tokens, "layers": args.layers, "hidden": args.hidden,
-                      "linear_heads": [args.key_heads, args.value_heads], "head_dims": [128, 128],
-                      "measure": "getrusage ru_maxrss per rank process", "runs": runs}))
+                      "linear_heads": [args.key_heads, args.value_heads], "head_dims": [args.head_dim, args.head_dim],
+                      "threads": args.threads, "measure": "getrusage ru_maxrss per rank process", "runs": runs}))
 
 
 if __name__ == "__main__":

@@ -44,10 +44,15 @@ Ulysses rank j receives):
       gradients of the block inputs); inputs 2*S*h*e.
     Off-rank with bandwidth-optimal (ring) algorithms: all-gather (t-1) x its input, reduce-scatter
     (t-1)/t x its input, all-reduce 2(t-1)/t x its input; both variants 4*(t-1)/t*S*h*e.
+    Backward with sequence parallel adds 2 all-gathers of the [S/t, h] block inputs: each block saved
+    only its shard and re-gathers it for the weight gradients (rlsp.parallel.tp_sp, Megatron's choice;
+    through c10d, counted as tp_sp_regather), inputs 2*(S/t)*h*e, off-rank 2*(t-1)/t*S*h*e more.
     gloo has no reduce-scatter of its own: it runs each one as an all-reduce of the whole [t, S/t, h]
     input and keeps its chunk (the profiler shows gloo:all_reduce of that shape), so on gloo the
     sequence-parallel variant moves an all-reduce's bytes per reduce-scatter plus the all-gathers
-    (off-rank 6*(t-1)/t*S*h*e with ring algorithms); NCCL reduce-scatters natively.
+    (off-rank with ring algorithms 6*(t-1)/t*S*h*e forward, 8*(t-1)/t*S*h*e backward with the
+    re-gathers); NCCL reduce-scatters natively.
+The counting wrappers and gloo's profiler events: benchmarks/collective_counters.py.
 Prints ONE JSON line. Usage: python benchmarks/sequence_comm.py
 """
 
@@ -57,7 +62,6 @@ import dataclasses
 import json
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,15 +69,22 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "distributed")]
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 from _launch import layout_dims, run_distributed  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from transformers import Qwen2Config  # noqa: E402
 
+from benchmarks.collective_counters import (  # noqa: E402
+    REGATHER,
+    TP_OPS,
+    backend_events,
+    wrap_collectives,
+    wrap_tp_collectives,
+)
 from rlsp.data.packing import pack_sequences  # noqa: E402
 from rlsp.models.lm import TokenLogprobModel  # noqa: E402
 from rlsp.models.loading import build_causal_lm_from_config  # noqa: E402
-from rlsp.parallel.tensor_parallel import apply_tensor_parallel, local_head_counts  # noqa: E402
+from rlsp.parallel.tensor_parallel import apply_tensor_parallel  # noqa: E402
+from rlsp.parallel.tp_checks import local_head_counts  # noqa: E402
 from rlsp.parallel.ulysses import build_sp_context, shard_for_rank  # noqa: E402
 
 LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM, HIDDEN, ROW_LENS = 4, 8, 4, 16, 128, (97, 130, 61, 200)
@@ -81,81 +92,12 @@ CASES = ((2, 1, 1, True, "float32"), (4, 1, 1, True, "float32"), (1, 2, 1, True,
          (1, 4, 1, True, "float32"), (2, 2, 1, True, "float32"), (2, 2, 1, True, "bfloat16"),
          (1, 1, 2, True, "float32"), (1, 1, 2, False, "float32"),
          (2, 1, 2, True, "float32"))  # (ulysses, ring, tp, sequence_parallel, dtype)
-FUNCOL_OPS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_reduce_", "broadcast",
-              "broadcast_", "all_to_all_single", "all_gather_into_tensor_coalesced",
-              "reduce_scatter_tensor_coalesced", "all_reduce_coalesced")
-C10D_OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather", "broadcast")
-TP_OPS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")  # what TP may issue
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _wrap_collectives(counter: dict[str, dict[str, int]], phase: list[str]) -> None:
-    """Count what this process hands to all_to_all_single / batch_isend_irecv, per phase."""
-    a2a, p2p = dist.all_to_all_single, dist.batch_isend_irecv
-
-    def counted_a2a(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Any = None,
-                    input_split_sizes: Any = None, group: Any = None, **kwargs: Any) -> Any:
-        c = counter[phase[0]]
-        row = input[0].numel() * input.element_size() if input.dim() else input.element_size()
-        own = input_split_sizes[dist.get_rank(group)] if input_split_sizes else input.shape[0] // dist.get_world_size(group)
-        c["a2a_calls"] += 1
-        c["a2a_bytes"] += _nbytes(input)
-        c["a2a_off_rank_bytes"] += _nbytes(input) - own * row
-        return a2a(output, input, output_split_sizes, input_split_sizes, group, **kwargs)
-
-    def counted_p2p(ops: list[dist.P2POp]) -> Any:
-        c = counter[phase[0]]
-        c["p2p_calls"] += 1
-        c["p2p_bytes"] += sum(_nbytes(op.tensor) for op in ops if op.op is dist.isend)
-        return p2p(ops)
-
-    dist.all_to_all_single, dist.batch_isend_irecv = counted_a2a, counted_p2p  # this worker process only
-
-
-def _counting(counter: dict[str, dict[str, int]], phase: list[str], key: str, fn: Callable) -> Callable:
-    def counted(tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        c = counter[phase[0]]
-        c[key + "_calls"] = c.get(key + "_calls", 0) + 1
-        c[key + "_bytes"] = c.get(key + "_bytes", 0) + (_nbytes(tensor) if isinstance(tensor, torch.Tensor) else 0)
-        return fn(tensor, *args, **kwargs)
-
-    return counted
-
-
-def _wrap_tp_collectives(counter: dict[str, dict[str, int]], phase: list[str]) -> None:
-    """Count the input bytes of the functional collectives (DTensor's path) and of the c10d entry
-    points, per phase. Callers look the ops up at call time (`torch.ops._c10d_functional.X`)."""
-    namespace = torch.ops._c10d_functional
-    for name in FUNCOL_OPS:
-        setattr(namespace, name, _counting(counter, phase, "funcol_" + name, getattr(namespace, name)))
-    for name in C10D_OPS:
-        setattr(dist, name, _counting(counter, phase, "c10d_" + name, getattr(dist, name)))
-
-
-ELEM_BYTES = {"float": 4, "c10::BFloat16": 2, "double": 8, "c10::Half": 2}  # profiler dtype names
-
-
-def _backend_events(prof: Any) -> dict[str, int]:
-    """Calls and input bytes of the collectives gloo ran (profiler events named gloo:*)."""
-    out: dict[str, int] = {}
-    for event in prof.events():
-        if event.name.startswith("gloo:"):
-            name = event.name.removeprefix("gloo:")
-            shape, dtype = event.input_shapes[0], event.input_dtypes[0]
-            out[name + "_calls"] = out.get(name + "_calls", 0) + 1
-            out[name + "_bytes"] = out.get(name + "_bytes", 0) + ELEM_BYTES[dtype] * int(torch.Size(shape).numel())
-    return out
-
-
 def _worker(rank: int, world: int, ulysses: int, ring: int, tp: int, seq_par: bool, dtype_name: str) -> dict[str, Any]:
     keys = ("a2a_calls", "a2a_bytes", "a2a_off_rank_bytes", "p2p_calls", "p2p_bytes")
     counter = {p: dict.fromkeys(keys, 0) for p in ("setup", "fwd", "bwd")}
     phase = ["setup"]
-    _wrap_collectives(counter, phase)
-    _wrap_tp_collectives(counter, phase)
+    wrap_collectives(counter, phase)
+    wrap_tp_collectives(counter, phase)
     dims = layout_dims(ulysses=ulysses, ring=ring, tp=tp, sequence_parallel=seq_par)
     config = Qwen2Config(vocab_size=64, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS,
                          num_attention_heads=Q_HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM)
@@ -185,7 +127,7 @@ def _worker(rank: int, world: int, ulysses: int, ring: int, tp: int, seq_par: bo
     return {"stats": dataclasses.asdict(ctx.stats), "wrapped": counter, "tokens": packed.total_len,
             "local_tokens": ctx.local_len, "layout": ctx.layout, "ulysses_rank": ctx.ulysses_rank,
             "ring_rank": ctx.ring_rank, "elem": elem, "seconds": seconds,
-            "backend": {"fwd": _backend_events(prof_fwd), "bwd": _backend_events(prof_bwd)}}
+            "backend": {"fwd": backend_events(prof_fwd), "bwd": backend_events(prof_bwd)}}
 
 
 def compute_formula(layout: Any, ulysses: int, ring: int, tokens: int, uly_rank: int, elem: int,
@@ -209,19 +151,22 @@ def compute_formula(layout: Any, ulysses: int, ring: int, tokens: int, uly_rank:
 
 def compute_tp_formula(tp: int, seq_par: bool, tokens: int, elem: int) -> dict[str, int]:
     """Closed-form TP bytes one rank hands to each collective per decoder layer and direction (forward
-    = backward), off-rank bytes with ring algorithms, and what gloo runs (see the module docstring);
-    `tokens` = S, the stream tokens on the tp group."""
+    = backward, plus backward's re-gathers under sequence parallel), off-rank bytes with ring algorithms,
+    and what gloo runs (see the module docstring); `tokens` = S, the stream tokens on the tp group."""
     S, h = tokens, HIDDEN
-    zero = dict.fromkeys(("all_gather", "reduce_scatter", "all_reduce", "off_rank", "gloo_off_rank"), 0)
+    keys = ("all_gather", "reduce_scatter", "all_reduce", "regather", "off_rank", "gloo_off_rank", "off_rank_bwd",
+            "gloo_off_rank_bwd")
     if tp == 1:
-        return zero
+        return dict.fromkeys(keys, 0)
     if seq_par and S % tp:
         raise ValueError(f"S={S} tokens are not a multiple of tp={tp}")
     ag, rs, ar = (2 * (S // tp) * h * elem, 2 * S * h * elem, 0) if seq_par else (0, 0, 2 * S * h * elem)
     off_rank = (tp - 1) * ag + (tp - 1) * rs // tp + 2 * (tp - 1) * ar // tp
     gloo_off_rank = (tp - 1) * ag + 2 * (tp - 1) * (rs + ar) // tp  # reduce-scatter run as an all-reduce
-    return {"all_gather": ag, "reduce_scatter": rs, "all_reduce": ar, "off_rank": off_rank,
-            "gloo_off_rank": gloo_off_rank}
+    regather = ag  # backward re-gathers each block's saved [S/t, h] input shard (rlsp.parallel.tp_sp)
+    return {"all_gather": ag, "reduce_scatter": rs, "all_reduce": ar, "regather": regather, "off_rank": off_rank,
+            "gloo_off_rank": gloo_off_rank, "off_rank_bwd": off_rank + (tp - 1) * regather,
+            "gloo_off_rank_bwd": gloo_off_rank + (tp - 1) * regather}
 
 
 def _measured(result: dict[str, Any]) -> tuple[dict[str, float], dict[str, float]]:
@@ -248,9 +193,14 @@ def _check_tp(tp: int, seq_par: bool, result: dict[str, Any], where: str) -> dic
         for op, key in zip(TP_OPS, ("all_gather", "reduce_scatter", "all_reduce")):
             if calls[key]:
                 expected |= {f"funcol_{op}_calls": calls[key], f"funcol_{op}_bytes": formula[key] * LAYERS}
+        regathers = calls["all_gather"] if direction == "bwd" else 0
+        if regathers:
+            expected |= {f"{REGATHER}_calls": regathers, f"{REGATHER}_bytes": formula["regather"] * LAYERS}
+        issued |= {k: v for k, v in w.items() if k.startswith(REGATHER)}
         assert issued == expected, f"{where} {direction}: functional/c10d collectives {issued} != formula {expected}"
         gloo = {k: b.get(k, 0) for k in ("all_gather_calls", "all_gather_bytes", "all_reduce_calls", "all_reduce_bytes")}
-        expected_gloo = {"all_gather_calls": calls["all_gather"], "all_gather_bytes": formula["all_gather"] * LAYERS,
+        expected_gloo = {"all_gather_calls": calls["all_gather"] + regathers,
+                         "all_gather_bytes": (formula["all_gather"] + formula["regather"] * bool(regathers)) * LAYERS,
                          "all_reduce_calls": calls["reduce_scatter"] + calls["all_reduce"],
                          "all_reduce_bytes": (formula["reduce_scatter"] + formula["all_reduce"]) * LAYERS}
         assert gloo == expected_gloo, f"{where} {direction}: gloo ran {gloo} != formula {expected_gloo}"
@@ -302,11 +252,15 @@ def _summarise(ulysses: int, ring: int, tp: int, seq_par: bool, dtype: str, resu
         "tp_all_gather_in": worst["tp_all_gather"], "tp_reduce_scatter_in": worst["tp_reduce_scatter"],
         "tp_all_reduce_in": worst["tp_all_reduce"], "tp_off_rank": worst["tp_off_rank"],
         "tp_gloo_off_rank": worst["tp_gloo_off_rank"],
+        # backward under sequence parallel: the same plus the re-gathers of the blocks' saved input shards
+        "tp_regather_in_bwd": worst["tp_regather"], "tp_off_rank_bwd": worst["tp_off_rank_bwd"],
+        "tp_gloo_off_rank_bwd": worst["tp_gloo_off_rank_bwd"],
         "off_rank_fwd": worst["a2a_off_rank_fwd"] + worst["ring_fwd"] + worst["tp_off_rank"],
-        "off_rank_bwd": worst["a2a_off_rank_bwd"] + worst["ring_bwd"] + worst["tp_off_rank"],
+        "off_rank_bwd": worst["a2a_off_rank_bwd"] + worst["ring_bwd"] + worst["tp_off_rank_bwd"],
         "a2a_per_layer": 2 * (ulysses > 1), "ring_passes_per_layer_fwd": ring - 1,
         "ring_passes_per_layer_bwd": 2 * (ring - 1),
         "tp_collectives_per_layer": (4 if seq_par else 2) * (tp > 1),
+        "tp_collectives_per_layer_bwd": (6 if seq_par else 2) * (tp > 1),
         "measured_equals_formula": True,
         "fwd_bwd_seconds_max_rank": round(max(r["seconds"] for r in results), 3),  # profiler on
     }
