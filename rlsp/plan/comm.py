@@ -75,8 +75,9 @@ def tp_layer_bytes(w: Workload, hidden: int, e: int, checkpointing: bool) -> flo
     tp = w.layout.tp
     if tp == 1:
         return 0.0
-    one_way = 4 * (tp - 1) / tp * w.shard * hidden * e
-    return one_way * (2 if checkpointing else 1) + one_way
+    one_way = 4 * (tp - 1) / tp * w.shard * hidden * e  # 2 all-gathers + 2 reduce-scatters of [S/tp, h] blocks
+    regather = one_way / 2  # backward all-gathers each block's saved input shard again (rlsp.parallel.tp_sp)
+    return one_way * (2 if checkpointing else 1) + one_way + regather
 
 
 def _fsdp_bytes(params: float, layout: RoleLayout, e: int, gathers: int) -> tuple[float, float]:
