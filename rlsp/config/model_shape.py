@@ -139,11 +139,22 @@ class ModelShape:
     def legal_tp(self) -> list[int]:
         """Tensor-parallel sizes that split q heads, kv heads and the MLP width evenly (the same rule
         as rlsp.parallel.tensor_parallel.legal_tp_sizes, which needs torch); 1 alone for a vision-language model
-        (rlsp's tensor parallelism refuses it: rlsp.models.family_checks.check_tp_windowed)."""
-        if self.vision is not None:
+        (rlsp's tensor parallelism refuses it: rlsp.models.family_checks.check_tp_windowed) and for multi-latent or
+        linear attention layers (rlsp.parallel.tp_checks refuses them)."""
+        if self.tp_refusal() is not None:
             return [1]
         common = math.gcd(self.q_heads, self.kv_heads, self.intermediate)
         return [d for d in range(1, common + 1) if common % d == 0]
+
+    def tp_refusal(self) -> str | None:
+        """Why rlsp's tensor parallelism takes no tp > 1 for this model's layers whatever their sizes, or None."""
+        if self.vision is not None:
+            return "a vision-language model"
+        if any(k.attention.mla for k in self.layer_list()):
+            return "multi-latent attention (latent projections not split)"
+        if any(k.attention.kind == LINEAR for k in self.layer_list()):
+            return "linear_attention layers (not split)"
+        return None
 
     def describe(self) -> str:
         tie = "tied" if self.tied else "untied"

@@ -15,13 +15,14 @@ True).aux_loss` of its rows (to roundoff).
 
 Under Ulysses / ring each rank routes its shard of the stream: the logits are all-gathered over the stream's ranks
 (`gather_from_ranks`, whose backward keeps this rank's slice), so every rank computes the one-rank loss and the
-gradients summed over ranks are its gradient; expert parallelism leaves the routers (and their tokens) alone.
+gradients summed over ranks are its gradient; expert parallelism leaves the routers (and their tokens) alone. Under
+tensor parallelism every tp rank routes the whole shard (rlsp.parallel.tp_families.LocalReplicatedMoE) and computes
+the loss whole: with sequence-parallel activations its gradients are a share summed over tp, so it adds 1/tp of it.
 Metric `actor/router_aux_loss` (the weighted mean, shares summed over ranks). Under routing replay (R2 / R3) the
 loss is still the family's function of the current logits (its top-k taken from them, as transformers does), not of
 the replayed routes. Families: those whose modeling module has `load_balancing_loss_func` and whose causal LM adds it,
 tested against it (`AUX_LOSS_TYPES`); `router_aux_errors` refuses the others (glm4_moe and deepseek_v3 have no
-auxiliary loss in transformers: their routers balance by a correction bias), tensor parallelism (the routers run
-replicated over tp) and adaptive Ulysses by name.
+auxiliary loss in transformers: their routers balance by a correction bias) and adaptive Ulysses by name.
 
 Legend: S local tokens, T packed stream, N real tokens of the stream, E experts, L MoE layers.
 """
@@ -61,16 +62,13 @@ def router_aux_errors(config: Any, actor: Any = None) -> list[str]:
     coef = aux_loss_coef(config)
     if coef <= 0:
         return []
-    tp, adaptive = getattr(actor, "tp", 1), bool(getattr(actor, "adaptive", False))
+    adaptive = bool(getattr(actor, "adaptive", False))
     model_type = getattr(config, "model_type", "?")
     what = f"output_router_logits=True with router_aux_loss_coef={coef:g} (model {model_type})"
     if model_type not in AUX_LOSS_TYPES:
         return [f"{what}: the router auxiliary loss is implemented for {', '.join(AUX_LOSS_TYPES)} (transformers' "
                 "load_balancing_loss_func); set output_router_logits=False or router_aux_loss_coef=0 for this family"]
     errors = []
-    if tp > 1:
-        errors.append(f"{what} with actor_rollout_ref.actor.tensor_model_parallel_size={tp}: the routers run "
-                      "replicated over tp; legal: tensor_model_parallel_size=1 or router_aux_loss_coef=0")
     if adaptive:
         errors.append(f"{what} with adaptive Ulysses: a micro-batch's ranks vary; legal: a fixed "
                       "ulysses_sequence_parallel_size or router_aux_loss_coef=0")
@@ -147,11 +145,20 @@ class RouterAux:
             if aux is None:  # a stream of padding: every rank still reports the key (metrics are reduced by key)
                 return loss, {**metrics, METRIC: torch.zeros((), dtype=torch.float64)}
             weight = (micro.packed.total_len - micro.packed.num_pad) / total_tokens
-            ranks = micro.ctx.ulysses_size * micro.ctx.ring_size  # each holds the whole value: metrics sum shares
+            shares = _tp_shares(micro)
+            ranks = micro.ctx.ulysses_size * micro.ctx.ring_size * shares  # each holds the whole value: metrics sum
             metrics = {**metrics, METRIC: (weight * aux).detach() / ranks}
-            return loss + self.coef * weight * aux.to(loss.device), metrics
+            return loss + self.coef * weight * aux.to(loss.device) / shares, metrics
 
         return with_aux
+
+
+def _tp_shares(micro: MicroBatch) -> int:
+    """How many tp ranks' loss shares sum to the gradient: tp under sequence parallelism (each tp rank's gradients
+    are a Partial share, rlsp.parallel.tensor_parallel.TPInfo), so each adds 1/tp of the auxiliary loss it computes
+    whole; 1 otherwise (every tp rank's gradient is complete, the metric reduction divides by the replicas)."""
+    tp = micro.tp
+    return tp.size if tp is not None and tp.sequence_parallel else 1
 
 
 def override_entries(override_config: Any) -> dict[str, Any]:

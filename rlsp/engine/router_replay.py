@@ -16,7 +16,9 @@ is fixed; gradients flow through the weights. Replaying the routes of the same w
 output exactly (gathering the probabilities at the top-k indices gives the top-k values bit for bit).
 
 Families whose router output this cannot reproduce exactly (routers without indices, unknown rules) are refused by
-name (`check_replayable`). Legend: B rows, P prompt width, R response width, T stream, S local tokens, L MoE layers,
+name (`check_replayable`). Under tensor parallelism every tp rank records and replays the routes of the whole
+sequence shard (its MoE blocks run replicated over tp), so the routes are the same on every tp rank.
+Legend: B rows, P prompt width, R response width, T stream, S local tokens, L MoE layers,
 K experts per token, E experts.
 """
 
@@ -260,7 +262,8 @@ def _r3_errors(rollout: RolloutFacts) -> list[str]:
 def router_replay_errors(mode: str, config, tp: int = 1, rollout: RolloutFacts | None = None) -> list[str]:
     """What refuses actor_rollout_ref.actor.router_replay.mode=`mode` for the model `config` (a transformers config)
     at tensor-parallel degree `tp` with `rollout` (R3; default: the hf engine, single-turn), before any worker starts;
-    [] when the run can use it."""
+    [] when the run can use it. Any `tp` the model takes (rlsp.parallel.tp_checks) replays: every tp rank's routers
+    route the whole sequence shard (rlsp.parallel.tp_families.LocalReplicatedMoE), as the routes are laid out."""
     key = MODE_KEY
     model_type = getattr(config, "model_type", None)
     if mode not in MODES:
@@ -275,8 +278,4 @@ def router_replay_errors(mode: str, config, tp: int = 1, rollout: RolloutFacts |
     if model_type not in REPLAYABLE_TYPES:
         return [f"{key}={mode}: the router of model_type={model_type!r} is not reproduced exactly by rlsp's replay "
                 f"(replayable: {', '.join(REPLAYABLE_TYPES)}); set router_replay.mode=disabled"]
-    if tp > 1:
-        return [f"{key}={mode} with actor.tensor_model_parallel_size={tp} is not supported (the routers see "
-                "tensor-parallel token slices the recorded routes are not laid out for); legal: "
-                "tensor_model_parallel_size=1"]
     return []

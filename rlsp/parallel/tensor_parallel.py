@@ -16,8 +16,10 @@ row-parallel projections, and every tp rank computes the same full [S] output.
 
 Everything else (embedding, norms, rotary buffers, `lm.lm_head`, the critic's value head) is
 replicated over tp as Replicate DTensors; rotary embeddings are computed from the full position ids.
-Gemma 2/3's extra norms are replicated like the others; Gemma 3's per-head q/k norms, gpt-oss's sinks
-(sharded like the q heads) and experts (replicated): rlsp.parallel.tp_families.
+Gemma 2/3's extra norms are replicated like the others; per-head q/k norms (Gemma 3, Qwen3-MoE, GLM-4-MoE), OLMoE's
+whole-projection q/k norms, gpt-oss's sinks (sharded like the q heads) and the sparse MoE blocks of the MoE families
+(router and routed experts replicated, shared experts split like an MLP; dense layers take the MLP plan above):
+rlsp.parallel.tp_families.
 The heads read their weights through `tp_local_param`, which declares how the local gradient relates
 to the replicated one: under sequence parallelism each tp rank's gradient is a Partial sum over its
 own tokens (DTensor computes the same Partial gradients for the embedding and the norms); without it
@@ -44,14 +46,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from rlsp.parallel.tp_checks import check_tp_support
-from rlsp.parallel.tp_families import (
-    HEAD_NORM_FAMILIES,
-    REPLICATED_MOE_FAMILIES,
-    SEQ_DIM,
-    HeadShardedNorm,
-    LocalReplicatedMoE,
-    shard_sinks,
-)
+from rlsp.parallel.tp_families import SEQ_DIM, LocalReplicatedMoE, qk_norm_plan, shard_sinks, sparse_moe_block
 from rlsp.parallel.tp_sp import ShardedInputSaver
 
 
@@ -170,9 +165,8 @@ def _layer_plan(seq: Placement, layer: nn.Module, model_type: str) -> dict[str, 
     }
     for norm in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):  # Gemma 2 / 3: on the residual
         plan.update({norm: _ReplicateParallel(seq, seq)} if hasattr(layer, norm) else {})
-    if model_type in HEAD_NORM_FAMILIES:
-        plan.update({"self_attn.q_norm": HeadShardedNorm(), "self_attn.k_norm": HeadShardedNorm()})
-    if model_type in REPLICATED_MOE_FAMILIES:
+    plan.update(qk_norm_plan(layer.self_attn, model_type))
+    if sparse_moe_block(layer.mlp, model_type):  # a dense layer of a MoE family keeps the plan below
         plan["mlp"] = LocalReplicatedMoE(seq)
         return plan
     return {**plan, "mlp": _BlockInput(("gate_proj", "up_proj")), "mlp.gate_proj": ColwiseParallel(),

@@ -1,50 +1,89 @@
-"""Which tensor-parallel degrees a model takes: the heads and the MLP split evenly, and the families
-rlsp's tensor parallelism runs (rlsp.parallel.tensor_parallel); read by preflight, the planner and the engine."""
+"""Which tensor-parallel degrees a model takes: the heads and the dense MLPs split evenly, and the families
+rlsp's tensor parallelism runs (rlsp.parallel.tensor_parallel); read by preflight, the planner and the engine.
+
+A sparse MoE block runs replicated over tp (rlsp.parallel.tp_families.LocalReplicatedMoE), so its expert width
+(moe_intermediate_size, or mixtral's / olmoe's / gpt_oss's intermediate_size) need not divide; the dense layers of
+a MoE family (glm4_moe's first_k_dense_replace, qwen2/3_moe's mlp_only_layers or decoder_sparse_step) split
+intermediate_size like any dense model's.
+"""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
+from rlsp.config.layer_kinds import layer_kinds
 from rlsp.parallel.tp_families import REPLICATED_MOE_FAMILIES
 
 TP_SIZE_KEY = "tensor_model_parallel_size"
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")  # a MoE config's expert count, by family
 
 
+def _experts(config: Any) -> str | None:
+    """`key=value` of the config's routed-expert count, or None for a dense model."""
+    return next((f"{k}={getattr(config, k)}" for k in EXPERT_KEYS if getattr(config, k, None)), None)
 
-def legal_tp_sizes(config: Any) -> list[int]:
-    """tp sizes that divide the q heads, the kv heads and the intermediate size of a decoder config."""
-    dims = [getattr(config, k, None) for k in ("num_attention_heads", "num_key_value_heads", "intermediate_size")]
-    if not all(isinstance(d, int) and d >= 1 for d in dims):
+
+def _has_dense_mlp(config: Any) -> bool:
+    """Whether some decoder layer has a dense MLP (split over tp): every layer of a dense model, the layers
+    without experts of a MoE family whose sparse blocks run replicated."""
+    if not _experts(config) or getattr(config, "model_type", None) not in REPLICATED_MOE_FAMILIES:
+        return True
+    return any(not kind.mlp.moe for kind in layer_kinds(config.to_dict()))
+
+
+def tp_split_dims(config: Any) -> dict[str, int]:
+    """The sizes tensor parallelism splits evenly, by config key: the q and kv heads, and intermediate_size when
+    some layer has a dense MLP."""
+    keys = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+    dims = {k: getattr(config, k, None) for k in keys}
+    if not all(isinstance(d, int) and d >= 1 for d in dims.values()):
         raise ValueError(
             f"config {type(config).__name__} needs integer num_attention_heads, num_key_value_heads and "
-            f"intermediate_size for tensor parallelism (got {dims})"
+            f"intermediate_size for tensor parallelism (got {list(dims.values())})"
         )
-    common = math.gcd(*dims)
+    if not _has_dense_mlp(config):
+        del dims["intermediate_size"]
+    return dims
+
+
+def legal_tp_sizes(config: Any) -> list[int]:
+    """tp sizes that divide the q heads, the kv heads and the dense intermediate size of a decoder config."""
+    common = math.gcd(*tp_split_dims(config).values())
     return [d for d in range(1, common + 1) if common % d == 0]
 
 
+def _family_errors(config: Any, tp_size: int) -> str | None:
+    """Why the model's family cannot take tp_size > 1 (None: it can)."""
+    if getattr(config, "kv_lora_rank", None):  # latents: not split
+        return (f"{TP_SIZE_KEY}={tp_size}: {config.model_type} has multi-latent attention (kv_lora_rank="
+                f"{config.kv_lora_rank}), which rlsp's tensor parallelism does not split; legal: 1")
+    if "linear_attention" in (getattr(config, "layer_types", None) or ()):
+        return (f"{TP_SIZE_KEY}={tp_size}: {config.model_type} has linear_attention (Gated DeltaNet) layers, which "
+                "rlsp's tensor parallelism does not split; legal: 1 (use Ulysses sequence parallelism)")
+    experts = _experts(config)
+    if experts and config.model_type not in REPLICATED_MOE_FAMILIES:
+        return (f"{TP_SIZE_KEY}={tp_size}: {config.model_type} has mixture-of-experts layers ({experts}); rlsp's "
+                f"tensor parallelism runs them for {list(REPLICATED_MOE_FAMILIES)} only (experts replicated over tp); "
+                "legal: 1 (use Ulysses sequence parallelism)")
+    return None
+
+
 def check_tp_support(config: Any, tp_size: int) -> None:
-    """Raise ValueError unless `tp_size` splits this model's heads and MLP evenly (multi-latent attention: never)."""
-    if isinstance(tp_size, int) and tp_size > 1 and getattr(config, "kv_lora_rank", None):  # latents: not split
-        raise ValueError(f"{TP_SIZE_KEY}={tp_size}: {config.model_type} has multi-latent attention (kv_lora_rank="
-                         f"{config.kv_lora_rank}), which rlsp's tensor parallelism does not split; legal: 1")
-    if isinstance(tp_size, int) and tp_size > 1 and "linear_attention" in (getattr(config, "layer_types", None) or ()):
-        raise ValueError(f"{TP_SIZE_KEY}={tp_size}: {config.model_type} has linear_attention (Gated DeltaNet) layers, "
-                         "which rlsp's tensor parallelism does not split; legal: 1 (use Ulysses sequence parallelism)")
-    experts = next((f"{k}={getattr(config, k)}" for k in EXPERT_KEYS if getattr(config, k, None)), None)
-    if isinstance(tp_size, int) and tp_size > 1 and experts and config.model_type not in REPLICATED_MOE_FAMILIES:
-        raise ValueError(f"{TP_SIZE_KEY}={tp_size}: {config.model_type} has mixture-of-experts layers ({experts}); "
-                         f"rlsp's tensor parallelism runs them for {list(REPLICATED_MOE_FAMILIES)} only (experts "
-                         "replicated over tp); legal: 1 (use Ulysses sequence parallelism)")
+    """Raise ValueError unless `tp_size` splits this model's heads and dense MLPs evenly and its family runs under
+    tensor parallelism (multi-latent or linear attention, other MoE families: never)."""
+    if isinstance(tp_size, int) and tp_size > 1 and (why := _family_errors(config, tp_size)):
+        raise ValueError(why)
     legal = legal_tp_sizes(config)
     if isinstance(tp_size, int) and tp_size in legal:
         return
-    q, kv, inter = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
+    dims = tp_split_dims(config)
+    split = f"{dims['num_attention_heads']} q heads / {dims['num_key_value_heads']} kv heads" + (
+        f" / intermediate_size {dims['intermediate_size']}" if "intermediate_size" in dims
+        else " (every MLP a MoE block, replicated over tp)")
     raise ValueError(
-        f"{TP_SIZE_KEY}={tp_size!r} does not divide {q} q heads / {kv} kv heads / intermediate_size {inter}; "
-        f"legal {TP_SIZE_KEY} for this model: {', '.join(map(str, legal))}"
+        f"{TP_SIZE_KEY}={tp_size!r} does not divide {split}; legal {TP_SIZE_KEY} for this model: "
+        f"{', '.join(map(str, legal))}"
     )
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from rlsp.config.layout import RoleLayout
 from rlsp.config.model_shape import ModelShape
+from rlsp.plan.memory import tp_replicated
 from rlsp.plan.workload import Workload
 
 
@@ -114,7 +115,9 @@ def group_locality(layout: RoleLayout) -> dict[str, bool]:
 def plan_comm(shape: ModelShape, w: Workload, split: HeadSplit, e: int, checkpointing: bool) -> Comm:
     """Bytes per rank per micro-batch of one training role on layout `w.layout`."""
     lay, d = w.layout, shape.head_dim
-    fsdp, replicate = _fsdp_bytes(shape.decoder_params / shape.layers / lay.tp, lay, e, gathers=2)  # a layer on average
+    whole = sum(tp_replicated(shape, k, lay) for k in shape.kinds)  # MoE blocks under tp: not split
+    layer = ((shape.decoder_params - whole) / lay.tp + whole) / shape.layers  # a layer on average
+    fsdp, replicate = _fsdp_bytes(layer, lay, e, gathers=2)
     per_layer = {"ulysses": ulysses_layer_bytes(w, split, d, e, checkpointing),
                  "ring": ring_layer_bytes(w, d, e, checkpointing),
                  "tp": tp_layer_bytes(w, shape.hidden, e, checkpointing), "fsdp": fsdp, "hsdp": replicate}

@@ -88,7 +88,9 @@ def refusals(req: Request, plans: list[Plan]) -> list[str]:
     legal = shape.legal_tp()
     lines = []
     for tp in (t for t in divisors(per_node) if t > 1):
-        if tp not in legal:
+        if tp not in legal and shape.tp_refusal():
+            lines.append(f"tp {tp}: rlsp's tensor parallelism refuses {shape.tp_refusal()}")
+        elif tp not in legal:
             lines.append(f"tp {tp}: does not divide {shape.q_heads} q heads / {shape.kv_heads} kv heads / MLP width "
                          f"{shape.intermediate} evenly (legal tp for this model: {', '.join(map(str, legal))})")
     big = [t for t in legal if t > per_node]

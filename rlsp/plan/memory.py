@@ -3,9 +3,11 @@
 Every number is bytes on ONE rank, for one micro-batch stream of `budget x token_shards` tokens
 (the budget is `*_max_token_len_per_gpu`). Terms (e = compute dtype bytes):
   state      trainable role: fp32 master 4 + fp32 gradient 4 + AdamW 8 bytes per parameter; frozen
-             reference: e per parameter. Layer weights are split over tp and then over the FSDP shard
-             group; the embedding, lm_head and final norm are replicated over tp (rlsp's TP plan) and
-             sharded over the FSDP group. Parameters count every layer by its kind (MoE: every expert); with
+             reference: e per parameter. Layer weights are split over tp (but for MoE blocks' routers and
+             routed experts, which rlsp runs replicated over tp: every expert on every tp rank) and then over
+             the FSDP shard group;
+             the embedding, lm_head and final norm are replicated over tp (rlsp's TP plan) and sharded over
+             the FSDP group. Parameters count every layer by its kind (MoE: every expert); with
              expert parallelism (ep) the routed experts are split over ep ranks and sharded over the ranks
              holding the same ones (every FSDP rank holds 1/fsdp_ranks of them), and a layer's all-gather
              brings only its 1/ep of them.
@@ -86,7 +88,9 @@ def state_bytes(shape: ModelShape, layout: RoleLayout, role: str, e: int) -> tup
     """(state without gradients, gradients) of one role on one rank."""
     root = shape.critic_root_params if role == "critic" else shape.root_params
     routed = sum(_routed(shape, k) for k in shape.kinds) if layout.ep > 1 else 0
-    params = ((shape.decoder_params - routed) / layout.tp + root) / layout.fsdp_shard + routed / layout.fsdp_ranks
+    whole = sum(tp_replicated(shape, k, layout) for k in shape.kinds)  # MoE blocks under tp: every expert
+    split = shape.decoder_params - routed - whole
+    params = (split / layout.tp + whole + root) / layout.fsdp_shard + routed / layout.fsdp_ranks
     if role == "ref":
         return params * e, 0.0
     return params * 12.0, params * 4.0  # fp32 master + AdamW moments; fp32 gradients
@@ -97,17 +101,37 @@ def _routed(shape: ModelShape, kind: LayerKind) -> int:
     return kind.mlp.experts * 3 * shape.hidden * kind.mlp.width
 
 
+def tp_replicated(shape: ModelShape, kind: LayerKind, layout: RoleLayout, active: bool = False) -> float:
+    """A layer's parameters that tp does not split: under tp > 1 its MoE block's router and routed experts, which
+    rlsp runs replicated over tp (rlsp.parallel.tp_families.LocalReplicatedMoE), and its shared experts where tp
+    does not divide their width (else split like a dense MLP); `active`: those one token runs through (its routed
+    experts only)."""
+    if layout.tp == 1 or not kind.mlp.moe:
+        return 0
+    routed = _routed(shape, kind) * (kind.mlp.active / kind.mlp.experts if active else 1)
+    shared = 3 * shape.hidden * kind.mlp.shared if kind.mlp.shared % layout.tp else 0
+    return routed + shape.hidden * kind.mlp.experts + shared
+
+
+def gathered_layer_params(shape: ModelShape, layout: RoleLayout) -> float:
+    """Parameters of the largest decoder layer on one rank once FSDP2 all-gathers it: split over tp but for a
+    MoE block (`tp_replicated`), with ep only 1/ep of its routed experts."""
+    def one(kind: LayerKind) -> float:
+        whole = tp_replicated(shape, kind, layout)
+        return (kind.params - whole) / layout.tp + whole - _routed(shape, kind) * (1 - 1 / layout.ep)
+    return max(one(kind) for kind in shape.layer_list())
+
+
 def offload_staging_bytes(shape: ModelShape, layout: RoleLayout) -> float:
     """Param offload's device copies of fp32 shards: the two layers in flight copied in before their
     all-gather, and one layer's reduced gradient shard before it is copied out."""
-    return 3 * shape.layer_params / layout.tp / layout.fsdp_shard * 4
+    return 3 * gathered_layer_params(shape, layout) / layout.fsdp_shard * 4
 
 
 def buffer_terms(shape: ModelShape, layout: RoleLayout, role: str, e: int) -> dict[str, float]:
     """FSDP2's unsharded buffers: layers in flight, the root unit during forward/backward, and the root's
     gradient reduce at the end of backward."""
-    routed = max((_routed(shape, k) for k in shape.kinds), default=0) * (1 - 1 / layout.ep)  # ep: 1/ep gathered
-    layer = (shape.layer_params - routed) / layout.tp
+    layer = gathered_layer_params(shape, layout)
     cast = 4 if e < 4 else 0  # gradients are reduced in fp32
     root = shape.critic_root_params if role == "critic" else shape.root_params
     head_grad = 0 if role == "critic" else shape.vocab * shape.hidden * e  # lm_head gradient, unsharded

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from rlsp.config.layout import RoleLayout
 from rlsp.config.model_shape import ModelShape
-from rlsp.plan.memory import MemoryOptions, Workload, state_bytes
+from rlsp.plan.memory import MemoryOptions, Workload, state_bytes, tp_replicated
 
 
 def host_bytes_per_rank(shape: ModelShape, w: Workload, opts: MemoryOptions, critic: bool, ref: bool) -> dict[str, float]:
@@ -52,5 +52,6 @@ def offload_copy_bytes(shape: ModelShape, layout: RoleLayout, role: str) -> floa
     parameters: fp32 shards in twice (forward, backward) and fp32 gradient shards out once per layer,
     the root unit's shard in once and its gradient out once."""
     root = shape.critic_root_params if role == "critic" else shape.root_params
-    layers = shape.decoder_params / layout.tp / layout.fsdp_shard
+    whole = sum(tp_replicated(shape, k, layout) for k in shape.kinds)  # MoE blocks under tp: not split
+    layers = ((shape.decoder_params - whole) / layout.tp + whole) / layout.fsdp_shard
     return layers * (2 * 4 + 4) + root / layout.fsdp_shard * (4 + 4)

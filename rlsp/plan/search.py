@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from rlsp.config.layout import RoleLayout, World
 from rlsp.config.model_shape import ModelShape
 from rlsp.plan.comm import Comm, HeadSplit, plan_comm
-from rlsp.plan.memory import GIB, HeadShare, MemoryEstimate, MemoryOptions, Workload, plan_memory
+from rlsp.plan.memory import GIB, HeadShare, MemoryEstimate, MemoryOptions, Workload, plan_memory, tp_replicated
 from rlsp.plan.offload import host_bytes_per_node, offload_copy_bytes
 from rlsp.utils.divisors import divisors
 
@@ -189,7 +189,10 @@ def settings_for(req: Request, layout: RoleLayout) -> Iterator[Settings]:
 def _flops(req: Request, w: Workload, s: Settings) -> float:
     """Matmul and attention FLOPs of one rank for one micro-batch (forward, backward, recomputation)."""
     shape, lay = req.shape, w.layout
-    matmul = 2 * w.shard * (shape.active_decoder_params / shape.layers - 2 * shape.hidden) / lay.tp  # MoE: active experts
+    # MoE: the active experts; under tp every rank runs a MoE block's active experts on all its shard's tokens
+    whole = sum(tp_replicated(shape, k, lay, active=True) for k in shape.kinds)
+    active = (shape.active_decoder_params - whole) / lay.tp + whole
+    matmul = 2 * w.shard * (active / shape.layers - 2 * shape.hidden / lay.tp)
     span = min(req.seq_len, w.stream)  # causal pairs of the stream: T * span / 2, 4 D flops per pair and head
     attention = 2 * w.heads.q * shape.head_dim * w.stream * span / lay.ring
     if lay.ring > 1:

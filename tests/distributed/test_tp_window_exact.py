@@ -7,7 +7,7 @@ heads and 4 experts replicated over tp) go through the FSDP2 policy engine at tp
 sequence-parallel activations, and at tp 2 x Ulysses 2 on 4 ranks: the loss metrics, every parameter's full
 gradient and the AdamW step equal one process's within tests/tolerances.py's bounds for the model
 (tests/distributed/test_fsdp_engine.py's `_assert_same_step`). Other mixture-of-experts families stay refused
-under tp by name (`check_tp_support`).
+under tp by name (`check_tp_support`; the MoE families rlsp runs under tp: test_tp_moe_exact.py).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def test_tp2_x_ulysses2_keeps_gpt_oss_exact(tp_model_and_batch):
 def test_check_tp_support_accepts_the_window_families_and_refuses_other_moe_by_name() -> None:
     from tiny_gemma import FAMILIES, gemma_config
     from tiny_gpt_oss import gpt_oss_config
-    from transformers import MixtralConfig
+    from transformers import PhimoeConfig
 
     from rlsp.models.family_checks import check_tp_windowed
     from rlsp.parallel.tp_checks import check_tp_support
@@ -58,8 +58,8 @@ def test_check_tp_support_accepts_the_window_families_and_refuses_other_moe_by_n
     for config in (*(gemma_config(f) for f in FAMILIES), gpt_oss_config()):
         check_tp_windowed(config, 2)
         check_tp_support(config, 2)
-    mixtral = MixtralConfig(num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, num_local_experts=4)
-    check_tp_support(mixtral, 1)
-    with pytest.raises(ValueError, match=r"tensor_model_parallel_size=2: mixtral has mixture-of-experts layers "
-                                         r"\(num_local_experts=4\).*\['gpt_oss'\] only.*legal: 1"):
-        check_tp_support(mixtral, 2)
+    phimoe = PhimoeConfig(num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, num_local_experts=4)
+    check_tp_support(phimoe, 1)
+    with pytest.raises(ValueError, match=r"tensor_model_parallel_size=2: phimoe has mixture-of-experts layers "
+                                         r"\(num_local_experts=4\).*\['gpt_oss', .*'glm4_moe'\] only.*legal: 1"):
+        check_tp_support(phimoe, 2)
