@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from rlsp.algos.registry import list_adv_estimators, list_policy_losses
 from rlsp.checks.preflight_agent import agent_errors
 from rlsp.checks.preflight_model import (
+    check_expert_lora,
     check_rollout_ep,
     check_router_aux,
     check_router_replay,
@@ -147,6 +148,7 @@ def _check_critic(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None
 register("vision_data", "preflight", needs=("model_dir",))(check_vision_data)
 register("router_replay", "preflight", needs=("model_dir",))(check_router_replay)
 register("router_aux", "preflight", needs=("model_dir",))(check_router_aux)
+register("expert_lora", "preflight", needs=("model_dir",))(check_expert_lora)
 register("rollout_ep", "preflight", needs=("model_dir",))(check_rollout_ep)
 
 

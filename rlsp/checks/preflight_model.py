@@ -11,13 +11,17 @@ from typing import Any
 from omegaconf import DictConfig
 
 from rlsp.config.checks import CheckContext
-from rlsp.config.layout import CRITIC_ESTIMATORS, ParallelLayout
+from rlsp.config.layout import ParallelLayout
+from rlsp.config.lora_keys import lora_enabled
 from rlsp.config.run_spec import agent_loops_enabled
 from rlsp.data.vision_processor import image_patch_size_errors, image_rows, image_run_errors, vision_data_errors
 from rlsp.data.vision_run import data_files, model_type_of, policy_vision_tower
 from rlsp.engine.router_aux import router_aux_errors, with_overrides
 from rlsp.engine.router_replay import replay_config_errors
 from rlsp.models.family_checks import check_ring_support, check_sp_support, check_tp_windowed
+from rlsp.models.lora_targets import expert_parallel_lora_problem
+from rlsp.models.vision_inputs import VISION_FAMILIES
+from rlsp.models.vision_lora import lora_target_errors
 from rlsp.parallel.ep_checks import check_ep_support
 from rlsp.parallel.tp_checks import check_tp_support
 from rlsp.rollout.support import rollout_ep_errors
@@ -44,27 +48,19 @@ def degree_errors(config: Any, layout: ParallelLayout, errors: list[str]) -> Non
 
 
 def check_wrapper_tower(cfg: DictConfig, errors: list[str]) -> None:
-    """A Qwen3.5 wrapper checkpoint (qwen3_5 / qwen3_5_moe) loads with its vision tower when the run's rows carry
-    images (rlsp.data.vision_run); what rlsp has not verified with the tower is refused by key (part of the `model`
-    check). Text-only rows keep the text model, which takes these features."""
+    """A vision-language model loads with its vision tower: Qwen2.5-VL / Qwen3-VL(-MoE) always, a Qwen3.5 wrapper
+    checkpoint (qwen3_5 / qwen3_5_moe) when the run's rows carry images (rlsp.data.vision_run). LoRA then adapts its
+    language model only: a target found in the tower only is refused by name (rlsp.models.vision_lora; part of the
+    `model` check). Tiled MLP and lean RMSNorm take the language model (their family rules: feature_support)."""
     try:
         tower = policy_vision_tower(cfg)
     except RuntimeError:  # a missing data file: the data_files check names it
         return
-    if not tower:
-        return
     path = cfg.actor_rollout_ref.model.path
     family, model = model_type_of(path), cfg.actor_rollout_ref.model
-    where = (f"actor_rollout_ref.model.path={path!r} is a {family} checkpoint that loads with its vision tower (its "
-             "rows carry images), which rlsp has not verified with this feature (it would also reach the tower's "
-             "layers); legal: leave it off for this model, or data without images (the text model takes it)")
-    for key, enabled in (("lora_rank > 0", bool(model.lora_rank)), ("tiled_mlp.enabled=true", model.tiled_mlp.enabled),
-                         ("lean_rmsnorm=true", model.lean_rmsnorm)):
-        if enabled:
-            errors.append(f"actor_rollout_ref.model.{key}: {where}")
-    if cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS and not cfg.critic.model.path:
-        errors.append(f"critic.model.path: unset, so the critic would start from the actor's {family} (vision-language) "
-                      "model, which rlsp trains with images as the policy only; legal: a text model's path")
+    if lora_enabled(model) and (tower or family in VISION_FAMILIES):
+        errors.extend(lora_target_errors(path, model))
+    # a critic from the same model loads its tower too: rlsp.models.critic_vision names what it refuses
 
 
 def check_vision_data(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None:
@@ -88,6 +84,13 @@ def check_router_aux(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> N
     """The MoE router auxiliary loss the model config asks for, model.override_config applied (rlsp.engine.router_aux)."""
     config = with_overrides(ctx.results["model_config"], cfg.actor_rollout_ref.model.override_config)
     errors += router_aux_errors(config, ctx.layout.role("actor") if ctx.layout is not None else None)
+
+
+def check_expert_lora(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None:
+    """LoRA on the fused experts (rlsp.models.lora_experts) is refused with expert parallelism."""
+    model, ep = cfg.actor_rollout_ref.model, ctx.layout.role("actor").ep if ctx.layout is not None else 1
+    if lora_enabled(model) and (problem := expert_parallel_lora_problem(ctx.results["model_config"], model, ep)):
+        errors.append(f"actor_rollout_ref.model.{problem} (actor_rollout_ref.actor.fsdp_config.expert_parallel_size)")
 
 
 def check_rollout_ep(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None:

@@ -111,7 +111,7 @@ class ModelConfig:
     # LoRA on the actor (peft): the base stays frozen, the reference is the base itself (adapters off).
     lora_rank: int = 0  # > 0: train rank-r LoRA adapters only (peft); 0 = full fine-tuning
     lora_alpha: float = 16  # adapter scale = lora_alpha / lora_rank
-    target_modules: Any = "all-linear"  # "all-linear" or a list of linear-layer names (e.g. [q_proj, v_proj])
+    target_modules: Any = "all-linear"  # "all-linear" or a list of linear-layer names (e.g. [q_proj, v_proj]); on fused-expert MoE families gate_proj/up_proj/down_proj (mixtral w1/w3/w2) also adapt the fused experts, never the routers; on a vision-language model the language model only
     exclude_modules: Any = None  # None, or layer names (a list) / a regex (a string) to leave unadapted
     lora_adapter_path: str | None = None  # start from a saved PEFT adapter (its config sets rank and targets)
     # verl's config.json overrides, of the entries rlsp reads at run time (other entries are refused by name).
@@ -157,7 +157,7 @@ class ActorConfig(verl_keys.ActorVerlKeys):
     use_torch_compile: Any = "auto"  # true | false | auto: the entropy head's per-block reduction through torch.compile (what verl compiles); auto: on cuda only (inductor's compile costs ~30 s at start-up on cpu)
     calculate_sum_pi_squared: bool = False  # the old-logprob pass also returns sum_v p_v^2 per token (optimal token baselines)
     router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)  # MoE routing replay (R2)
-    freeze_vision_tower: bool = False  # vision-language models (qwen2_5_vl, qwen3_vl, qwen3_vl_moe): the vision tower gets no gradient and no optimizer state (verl's key)
+    freeze_vision_tower: bool = False  # vision-language models (qwen2_5_vl, qwen3_vl, qwen3_vl_moe): the vision tower gets no gradient and no optimizer state (verl's key); under LoRA the tower is frozen whatever it says
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 

@@ -71,8 +71,11 @@ def _merged_lora(actor: str, adapter_dir: str, staging: str) -> nn.Module:
     if not base_path or not os.path.isdir(base_path):
         raise ValueError(f"the LoRA checkpoint's base model {base_path!r} (adapter_config.json in {adapter_dir}) is "
                          "not a directory here; the adapter needs the base it was trained on")
-    lm = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    # the class the checkpoint recorded: a vision-language model (a Qwen3.5 wrapper trained with images) with its tower
+    recorded = AutoConfig.from_pretrained(os.path.dirname(adapter_dir)).model_type
+    auto = AutoModelForImageTextToText if recorded in TOWER_FAMILIES else AutoModelForCausalLM
+    lm = auto.from_pretrained(base_path, dtype=torch.float32)
     adapters = apply_saved_lora_config(lm, adapter_dir)
     load_model_offline(build_logprob_model(lm), actor, trainable_only=True)
     adapters.peft_model.save_pretrained(os.path.join(staging, LORA_ADAPTER_DIR))
-    return adapters.peft_model.merge_and_unload()
+    return adapters.merged_lm()

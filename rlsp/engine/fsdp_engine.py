@@ -45,6 +45,7 @@ from rlsp.engine.state import EngineState
 from rlsp.engine.step_metrics import accumulate_metrics, clip_grad_norm, max_over_ranks, reduce_metrics, sp_metrics
 from rlsp.engine.stream import stream_to_last_token, stream_to_response
 from rlsp.models.family_checks import num_heads
+from rlsp.models.lora_experts import expert_parallel_problem
 from rlsp.parallel.expert_parallel import apply_expert_parallel, expert_sharded_names
 from rlsp.parallel.mesh import ParallelDims
 from rlsp.parallel.tensor_parallel import apply_tensor_parallel
@@ -91,6 +92,8 @@ class FSDPEngine(EngineState):
         if dims.tp_mesh is not None:
             apply_tensor_parallel(module, dims.tp_mesh, layout.sequence_parallel)
         if dims.ep_group is not None:  # this rank's experts only, dispatched to by all-to-all
+            if problem := expert_parallel_problem(module):  # peft's adapters on the fused experts (LoRA)
+                raise ValueError(f"fsdp_config.expert_parallel_size={layout.ep}: {problem}")
             apply_expert_parallel(module, dims.ep_group)
         self.ep_names = expert_sharded_names(self.hf_root)  # {} without expert parallelism
         offload = build_offload_policy(param_offload, device)

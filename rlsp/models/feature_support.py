@@ -10,11 +10,15 @@ same models later, after the workers have loaded them. What is refused and why:
   refusing the key.
 - lean RMSNorm on a family whose norms scale by (1 + weight) (gemma, gemma2, gemma3(_text), qwen3_next,
   qwen3_5(_moe)(_text)): the lean norm computes weight * normalized(x).
-- LoRA on the MoE families whose MLP targets peft rewrites (its transformers v4 -> v5 config conversion) onto
-  the fused expert and router parameters (`ParamWrapper` adapters on `*Experts` / `*TopkRouter`), which rlsp's
-  LoRA (nn.Linear adapters, merged for rollout) does not support: deepseek_v3, deepseek_v2, qwen3_next,
-  qwen3_moe, mixtral, olmoe, glm4_moe (each measured: `LoraAdapters` refuses them after loading). gpt_oss,
-  qwen2_moe and qwen3_5_moe_text keep nn.Linear targets only (gpt_oss trains exactly with LoRA at Ulysses 2).
+- LoRA on the MoE families whose experts transformers 5 fuses (deepseek_v3/v2, qwen3_next, qwen3_moe, mixtral,
+  olmoe, glm4_moe, qwen2_moe, qwen3_5_moe_text; rlsp.models.lora_targets): `all-linear` adapts the nn.Linear layers
+  (attention, dense MLPs, shared experts), a list naming the expert projections also adapts the fused experts
+  (rlsp.models.lora_experts), the routers never; a `target_modules` entry that reaches only a router, half of a fused
+  pair, or another family's names is refused by name, and so is a saved adapter with tensors on them.
+
+A vision-language model's memory features and LoRA act on its language model only (rlsp.models.vision_lora): the
+rules above apply to its text config, and its LoRA targets are checked against the tower by
+rlsp.checks.preflight_model.check_wrapper_tower.
 """
 
 from __future__ import annotations
@@ -22,11 +26,12 @@ from __future__ import annotations
 from typing import Any
 
 from rlsp.config.layout import CRITIC_ESTIMATORS
-from rlsp.models.vision_inputs import VISION_TEXT_TYPES
+from rlsp.config.lora_keys import lora_enabled
+from rlsp.models.critic_vision import critic_vision_errors
 
 MOE_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
 LORA_FUSED_EXPERT_FAMILIES = ("deepseek_v3", "deepseek_v2", "qwen3_next", "qwen3_moe", "mixtral", "olmoe",
-                              "glm4_moe")
+                              "glm4_moe", "qwen2_moe", "qwen3_5_moe_text")
 ONE_PLUS_WEIGHT_NORMS = ("gemma", "gemma2", "gemma3", "gemma3_text", "qwen3_next", "qwen3_5", "qwen3_5_text",
                          "qwen3_5_moe", "qwen3_5_moe_text", "vaultgemma", "recurrent_gemma")
 
@@ -57,33 +62,24 @@ def lean_rmsnorm_problem(config: Any) -> str | None:
             "weight * x * rsqrt(mean(x^2) + eps) only; legal: lean_rmsnorm=false for this model")
 
 
-def lora_problem(config: Any) -> str | None:
-    moe = moe_setting(config)
-    if moe is None or config.model_type not in LORA_FUSED_EXPERT_FAMILIES:
+def lora_problem(config: Any, model: Any = None) -> str | None:
+    """LoRA on the fused-expert MoE families adapts nn.Linear layers and, when the target list names the expert
+    projections, the fused experts (rlsp.models.lora_targets); refused: a target_modules entry of `model` (the run's
+    *.model section) that names only a router, half of a fused gate/up pair, or a saved adapter (lora_adapter_path)
+    with tensors on a router or per-expert (transformers 4) tensors."""
+    if model is None or moe_setting(config) is None or config.model_type not in LORA_FUSED_EXPERT_FAMILIES:
         return None
-    return (f"lora_rank > 0: {config.model_type} has MoE layers ({moe}) whose MLP targets peft moves onto the "
-            "fused expert and router parameters (peft's transformers v5 conversion), which rlsp's LoRA does "
-            "not support (nn.Linear adapters only); legal: lora_rank=0 for this model (gpt_oss's MoE takes LoRA "
-            "on its attention layers)")
+    from rlsp.models.lora_targets import target_problem  # noqa: PLC0415 -- builds a meta model: torch, transformers
 
-
-def vision_problem(config: Any, key: str) -> str | None:
-    """`key` on a vision-language model (its text config's model type): not verified with the vision tower."""
-    if getattr(config, "model_type", None) not in VISION_TEXT_TYPES:
-        return None
-    return (f"{key}: {config.model_type.removesuffix('_text')} is a vision-language model, which rlsp has not verified "
-            f"with this feature (it would also reach the vision tower's layers); legal: leave it off for this model")
+    return target_problem(config, model)
 
 
 def feature_errors(config: Any, model: Any, prefix: str) -> list[str]:
     """Errors for the features `model` (an `actor_rollout_ref.model` or `critic.model` section) turns on that
     the model of `config` does not take; each names the key under `prefix`."""
     checks = ((model.tiled_mlp.enabled, tiled_mlp_problem), (model.lean_rmsnorm, lean_rmsnorm_problem),
-              (bool(getattr(model, "lora_rank", 0)), lora_problem))
+              (hasattr(model, "lora_rank") and lora_enabled(model), lambda c: lora_problem(c, model)))
     problems = [check(config) for enabled, check in checks if enabled]
-    keys = (("tiled_mlp.enabled=true", model.tiled_mlp.enabled), ("lean_rmsnorm=true", model.lean_rmsnorm),
-            ("lora_rank > 0", bool(getattr(model, "lora_rank", 0))))
-    problems += [vision_problem(config, key) for key, enabled in keys if enabled]
     return [f"{prefix}{problem}" for problem in problems if problem]
 
 
@@ -91,10 +87,8 @@ def run_feature_errors(cfg: Any, config: Any) -> list[str]:
     """`feature_errors` of the run `cfg` for the actor's model `config`: the actor and reference, and the critic
     when it starts from the same model (a critic with its own critic.model.path is another config)."""
     errors = feature_errors(config, cfg.actor_rollout_ref.model, "actor_rollout_ref.model.")
-    if cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS and not cfg.critic.model.path and \
-            getattr(config, "model_type", None) in VISION_TEXT_TYPES:
-        errors.append(f"critic.model.path: unset, so the critic would start from the actor's {config.model_type} "
-                      "(vision-language) model, which rlsp trains as the policy only; legal: a text model's path")
+    if cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS:  # a vision-language critic: its tower (critic_vision)
+        errors += critic_vision_errors(cfg)
     if cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS and not cfg.critic.model.path:
         errors += feature_errors(config, cfg.critic.model, "critic.model.")
     return errors

@@ -59,7 +59,7 @@ def test_stages_and_their_order():
     # the key gate, verl's spellings, the `auto` keys (fsdp_size is a degree of the layout), then the layout
     assert names["config"][:4] == ["known_keys", "verl_spellings", "auto", "layout"]
     assert names["preflight"] == ["data_files", "ray_launcher", "names", "model_dir", "tokenizer", "model", "critic_model",
-                                  "vision_data", "router_replay", "router_aux", "rollout_ep", "custom_reward", "reward_model", "reward_model_inputs", "teachers", "agent",
+                                  "vision_data", "router_replay", "router_aux", "expert_lora", "rollout_ep", "custom_reward", "reward_model", "reward_model_inputs", "teachers", "agent",
                                   "trackers"]
     assert names["resume"] == ["resume"]
     with pytest.raises(ValueError, match=r"stage='runtime'; legal stages: \['config', 'preflight', 'resume'\]"):

@@ -10,7 +10,8 @@ rlsp/models/tiny_vl.py (its vocabulary and vision token ids are the model's). Ch
 * without the tower it is the text model, and images are refused by name;
 * the run decides from its data: rows with images load the tower, text rows the text model (rlsp.data.vision_run);
 * rlsp.check accepts images on the wrapper with the hf engine and the processor files, and refuses by name what
-  does not run with them (vLLM, LoRA, tiled MLP, a critic from the actor's model, a directory without a processor).
+  does not run with them (vLLM, a LoRA target found in the tower only, lean RMSNorm on its (1 + weight) norms, a
+  directory without a processor); LoRA and tiled MLP take its language model.
 """
 
 from __future__ import annotations
@@ -160,9 +161,15 @@ def test_check_accepts_images_and_refuses_what_does_not_run_with_them(dirs, tmp_
     assert rc == 0, out
     rc, out = _check(tmp_path, dirs["qwen3_5"], dirs["train"], "actor_rollout_ref.rollout.name=vllm", capsys=capsys)
     assert rc == 2 and "actor_rollout_ref.rollout.name='vllm': prompts with images roll out with the hf engine" in out
-    for key in ("actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.tiled_mlp.enabled=true",
-                "actor_rollout_ref.model.lean_rmsnorm=true"):
-        rc, out = _check(tmp_path, dirs["qwen3_5"], dirs["train"], key, capsys=capsys)
-        assert rc == 2 and "loads with its vision tower (its rows carry images)" in out, (key, out)
+    # LoRA and tiled MLP take the language model (rlsp.models.vision_lora); a LoRA target found in the tower only is
+    # refused, and lean RMSNorm by the family's (1 + weight) norms
+    rc, out = _check(tmp_path, dirs["qwen3_5"], dirs["train"], "actor_rollout_ref.model.lora_rank=4",
+                     "actor_rollout_ref.model.tiled_mlp.enabled=true", capsys=capsys)
+    assert rc == 0, out
+    rc, out = _check(tmp_path, dirs["qwen3_5"], dirs["train"], "actor_rollout_ref.model.lora_rank=4",
+                     "actor_rollout_ref.model.target_modules=[linear_fc1]", capsys=capsys)
+    assert rc == 2 and "target_modules names 'linear_fc1': a layer of the vision tower only" in out, out
+    rc, out = _check(tmp_path, dirs["qwen3_5"], dirs["train"], "actor_rollout_ref.model.lean_rmsnorm=true", capsys=capsys)
+    assert rc == 2 and "RMSNorm scales by (1 + weight)" in out, out
     rc, out = _check(tmp_path, dirs["qwen3_5"], dirs["train"], "algorithm.adv_estimator=gae", capsys=capsys)
-    assert rc == 2 and "critic.model.path: unset, so the critic would start from the actor's qwen3_5" in out, out
+    assert rc == 0, out  # the critic from the actor's model loads its tower too (rlsp.models.critic_vision)

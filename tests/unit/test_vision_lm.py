@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tiny_vl import IMAGE, VL_FAMILIES, hf_logprobs, vl_config, vl_rows
+from tiny_vl import IMAGE, VL_FAMILIES, hf_logprobs, reference_pair, vl_rows
 from tolerances import assert_grads_close, logprob_tol, model_rtol
 
 from rlsp.engine.micro import prepare_micro_batch
@@ -31,14 +31,7 @@ GRIDS = [[], [[1, 4, 4]], [[1, 2, 4], [1, 4, 6]], [[1, 4, 2]]]
 @pytest.fixture(scope="module", params=VL_FAMILIES)
 def pair(request):
     """(transformers' model with sdpa attention, rlsp's model with the same weights, config)."""
-    from transformers import AutoModelForImageTextToText
-
-    config = vl_config(request.param)
-    torch.manual_seed(0)
-    ref = AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa")
-    lm = build_causal_lm_from_config(config)
-    lm.load_state_dict(ref.state_dict())
-    return ref, lm, config
+    return reference_pair(request.param)
 
 
 def _rlsp_logprobs(model, rows):
@@ -185,12 +178,17 @@ def test_the_text_head_refuses_a_vision_language_model(pair):
         TokenLogprobModel(lm)
 
 
-def test_unverified_features_are_refused_in_the_checks(pair):
+def test_features_follow_the_language_model_rules_in_the_checks(pair):
+    """Tiled MLP, lean RMSNorm and LoRA act on the language model only (rlsp.models.vision_lora, tested in
+    tests/unit/test_vision_lora.py): the checks apply the text config's family rules (MoE layers refuse tiled MLP)."""
     from rlsp.models.feature_support import feature_errors
 
     _, _, config = pair
-    model = SimpleNamespace(tiled_mlp=SimpleNamespace(enabled=True), lean_rmsnorm=True, lora_rank=8)
-    errors = [e for e in feature_errors(config.text_config, model, "m.") if "vision-language" in e]
-    assert [e.split(":")[0] for e in errors] == ["m.tiled_mlp.enabled=true", "m.lean_rmsnorm=true", "m.lora_rank > 0"]
-    off = SimpleNamespace(tiled_mlp=SimpleNamespace(enabled=False), lean_rmsnorm=False, lora_rank=0)
+    model = SimpleNamespace(tiled_mlp=SimpleNamespace(enabled=True), lean_rmsnorm=True, lora_rank=8,
+                            target_modules="all-linear", exclude_modules=None, lora_adapter_path=None)
+    errors = feature_errors(config.text_config, model, "m.")
+    moe = config.model_type == "qwen3_vl_moe"
+    assert [e.split(":")[0] for e in errors] == (["m.tiled_mlp.enabled=true"] if moe else []), errors
+    off = SimpleNamespace(tiled_mlp=SimpleNamespace(enabled=False), lean_rmsnorm=False, lora_rank=0,
+                          lora_adapter_path=None)
     assert feature_errors(config.text_config, off, "m.") == []

@@ -25,6 +25,7 @@ from rlsp.models.lora import LORA_ADAPTER_DIR, LoraAdapters, LoraSettings, apply
 from rlsp.models.rms_norm import apply_lean_rmsnorm
 from rlsp.models.tiled_mlp import apply_tiled_mlp
 from rlsp.models.vision_lm import build_logprob_model
+from rlsp.models.vision_lora import language_model, note_frozen_tower
 from rlsp.utils.dtypes import resolve_dtype
 from rlsp.workers.actor_loss import ActorLossConfig, make_actor_loss
 from rlsp.workers.columns import POLICY_INPUTS
@@ -65,11 +66,13 @@ def build_policy_engine(ctx: RoleContext, trainable: bool,
                         vision_tower=policy_vision_tower(ctx.cfg))  # a Qwen3.5 wrapper with image rows: its tower too
     if trainable and arr.model.enable_gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if arr.model.tiled_mlp.enabled:  # before TP/FSDP; parameter names stay the same
-        apply_tiled_mlp(lm.model, arr.model.tiled_mlp.num_shards)
-    if arr.model.lean_rmsnorm:  # before TP/FSDP; the norms keep their weight Parameters and names
-        apply_lean_rmsnorm(lm.model)
+    if arr.model.tiled_mlp.enabled:  # before TP/FSDP; parameter names stay the same; a VLM's language model only
+        apply_tiled_mlp(language_model(lm), arr.model.tiled_mlp.num_shards)
+    if arr.model.lean_rmsnorm:  # before TP/FSDP; the norms keep their weight Parameters and names (not the tower's)
+        apply_lean_rmsnorm(language_model(lm))
     adapters = apply_lora(lm, lora) if trainable and lora is not None else None  # after tiling: peft wraps the linears in place
+    if adapters is not None:
+        note_frozen_tower(lm, arr.actor.freeze_vision_tower)
     role = "actor" if trainable else "ref"
     setting = arr.ref.use_torch_compile if role == "ref" and arr.ref.use_torch_compile is not None \
         else arr.actor.use_torch_compile
