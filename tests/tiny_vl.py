@@ -145,14 +145,32 @@ def hf_row_logprobs(model, rows: Batch) -> torch.Tensor:
     return out
 
 
+def hf_image_kwargs(rows: Batch) -> dict:
+    """The padded rows' images as transformers' forward takes them (none for text-only rows)."""
+    ids = rows["input_ids"]
+    entries = [e for e in rows.meta["multi_modal_inputs"] if e is not None]
+    if not entries:
+        return {}
+    return dict(pixel_values=torch.cat([e["pixel_values"] for e in entries]),
+                image_grid_thw=torch.cat([e["image_grid_thw"] for e in entries]), mm_token_type_ids=(ids == IMAGE).int())
+
+
+def reference_pair(family: str):
+    """(transformers' model of `family` with sdpa attention, rlsp's causal LM with the same weights, config)."""
+    from transformers import AutoModelForImageTextToText  # noqa: PLC0415
+
+    from rlsp.models.loading import build_causal_lm_from_config  # noqa: PLC0415
+
+    config = vl_config(family)
+    torch.manual_seed(0)
+    ref = AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa")
+    lm = build_causal_lm_from_config(config)
+    lm.load_state_dict(ref.state_dict())
+    return ref, lm, config
+
+
 def hf_logprobs(model, rows: Batch) -> torch.Tensor:
     """transformers' own forward of the padded rows: log p(next token) [B, L-1] (meaningless where masked)."""
     ids, mask = rows["input_ids"], rows["attention_mask"]
-    entries = [e for e in rows.meta["multi_modal_inputs"] if e is not None]
-    kwargs = {}
-    if entries:
-        kwargs = dict(pixel_values=torch.cat([e["pixel_values"] for e in entries]),
-                      image_grid_thw=torch.cat([e["image_grid_thw"] for e in entries]),
-                      mm_token_type_ids=(ids == IMAGE).int())
-    logits = model(input_ids=ids, attention_mask=mask, use_cache=False, **kwargs).logits.float()
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False, **hf_image_kwargs(rows)).logits.float()
     return torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]

@@ -69,8 +69,9 @@ def fsdp_value(role: str, cfg: Any, shape: ModelShape | None, why: str, machine:
 
 def checkpointing_value(role: str, cfg: Any, shape: ModelShape | None, why: str, machine: Machine,
                         image_tokens: int | None = None) -> tuple[bool, str]:
-    """enable_gradient_checkpointing for a trainable role, with the reason (rlsp.config.auto_memory); the actor of
-    a vision-language model counts its tower's activations for `image_tokens` a row (rlsp.config.auto_vision)."""
+    """enable_gradient_checkpointing for a trainable role, with the reason (rlsp.config.auto_memory); a role on a
+    vision-language model (the actor; a critic loaded with its tower) counts its tower's activations for `image_tokens`
+    a row (rlsp.config.auto_vision)."""
     model = cfg.actor_rollout_ref.model if role == "actor" else cfg.critic.model
     if model.enable_activation_offload:
         return True, "enable_activation_offload=true keeps the checkpointed layer inputs in host memory: on"
@@ -84,6 +85,6 @@ def checkpointing_value(role: str, cfg: Any, shape: ModelShape | None, why: str,
     prompt, response = int(data.max_prompt_length), int(data.max_response_length)
     tokens = micro_batch_tokens(section, prompt, response)
     dtype = str(model.dtype or cfg.actor_rollout_ref.model.dtype)  # the critic: the actor's unless set
-    images = row_images(shape, image_tokens, prompt) if role == "actor" else None
+    images = row_images(shape, image_tokens, prompt)  # a vision-language critic encodes the same rows' images
     return checkpointing_choice(shape, why, machine, train_memory(cfg, machine), state, tokens, dtype, tp * sp,
                                 images, prompt + response)

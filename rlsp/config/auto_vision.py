@@ -14,7 +14,8 @@ A micro-batch of `tokens` tokens over rows of up to seq_len = max_prompt_length 
 most tokens x row images / seq_len image tokens (every row as large as the largest), spread over the role's sequence
 splits as rlsp.models.vision_lm spreads their patches: the planner's share (rlsp.plan.workload.Workload
 .rank_image_tokens, with the stream and its shard both `tokens`). Rows without images (a count of 0) change nothing.
-The critic trains on text: its value model runs no tower (the planner counts none for it either).
+A vision-language critic (rlsp.models.critic_vision: its model is of the actor's family, loaded with its tower) encodes
+the same rows' images in its forward and counts the same; a text critic's shape has no tower and counts none.
 
 No torch.
 """
@@ -36,8 +37,8 @@ class RowImages:
 
 
 def row_images(shape: ModelShape | None, counted: int | None, max_prompt_length: int) -> RowImages | None:
-    """The actor's image load: None for a model without a vision tower or data without images (`counted` 0);
-    `counted` None: not counted, data.max_prompt_length bounds it."""
+    """A role's image load (the actor's; a vision-language critic's): None for a model without a vision tower or data
+    without images (`counted` 0); `counted` None: not counted, data.max_prompt_length bounds it."""
     if shape is None or shape.vision is None or counted == 0:
         return None
     if counted is None:

@@ -23,6 +23,7 @@ class CriticModelConfig:
     enable_activation_offload: bool = False  # as actor_rollout_ref.model.enable_activation_offload, for the critic
     tiled_mlp: TiledMLPConfig = field(default_factory=TiledMLPConfig)
     lean_rmsnorm: bool = False  # as actor_rollout_ref.model.lean_rmsnorm, for the critic
+    freeze_vision_tower: bool = False  # a vision-language critic (qwen2_5_vl, qwen3_vl, qwen3_vl_moe; qwen3_5 with images): its vision tower gets no gradient and no optimizer state (rlsp's key: verl's critic has none and trains the tower)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 

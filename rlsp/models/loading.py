@@ -145,14 +145,18 @@ def _auto_class(config: PretrainedConfig, vision_tower: bool) -> type:
 
 
 def load_backbone(
-    path: str, *, dtype: torch.dtype = torch.float32, attn_implementation: str = ULYSSES_ATTN_IMPL
+    path: str, *, dtype: torch.dtype = torch.float32, attn_implementation: str = ULYSSES_ATTN_IMPL,
+    vision_tower: bool = False,
 ) -> PreTrainedModel:
-    """Load only the decoder (HF base model, no output layer) of a causal-LM checkpoint: a critic's backbone."""
+    """Load only the decoder (HF base model, no output layer) of a causal-LM checkpoint: a critic's backbone. A
+    vision-language checkpoint (VISION_FAMILIES; a TOWER_OPTIONAL one with `vision_tower`) gives its base model with
+    the tower (`visual` + `language_model`: rlsp.models.value.VisionValueModel)."""
     config = AutoConfig.from_pretrained(path)
     _prepare(config, attn_implementation)
-    if config.model_type in VISION_FAMILIES:
-        raise ValueError(f"{path}: a {config.model_type} (vision-language) model as a critic or reward backbone is not "
-                         "supported; rlsp trains vision-language models as the policy only")
+    if _auto_class(config, vision_tower) is AutoModelForImageTextToText:
+        vl = AutoModelForImageTextToText.from_pretrained(
+            path, dtype=dtype, attn_implementation=attn_implementation_for(config, attn_implementation))
+        return _finish(vl.model, attn_implementation)
     if config.model_type in TEXT_WRAPPERS:  # AutoModel would build the vision-language model: the text LM's decoder
         _log_text_only(config, path)
         lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)

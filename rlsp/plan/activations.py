@@ -109,7 +109,7 @@ def activation_terms(shape: ModelShape, w: Workload, role: str, opts: MemoryOpti
     else:
         saved, recompute = decoder_saved_bytes(shape, w, opts) + shared, 0.0
     working = max(_backward_working_set(shape, w, opts, k) for k in set(kinds))
-    if shape.vision is not None and w.image_tokens and role != "critic":  # the rank's share of the images' patches
+    if shape.vision is not None and w.image_tokens:  # the rank's share of the images' patches (actor or critic)
         saved += tower_saved_bytes(shape.vision, w.rank_image_tokens, e, checkpointed=opts.checkpointing)
     return {"saved": saved, "final_norm": final_norm, "recompute": recompute, "layer_backward": working,
             "head": _head_bytes(shape, w, role, opts)}

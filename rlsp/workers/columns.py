@@ -34,10 +34,10 @@ COLUMNS_INFO = "block_columns"  # a row report's note of the (tensor, meta) colu
 
 # What a forward pass over rollout rows reads (positions are rebuilt from the mask when packing).
 MODEL_INPUTS = ("input_ids", "attention_mask", "response_mask")
-# The rows' images a vision-language policy reads (rlsp.models.vision_inputs.MM_KEY): pixel values and grids per row,
-# carried from the prompt into its samples; an optional read (text rows have none).
+# The rows' images a vision-language policy or critic reads (rlsp.models.vision_inputs.MM_KEY): pixel values and grids
+# per row, carried from the prompt into its samples; an optional read (text rows have none).
 IMAGE_INPUTS = (MM_KEY,)
-# What a forward of the policy (actor, reference, teachers) reads: the model inputs and the rows' images.
+# What a forward of the policy (actor, reference, teachers) or the critic reads: the model inputs and the rows' images.
 POLICY_INPUTS = (*MODEL_INPUTS, *IMAGE_INPUTS)
 # The per-row fields a prompt carries from its dataset row into its samples.
 ROW_FIELDS = ("uid", "data_source", "ground_truth", "extra_info", "index", "messages", "agent_name")
