@@ -32,8 +32,11 @@ def layer_saved_bytes(shape: ModelShape, w: Workload, opts: MemoryOptions, kind:
 
 
 def decoder_saved_bytes(shape: ModelShape, w: Workload, opts: MemoryOptions) -> float:
-    """Bytes all decoder layers save for backward without checkpointing (each by its kind)."""
-    return sum(layer_saved_bytes(shape, w, opts, kind) for kind in shape.layer_list())
+    """Bytes all decoder layers save for backward without checkpointing (each by its kind, computed once a kind and
+    summed in layer order)."""
+    kinds = shape.layer_list()
+    per_kind = {kind: layer_saved_bytes(shape, w, opts, kind) for kind in set(kinds)}
+    return sum(per_kind[kind] for kind in kinds)
 
 
 RING_TILE_TOKENS = 16384  # rows and keys of a ring-attention tile at most (rlsp/parallel/ring_tiles.py MAX_TILE)
@@ -105,7 +108,7 @@ def activation_terms(shape: ModelShape, w: Workload, role: str, opts: MemoryOpti
     if opts.checkpointing:
         # offload: backward holds the input of the layer it is in and the next one's, prefetched
         kept = min(2, shape.layers) if opts.activation_offload else shape.layers
-        saved, recompute = kept * w.kept * h * e + shared, max(layer_saved_bytes(shape, w, opts, k) for k in kinds)
+        saved, recompute = kept * w.kept * h * e + shared, max(layer_saved_bytes(shape, w, opts, k) for k in set(kinds))
     else:
         saved, recompute = decoder_saved_bytes(shape, w, opts) + shared, 0.0
     working = max(_backward_working_set(shape, w, opts, k) for k in set(kinds))

@@ -23,6 +23,7 @@ and tp groups never do, validation keeps them inside a node).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from rlsp.config.layout import RoleLayout
@@ -94,6 +95,7 @@ def _spans_nodes(ranks: list[int], per_node: int) -> bool:
     return len({r // per_node for r in ranks}) > 1
 
 
+@functools.cache  # a function of the (frozen, hashable) layout alone; the search evaluates each layout many times
 def group_locality(layout: RoleLayout) -> dict[str, bool]:
     """Whether any group of each kind spans nodes: ring, fsdp (shard group), replicate (HSDP), tp_root."""
     per_node, world = layout.world.procs_per_node, layout.world_size
