@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -81,6 +82,34 @@ def gather_or_name(refs: list[Any], name_of: Callable[[int], str]) -> list[Any]:
                 raise death from None
             raise
     return ray.get(refs)
+
+
+# Every live worker group: a call that fails on an input whose owner died (rows another group's process produced and
+# still holds, e.g. a killed rollout worker's samples) names that process, whichever group it belonged to.
+_GROUPS: weakref.WeakSet[RayWorkerGroup] = weakref.WeakSet()
+
+
+def _lost_input(exc: Exception) -> bool:
+    """Whether a task failed because an object it needed was lost with its owner (or its object store)."""
+    lost = (ray.exceptions.ObjectLostError,)
+    return isinstance(exc, lost) or isinstance(getattr(exc, "cause", None), lost)
+
+
+def dead_worker() -> WorkerDiedError | None:
+    """A process of any live worker group that has died, named; None when every one answers or is busy (within
+    PEER_DEATH_GRACE_S: a busy process's ping waits behind its task, a dead one's fails at once)."""
+    pings = {w.__ray_ready__.remote(): (group, rank) for group in list(_GROUPS) for rank, w in enumerate(group.workers)}
+    pending, deadline = list(pings), time.monotonic() + PEER_DEATH_GRACE_S
+    while pending and (left := deadline - time.monotonic()) > 0:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+        if not ready:
+            return None
+        try:
+            ray.get(ready[0])
+        except ray.exceptions.RayActorError as exc:
+            group, rank = pings[ready[0]]
+            return _died(rank, exc, group.rank_name)
+    return None
 
 
 @dataclass
@@ -156,6 +185,7 @@ class RayWorkerGroup:
         self.roles = layout.roles_of(group)
         self.world_size = pool.world_size
         self.workers = workers
+        _GROUPS.add(self)
 
     def read_rows(self, spec: Any, *refs: Any) -> Batch:
         """The rows `spec` builds from the blocks `refs`, built by rank 0 (see RayWorker): how
@@ -232,11 +262,18 @@ class RayWorkerGroup:
         return f"{self.group} worker rank {rank} of {self.world_size}"
 
     def _gather(self, refs: list[Any]) -> list[Any]:
-        """Results of one call per rank (refs in rank order); raises WorkerDiedError naming a dead rank."""
-        return gather_or_name(refs, self.rank_name)
+        """Results of one call per rank (refs in rank order); raises WorkerDiedError naming a dead rank, also a
+        dead process of another group whose rows the call's inputs were (`dead_worker`)."""
+        try:
+            return gather_or_name(refs, self.rank_name)
+        except ray.exceptions.RayTaskError as exc:
+            if _lost_input(exc) and (death := dead_worker()) is not None:
+                raise death from exc
+            raise
 
     def shutdown(self, graceful: bool = True) -> None:
         """Release the workers; `graceful` first lets them close their process groups (bounded wait)."""
+        _GROUPS.discard(self)  # its processes end here: no longer a death to name
         if graceful:
             try:
                 ray.get([w.shutdown.remote() for w in self.workers], timeout=10)
