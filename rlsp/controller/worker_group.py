@@ -44,14 +44,14 @@ class WorkerDiedError(RuntimeError):
 PEER_DEATH_GRACE_S = 10.0
 
 
-def _died(index: int, exc: Exception, name_of: Callable[[int], str]) -> WorkerDiedError:
+def _died(name: str, exc: Exception) -> WorkerDiedError:
     cause = str(exc).strip().splitlines()
-    return WorkerDiedError(f"{name_of(index)} died: {' '.join(cause[:3])[:600]}")
+    return WorkerDiedError(f"{name} died: {' '.join(cause[:3])[:600]}")
 
 
-def _dead_peer(refs: list[Any], pending: list[Any], name_of: Callable[[int], str]) -> WorkerDiedError | None:
-    """A process among `pending` that died within PEER_DEATH_GRACE_S, named; None when none did (then the failed
-    task's own error is the cause)."""
+def _first_death(pending: list[Any], name_of_ref: Callable[[Any], str]) -> WorkerDiedError | None:
+    """The first process among the tasks `pending` that died within PEER_DEATH_GRACE_S, named by its task's ref;
+    None when none did (a task that fails otherwise is another peer's failure: keep looking behind it)."""
     deadline = time.monotonic() + PEER_DEATH_GRACE_S
     while pending and (left := deadline - time.monotonic()) > 0:
         ready, pending = ray.wait(pending, num_returns=1, timeout=left)
@@ -60,10 +60,16 @@ def _dead_peer(refs: list[Any], pending: list[Any], name_of: Callable[[int], str
         try:
             ray.get(ready[0])
         except ray.exceptions.RayActorError as exc:
-            return _died(refs.index(ready[0]), exc, name_of)
+            return _died(name_of_ref(ready[0]), exc)
         except ray.exceptions.RayTaskError:
-            continue  # another peer's failure: keep looking for the death behind it
+            continue
     return None
+
+
+def _dead_peer(refs: list[Any], pending: list[Any], name_of: Callable[[int], str]) -> WorkerDiedError | None:
+    """A process among `pending` (of the call `refs`) that died, named; None when none did (then the failed task's
+    own error is the cause)."""
+    return _first_death(pending, lambda ref: name_of(refs.index(ref)))
 
 
 def gather_or_name(refs: list[Any], name_of: Callable[[int], str]) -> list[Any]:
@@ -76,7 +82,7 @@ def gather_or_name(refs: list[Any], name_of: Callable[[int], str]) -> list[Any]:
         try:
             ray.get(ready[0])
         except ray.exceptions.RayActorError as exc:
-            raise _died(refs.index(ready[0]), exc, name_of) from None
+            raise _died(name_of(refs.index(ready[0])), exc) from None
         except ray.exceptions.RayTaskError:
             if (death := _dead_peer(refs, pending, name_of)) is not None:
                 raise death from None
@@ -99,17 +105,7 @@ def dead_worker() -> WorkerDiedError | None:
     """A process of any live worker group that has died, named; None when every one answers or is busy (within
     PEER_DEATH_GRACE_S: a busy process's ping waits behind its task, a dead one's fails at once)."""
     pings = {w.__ray_ready__.remote(): (group, rank) for group in list(_GROUPS) for rank, w in enumerate(group.workers)}
-    pending, deadline = list(pings), time.monotonic() + PEER_DEATH_GRACE_S
-    while pending and (left := deadline - time.monotonic()) > 0:
-        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
-        if not ready:
-            return None
-        try:
-            ray.get(ready[0])
-        except ray.exceptions.RayActorError as exc:
-            group, rank = pings[ready[0]]
-            return _died(rank, exc, group.rank_name)
-    return None
+    return _first_death(list(pings), lambda ref: pings[ref][0].rank_name(pings[ref][1]))
 
 
 @dataclass
