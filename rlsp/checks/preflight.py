@@ -117,7 +117,7 @@ def _check_model(cfg: DictConfig, ctx: CheckContext, errors: list[str]) -> None:
                                           layout.rollout_tp if layout is not None else 1)
     if rollout_error:
         errors.append(rollout_error)
-    check_wrapper_tower(cfg, errors)
+    check_wrapper_tower(cfg, layout, errors)
     errors += run_feature_errors(cfg, config)
     need = cfg.data.max_prompt_length + cfg.data.max_response_length
     limit = getattr(config, "max_position_embeddings", None)

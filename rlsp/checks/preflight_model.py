@@ -47,11 +47,13 @@ def degree_errors(config: Any, layout: ParallelLayout, errors: list[str]) -> Non
                 errors.append(f"{prefix}.{key}: {exc}")
 
 
-def check_wrapper_tower(cfg: DictConfig, errors: list[str]) -> None:
+def check_wrapper_tower(cfg: DictConfig, layout: ParallelLayout | None, errors: list[str]) -> None:
     """A vision-language model loads with its vision tower: Qwen2.5-VL / Qwen3-VL(-MoE) always, a Qwen3.5 wrapper
     checkpoint (qwen3_5 / qwen3_5_moe) when the run's rows carry images (rlsp.data.vision_run). LoRA then adapts its
     language model only: a target found in the tower only is refused by name (rlsp.models.vision_lora; part of the
-    `model` check). Tiled MLP and lean RMSNorm take the language model (their family rules: feature_support)."""
+    `model` check). Tiled MLP and lean RMSNorm take the language model (their family rules: feature_support).
+    Tensor parallelism takes a wrapper's text model (the degree checks read its text config) but not the wrapper
+    with its tower: refused here by role, as for the other vision-language families (family_checks)."""
     try:
         tower = policy_vision_tower(cfg)
     except RuntimeError:  # a missing data file: the data_files check names it
@@ -60,6 +62,12 @@ def check_wrapper_tower(cfg: DictConfig, errors: list[str]) -> None:
     family, model = model_type_of(path), cfg.actor_rollout_ref.model
     if lora_enabled(model) and (tower or family in VISION_FAMILIES):
         errors.extend(lora_target_errors(path, model))
+    for role in ("actor", "ref"):
+        if tower and layout is not None and (tp := layout.role(role).tp) > 1:
+            errors.append(f"actor_rollout_ref.{role}.tensor_model_parallel_size={tp}: the {family} checkpoint loads "
+                          "with its vision tower in this run (its data rows carry images), and rlsp's tensor "
+                          "parallelism does not run a vision-language model; legal: 1 (use Ulysses / ring sequence "
+                          "parallelism), or data without images (its text model then takes tp)")
     # a critic from the same model loads its tower too: rlsp.models.critic_vision names what it refuses
 
 

@@ -77,14 +77,19 @@ def _kernel(a: Attention, ring: int) -> str:
     return "SDPA on cpu / flash_attn varlen on cuda"
 
 
-def _linear(a: Attention, ulysses: int, plan_head_layout: HeadPlan) -> str:
+def _linear(a: Attention, ulysses: int, tp: int, plan_head_layout: HeadPlan) -> str:
+    """How tp (key-head groups per tp rank: rlsp.parallel.tp_linear_attention), then Ulysses, split a Gated DeltaNet."""
     kh, vh, kd, vd, conv = a.linear
-    plan = plan_head_layout(kh, kh, ulysses)
+    if tp > 1 and kh % tp:
+        return f"Gated DeltaNet, {kh} key / {vh} value heads: tp {tp} does not divide its {kh} key-head groups"
+    groups = kh // tp
+    plan = plan_head_layout(groups, groups, ulysses)
     idle = f", {len(plan.idle_ranks)} rank(s) idle" if plan.idle_ranks else ""
     split = f"split {_counts(plan.q_counts)}{idle}" if ulysses > 1 else "all on each rank (Ulysses 1)"
-    return (f"Gated DeltaNet, {kh} key / {vh} value heads (key dim {kd}, value dim {vd}); {kh} key-head groups "
-            f"{split}; conv {conv}, state {kd}x{vd} per value head, no KV cache; transformers' torch chunked rule "
-            "per packed row on cpu / flash-linear-attention chunk_gated_delta_rule on cuda (when installed)")
+    where = f", tp {tp}: {groups} per tp rank," if tp > 1 else ""
+    return (f"Gated DeltaNet, {kh} key / {vh} value heads (key dim {kd}, value dim {vd}); {kh} key-head groups"
+            f"{where} {split}; conv {conv}, state {kd}x{vd} per value head, no KV cache; transformers' torch chunked "
+            "rule per packed row on cpu / flash-linear-attention chunk_gated_delta_rule on cuda (when installed)")
 
 
 def _mlp(m: Mlp) -> str:
@@ -98,7 +103,7 @@ def _line(kind: LayerKind, layers: list[int], degrees: tuple[int, int, int], pla
     a, (ulysses, ring, tp) = kind.attention, degrees
     head = f"{a.kind} x {len(layers)} ({_indices(layers)})"
     if a.kind == LINEAR:
-        return f"{head}: {_linear(a, ulysses, plan)}; {_mlp(kind.mlp)}"
+        return f"{head}: {_linear(a, ulysses, tp, plan)}; {_mlp(kind.mlp)}"
     split = _ulysses(a.q_heads, a.kv_heads, ulysses, tp, plan)
     return f"{head}: {_heads(a)}; {split}; {_kernel(a, ring)}; {_mlp(kind.mlp)}"
 

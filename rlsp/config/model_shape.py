@@ -137,23 +137,23 @@ class ModelShape:
         return self.vocab * self.hidden + 2 * self.hidden + 1
 
     def legal_tp(self) -> list[int]:
-        """Tensor-parallel sizes that split q heads, kv heads and the MLP width evenly (the same rule
-        as rlsp.parallel.tensor_parallel.legal_tp_sizes, which needs torch); 1 alone for a vision-language model
-        (rlsp's tensor parallelism refuses it: rlsp.models.family_checks.check_tp_windowed) and for multi-latent or
-        linear attention layers (rlsp.parallel.tp_checks refuses them)."""
+        """Tensor-parallel sizes that split q heads, kv heads, the dense MLPs' width and the linear-attention layers'
+        key heads evenly (the same rule as rlsp.parallel.tp_checks.legal_tp_sizes, which needs torch: a MoE block runs
+        replicated over tp, so its width need not divide; a Gated DeltaNet layer splits by key-head groups); 1 alone
+        for a vision-language model (rlsp's tensor parallelism refuses it: rlsp.models.family_checks.check_tp_windowed;
+        a Qwen3.5 wrapper's shape is its text model's, which takes tp unless the run loads the tower: rlsp.checks).
+        """
         if self.tp_refusal() is not None:
             return [1]
-        common = math.gcd(self.q_heads, self.kv_heads, self.intermediate)
+        dense = {k.mlp.width for k in self.layer_list() if not k.mlp.moe}
+        key_heads = {k.attention.linear[0] for k in self.layer_list() if k.attention.kind == LINEAR}
+        common = math.gcd(self.q_heads, self.kv_heads, *dense, *key_heads)
         return [d for d in range(1, common + 1) if common % d == 0]
 
     def tp_refusal(self) -> str | None:
         """Why rlsp's tensor parallelism takes no tp > 1 for this model's layers whatever their sizes, or None."""
         if self.vision is not None:
             return "a vision-language model"
-        if any(k.attention.mla for k in self.layer_list()):
-            return "multi-latent attention (latent projections not split)"
-        if any(k.attention.kind == LINEAR for k in self.layer_list()):
-            return "linear_attention layers (not split)"
         return None
 
     def describe(self) -> str:

@@ -137,8 +137,6 @@ def check_tp_windowed(config: PretrainedConfig, tp_size: int) -> None:
                          "rlsp's tensor parallelism does not run; legal: 1 (use Ulysses / ring sequence parallelism)")
     config = text_model_config(config)
     what = "" if config.model_type in WINDOWED_FAMILIES else windowed_attention(config)
-    if has_linear_layers(config):
-        what = " and ".join(filter(None, [what, f"{LINEAR_LAYER_TYPE} (Gated DeltaNet) layers"]))
     if getattr(config, "final_logit_softcapping", None) and config.model_type not in WINDOWED_FAMILIES:
         what = " and ".join(filter(None, [what, f"final_logit_softcapping={config.final_logit_softcapping}"]))
     if tp_size > 1 and what:

@@ -13,19 +13,19 @@ unchanged; no transformers class is patched). Its forward, given the SP context 
      and its r value heads; groups are split as evenly as possible, ranks beyond the group count idle),
   3. runs the causal conv1d and the gated delta rule per packed segment (cu_seqlens of the context): conv window
      and state start from zero at every row, as transformers' forward of that row alone,
-  4. exchanges the core output back to [S tokens, all value heads] (one all-to-all), then the gated norm and
-     out_proj locally.
-Kernels: on CPU transformers' own torch functions once per segment (exact against transformers' forward of each
-row). On an accelerator the conv is one masked pass over the stream (`masked_segment_conv`, checked against the
-per-segment conv on CPU), and the delta rule flash-linear-attention's varlen `chunk_gated_delta_rule` (cu_seqlens:
-one call for all segments) when installed and computing in bf16/fp16, else transformers' torch function per
-segment. Ring attention and tensor parallelism are
-refused for these layers (rlsp.models.loading). Each forward counts as one attention call in the context's stats,
-so `rlsp.models.lm.compute_hidden_states` still sees every layer.
+  4. exchanges the core output back to [S tokens, all value heads] (one all-to-all), then the gated norm and out_proj.
+Tensor parallelism (rlsp.parallel.tp_linear_attention) sets `groups`, a contiguous range of the key-head groups: the
+module then projects and mixes those only (Ulysses splits them further) and returns out_proj's partial sum over their
+value heads (a weight holding every group's rows is read at the range's rows; a tp shard of exactly them, as is).
+Kernels: on CPU transformers' own torch functions once per segment (exact against its forward of each row). On an
+accelerator the conv is one masked pass over the stream (`masked_segment_conv`, checked against the per-segment conv
+on CPU), and the delta rule flash-linear-attention's varlen `chunk_gated_delta_rule` (one call for all segments) when
+installed and computing in bf16/fp16, else transformers' torch function per segment. Ring attention is refused for
+these layers (rlsp.models.family_checks). Each forward counts as one attention call in the context's stats.
 
-Legend: S local tokens, T stream length, G key-head groups (= key heads), g this rank's groups, r value heads
-per key head, N value heads (G * r), n this rank's value heads, K key head dim, V value head dim, C conv channels,
-W packed width of one group (q K | k K | v r*V | b r | a r), H hidden size.
+Legend: S local tokens, T stream length, G key-head groups (= key heads), g the module's groups (all G without tp),
+u a rank's groups, r value heads per key head, N value heads (G * r), n the module's value heads, K key head dim,
+V value head dim, C conv channels, W packed width of one group (q K | k K | v r*V | b r | a r), H hidden size.
 """
 
 from __future__ import annotations
@@ -83,29 +83,31 @@ class UlyssesGatedDeltaNet(nn.Module):
             self.register_parameter(name, param)
         for name, child in source.named_children():
             self.add_module(name, child)
+        self.groups = (0, self.num_k_heads)  # the key-head groups this module computes (tp: a contiguous range)
 
     def _project(self, h_SH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per token: (x_SGW packed per key-head group, z_SNV the gate of the norm)."""
-        S, G, K, V, r = h_SH.shape[0], self.num_k_heads, self.head_k_dim, self.head_v_dim, self.ratio
+        """Per token: (x_SgW packed per key-head group of `groups`, z_SnV the gate of the norm)."""
+        S, K, V, r, kd, vd = h_SH.shape[0], self.head_k_dim, self.head_v_dim, self.ratio, self.key_dim, self.value_dim
+        (g0, g1), G = self.groups, self.num_k_heads
         if self.fused:
-            qkvz_SGX = self.in_proj_qkvz(h_SH).view(S, G, 2 * K + 2 * r * V)
-            q, k, v, z = qkvz_SGX.split([K, K, r * V, r * V], dim=-1)
-            b, a = self.in_proj_ba(h_SH).view(S, G, 2 * r).split([r, r], dim=-1)
-        else:
-            q, k, v = self.in_proj_qkv(h_SH).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-            q, k, v = q.view(S, G, K), k.view(S, G, K), v.view(S, G, r * V)
-            z = self.in_proj_z(h_SH)
-            b, a = self.in_proj_b(h_SH).view(S, G, r), self.in_proj_a(h_SH).view(S, G, r)
-        return torch.cat([q, k, v, b, a], dim=-1), z.reshape(S, self.num_v_heads, V)
+            w = 2 * K + 2 * r * V
+            qkvz_SgX = _part_linear(self.in_proj_qkvz, h_SH, [(g0 * w, g1 * w)], G * w).view(S, g1 - g0, w)
+            q, k, v, z = qkvz_SgX.split([K, K, r * V, r * V], dim=-1)
+            ba = _part_linear(self.in_proj_ba, h_SH, [(g0 * 2 * r, g1 * 2 * r)], G * 2 * r)
+            b, a = ba.view(S, g1 - g0, 2 * r).split([r, r], dim=-1)
+        else:  # [q all heads | k all heads | v all heads]: this range's rows of each block
+            blocks = self._qkv_rows(g0, g1)
+            qkv_SX = _part_linear(self.in_proj_qkv, h_SH, blocks, 2 * kd + vd)
+            q, k, v = (t.view(S, g1 - g0, -1) for t in qkv_SX.split([e - s for s, e in blocks], dim=-1))
+            z = _part_linear(self.in_proj_z, h_SH, [(g0 * r * V, g1 * r * V)], vd)
+            b = _part_linear(self.in_proj_b, h_SH, [(g0 * r, g1 * r)], G * r).view(S, g1 - g0, r)
+            a = _part_linear(self.in_proj_a, h_SH, [(g0 * r, g1 * r)], G * r).view(S, g1 - g0, r)
+        return torch.cat([q, k, v, b, a], dim=-1), z.reshape(S, (g1 - g0) * r, V)
 
-    def _conv_weight(self, g0: int, g1: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Conv weight [c, kernel] (and bias) of the channels of groups [g0, g1): q, k and v blocks of the layout
-        [q all heads | k all heads | v all heads]."""
+    def _qkv_rows(self, g0: int, g1: int) -> list[tuple[int, int]]:
+        """The q, k and v channel ranges of groups [g0, g1) in the layout [q all heads | k all heads | v all heads]."""
         K, rV, kd = self.head_k_dim, self.ratio * self.head_v_dim, self.key_dim
-        idx = torch.cat([torch.arange(g0 * K, g1 * K), torch.arange(kd + g0 * K, kd + g1 * K),
-                         torch.arange(2 * kd + g0 * rV, 2 * kd + g1 * rV)]).to(self.conv1d.weight.device)
-        bias = None if self.conv1d.bias is None else self.conv1d.bias.index_select(0, idx)
-        return self.conv1d.weight.squeeze(1).index_select(0, idx), bias
+        return [(g0 * K, g1 * K), (kd + g0 * K, kd + g1 * K), (2 * kd + g0 * rV, 2 * kd + g1 * rV)]
 
     def _mix(self, x_TgW: torch.Tensor, g0: int, g1: int, ctx: SPContext) -> torch.Tensor:
         """Conv + gated delta rule of groups [g0, g1) over the whole stream, per segment -> core_TnV."""
@@ -115,9 +117,10 @@ class UlyssesGatedDeltaNet(nn.Module):
             touched = x_TgW.sum() + self.conv1d.weight.sum() + self.A_log.sum() + self.dt_bias.sum()
             return x_TgW.new_zeros(T, 0, V) + 0 * touched
         q, k, v, b, a = x_TgW.split([K, K, r * V, r, r], dim=-1)
-        weight, bias = self._conv_weight(g0, g1)
         x_TC = torch.cat([q.reshape(T, g * K), k.reshape(T, g * K), v.reshape(T, g * r * V)], dim=-1)
-        y_TC = _segment_conv(x_TC, weight, bias, self.activation, ctx)
+        idx = torch.cat([torch.arange(s, e) for s, e in self._qkv_rows(g0, g1)]).to(x_TC.device)  # conv channels
+        bias = None if self.conv1d.bias is None else self.conv1d.bias.index_select(0, idx)
+        y_TC = _segment_conv(x_TC, self.conv1d.weight.squeeze(1).index_select(0, idx), bias, self.activation, ctx)
         q, k, v = y_TC.split([g * K, g * K, g * r * V], dim=-1)
         vh = slice(g0 * r, g1 * r)
         beta_Tn = b.reshape(T, g * r).sigmoid()
@@ -128,26 +131,34 @@ class UlyssesGatedDeltaNet(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, cache_params: Any = None, attention_mask: Any = None,
                 sp_context: SPContext | None = None, **kwargs: Any) -> torch.Tensor:
-        """[1, S, H] -> [1, S, H]; `attention_mask` is ignored (segments come from `sp_context`)."""
+        """[1, S, H] -> [1, S, H] (tp: out_proj's partial sum over `groups`); `attention_mask` is ignored."""
         ctx = _check_call(hidden_states, cache_params, sp_context)
-        x_SGW, z_SNV = self._project(hidden_states[0])
-        (g0, g1), ranges = _group_ranges(self.num_k_heads, ctx)
-        x_TgW = _groups_to_heads(x_SGW, ranges, ctx)
-        core_TnV = self._mix(x_TgW, g0, g1, ctx)
-        core_SNV = _heads_to_groups(core_TnV, [(s * self.ratio, e * self.ratio) for s, e in ranges], ctx)
-        S, V = core_SNV.shape[0], self.head_v_dim
-        out_SNV = self.norm(core_SNV.reshape(-1, V), z_SNV.reshape(-1, V)).reshape(S, self.value_dim)
+        x_SgW, z_SnV = self._project(hidden_states[0])
+        (g0, g1), r, V = self.groups, self.ratio, self.head_v_dim
+        (u0, u1), ranges = _group_ranges(g1 - g0, ctx)
+        core_TuV = self._mix(_groups_to_heads(x_SgW, ranges, ctx), g0 + u0, g0 + u1, ctx)
+        core_SnV = _heads_to_groups(core_TuV, [(s * r, e * r) for s, e in ranges], ctx)
+        out_Sn = self.norm(core_SnV.reshape(-1, V), z_SnV.reshape(-1, V)).reshape(core_SnV.shape[0], -1)
         ctx.stats.attn_calls += 1
-        return self.out_proj(out_SNV).unsqueeze(0)
+        return _part_linear(self.out_proj, out_Sn, [(g0 * r * V, g1 * r * V)], self.value_dim, dim=1).unsqueeze(0)
+
+
+def _part_linear(linear: nn.Module, x: torch.Tensor, blocks: list[tuple[int, int]], full: int,
+                 dim: int = 0) -> torch.Tensor:
+    """`linear` on the output rows (dim 0) or input columns (dim 1: a partial sum) `blocks` of its weight: the module
+    itself when they span all its `full` rows / columns; else without a bias (rlsp.parallel.tp_linear_attention refuses
+    one), a weight of exactly those rows / columns (a tp shard) used as is."""
+    if blocks == [(0, full)]:
+        return linear(x)
+    w = linear.weight
+    return F.linear(x, w if w.shape[dim] != full else torch.cat([w.narrow(dim, s, e - s) for s, e in blocks], dim))
 
 
 def _check_call(hidden_states: torch.Tensor, cache_params: Any, sp_context: Any) -> SPContext:
     if not isinstance(sp_context, SPContext):
-        raise RuntimeError(
-            f"UlyssesGatedDeltaNet needs the forward kwarg sp_context=SPContext (got {type(sp_context).__name__}); "
-            "call model(input_ids=..., position_ids=..., sp_context=ctx), or load the model without "
-            "attn_implementation='rlsp_ulysses' for generation (rollout.name=hf does)"
-        )
+        raise RuntimeError(f"UlyssesGatedDeltaNet needs the forward kwarg sp_context=SPContext (got "
+                           f"{type(sp_context).__name__}); call model(input_ids=..., position_ids=..., sp_context=ctx),"
+                           " or load without attn_implementation='rlsp_ulysses' for generation (rollout.name=hf does)")
     if cache_params is not None:
         raise RuntimeError("UlyssesGatedDeltaNet trains on packed streams without a cache; pass use_cache=False")
     if sp_context.ring_size > 1:
@@ -188,8 +199,7 @@ def _heads_to_groups(o_TnV: torch.Tensor, v_ranges: list[tuple[int, int]], ctx: 
     counts = [e - s for s, e in v_ranges]
     recv_splits = [S * c * V for c in counts]
     recv = all_to_all_flat(o_TnV.reshape(-1), [S * n * V] * ctx.ulysses_size, recv_splits, ctx)
-    parts = [p.view(S, c, V) for p, c in zip(recv.split(recv_splits), counts)]
-    return torch.cat(parts, dim=1)
+    return torch.cat([p.view(S, c, V) for p, c in zip(recv.split(recv_splits), counts)], dim=1)
 
 
 def _segments(ctx: SPContext) -> list[tuple[int, int]]:
@@ -221,9 +231,8 @@ def fla_trains_on(device_index: int) -> bool:
     version = tuple(int(p) for p in re.findall(r"\d+", triton.__version__)[:3])
     if (3, 4, 0) <= version < (3, 7, 1):
         warnings.warn(f"Gated DeltaNet: flash-linear-attention's backward is wrong on Hopper with Triton "
-                      f"{triton.__version__} (>= 3.4.0, < 3.7.1) and fla refuses it; rlsp uses its torch path on "
-                      f"device {device_index} (exact, slower). Triton >= 3.7.1 or tilelang brings fla back.",
-                      stacklevel=2)
+                      f"{triton.__version__} (>= 3.4.0, < 3.7.1), fla refuses it; rlsp uses its torch path on device "
+                      f"{device_index} (exact, slower). Triton >= 3.7.1 or tilelang brings fla back.", stacklevel=2)
         return False
     return True
 
@@ -272,14 +281,10 @@ def _segment_delta_rule(q_TnK: torch.Tensor, k_TnK: torch.Tensor, v_TnV: torch.T
                                 initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True,
                                 cu_seqlens=cu)
         return out_1TnV[0]
-    parts = []
-    for s, e in _segments(ctx):
-        out_1LnV, _ = torch_chunk_gated_delta_rule(q_TnK[None, s:e], k_TnK[None, s:e], v_TnV[None, s:e],
-                                                   g=decay_Tn[None, s:e], beta=beta_Tn[None, s:e],
-                                                   initial_state=None, output_final_state=False,
-                                                   use_qk_l2norm_in_kernel=True)
-        parts.append(out_1LnV[0])
-    return torch.cat(parts, dim=0)
+    return torch.cat([torch_chunk_gated_delta_rule(q_TnK[None, s:e], k_TnK[None, s:e], v_TnV[None, s:e],
+                                                   g=decay_Tn[None, s:e], beta=beta_Tn[None, s:e], initial_state=None,
+                                                   output_final_state=False, use_qk_l2norm_in_kernel=True)[0][0]
+                      for s, e in _segments(ctx)], dim=0)
 
 
 def apply_linear_attention(model: nn.Module) -> int:

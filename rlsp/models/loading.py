@@ -3,12 +3,12 @@
 Supported: decoder-only models whose every layer is full causal softmax attention with standard
 (grouped-query) heads, reached through transformers' attention interface, and a plain linear output
 layer (tied or not). Gated DeltaNet (linear_attention) layers of Qwen3-Next / Qwen3.5 (`LINEAR_FAMILIES`) run
-in rlsp.models.linear_attention (swapped in at load; ring attention and tensor parallelism refuse them). Refused
+in rlsp.models.linear_attention (swapped in at load; ring refuses them, tp splits their key-head groups). Refused
 with a clear message: sliding-window layers, other linear/hybrid attention layers, multi-latent attention outside
 the verified families (`MLA_FAMILIES`: deepseek_v2, deepseek_v3, whose value head dim differs from the query/key
-one; ring attention runs them with v's own head dim, tensor parallelism refuses them), encoder-decoders, logit scaling (the vocab-chunked logprobs
-compute
-`hidden @ lm_head.weight.T`, soft-capped by `config.final_logit_softcapping` when set). Sliding-window
+one; ring attention runs them with v's own head dim, tensor parallelism splits their heads: rlsp.parallel.tp_latent),
+encoder-decoders, logit scaling (the vocab-chunked logprobs compute `hidden @ lm_head.weight.T`, soft-capped by
+`config.final_logit_softcapping` when set). Sliding-window
 layers named by `config.layer_types` and attention soft-capping run in rlsp.models.window_attention
 (Gemma 2, Gemma 3, gpt-oss, whose attention sinks run there too); ring attention runs them too for these families (`check_ring_support`). An architecture that passes these checks but
 routes some layer around the attention interface is caught at runtime by the layer-count check of

@@ -19,7 +19,9 @@ replicated over tp as Replicate DTensors; rotary embeddings are computed from th
 Gemma 2/3's extra norms are replicated like the others; per-head q/k norms (Gemma 3, Qwen3-MoE, GLM-4-MoE), OLMoE's
 whole-projection q/k norms, gpt-oss's sinks (sharded like the q heads) and the sparse MoE blocks of the MoE families
 (router and routed experts replicated, shared experts split like an MLP; dense layers take the MLP plan above):
-rlsp.parallel.tp_families.
+rlsp.parallel.tp_families. Multi-latent attention (deepseek_v2 / v3: heads split, latent projections replicated):
+rlsp.parallel.tp_latent; Gated DeltaNet layers (qwen3_next, qwen3_5: split by key-head groups):
+rlsp.parallel.tp_linear_attention. Both run their block on local tensors, their input gathered once per block.
 The heads read their weights through `tp_local_param`, which declares how the local gradient relates
 to the replicated one: under sequence parallelism each tp rank's gradient is a Partial sum over its
 own tokens (DTensor computes the same Partial gradients for the embedding and the norms); without it
@@ -47,6 +49,8 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from rlsp.parallel.tp_checks import check_tp_support
 from rlsp.parallel.tp_families import SEQ_DIM, LocalReplicatedMoE, qk_norm_plan, shard_sinks, sparse_moe_block
+from rlsp.parallel.tp_latent import LatentAttentionParallel, latent_attention
+from rlsp.parallel.tp_linear_attention import GroupShardedGatedDeltaNet
 from rlsp.parallel.tp_sp import ShardedInputSaver
 
 
@@ -165,7 +169,14 @@ def _layer_plan(seq: Placement, layer: nn.Module, model_type: str) -> dict[str, 
     }
     for norm in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):  # Gemma 2 / 3: on the residual
         plan.update({norm: _ReplicateParallel(seq, seq)} if hasattr(layer, norm) else {})
-    plan.update(qk_norm_plan(layer.self_attn, model_type))
+    attn = getattr(layer, "self_attn", None)  # None on a Gated DeltaNet layer (linear_attn)
+    plan.update(qk_norm_plan(attn, model_type))
+    if latent_attention(attn, model_type):  # MLA: the whole block on local tensors (tp_latent)
+        plan = {k: s for k, s in plan.items() if not k.startswith("self_attn")}
+        plan["self_attn"] = LatentAttentionParallel(seq)
+    if attn is None and hasattr(layer, "linear_attn"):  # Gated DeltaNet: split by key-head groups (tp_linear_attention)
+        plan = {k: s for k, s in plan.items() if not k.startswith("self_attn")}
+        plan["linear_attn"] = GroupShardedGatedDeltaNet(seq)
     if sparse_moe_block(layer.mlp, model_type):  # a dense layer of a MoE family keeps the plan below
         plan["mlp"] = LocalReplicatedMoE(seq)
         return plan
@@ -237,7 +248,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
         plan = _layer_plan(seq, layer, decoder.config.model_type)
         _check_layout(layer, f"decoder layer {index}", list(plan))
         parallelize_module(layer, tp_mesh, plan)
-        shard_sinks(layer.self_attn, tp_mesh)
+        shard_sinks(getattr(layer, "self_attn", None), tp_mesh)
         _check_all_distributed(layer, index)
     parallelize_module(decoder, tp_mesh, outer)
     _replicate_rest(model, tp_mesh, owners)

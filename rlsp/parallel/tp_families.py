@@ -8,9 +8,9 @@
   summed over tp (an all-reduce of [S, 1] per norm, each way).
 - `LocalReplicatedMoE`: a sparse mixture-of-experts block (router + routed experts) replicated over tp and run on
   plain local tensors on all the micro-batch's tokens; exact, not memory-saving for the routed experts. The shared
-  experts of qwen2_moe / glm4_moe inside it are split over tp like a dense MLP (`shard_shared_experts`). A family's
-  dense layers (glm4_moe's first_k_dense_replace, qwen2/3_moe's mlp_only_layers) keep the column/row-parallel MLP
-  plan: `sparse_moe_block` tells them apart.
+  experts inside it (qwen2_moe, glm4_moe, deepseek_v2 / v3, qwen3_next, qwen3_5_moe) are split over tp like a dense
+  MLP (`shard_shared_experts`). A family's dense layers (glm4_moe's / deepseek's first_k_dense_replace, qwen2/3_moe's
+  mlp_only_layers) keep the column/row-parallel MLP plan: `sparse_moe_block` tells them apart.
 - `shard_sinks`: attention sinks (gpt-oss, one logit per q head) sharded over tp like q_proj's heads.
 Verified exact in tests/distributed/test_tp_window_exact.py (gemma, gpt_oss) and test_tp_moe_exact.py (the MoE
 families) for the families listed below.
@@ -41,12 +41,15 @@ def replicate_params(module: nn.Module, mesh: DeviceMesh) -> None:
 
 
 # families whose per-head q/k norms (RMSNorm over head_dim, one weight shared by all heads) run on this tp rank's
-# heads: verified exact in tests/distributed/test_tp_window_exact.py and test_tp_moe_exact.py (glm4_moe: use_qk_norm)
-HEAD_NORM_FAMILIES = ("gemma3_text", "qwen3_moe", "glm4_moe")
+# heads: verified exact in tests/distributed/test_tp_window_exact.py, test_tp_moe_exact.py (glm4_moe: use_qk_norm) and
+# test_tp_linear_exact.py (the gated full-attention layers of qwen3_next / qwen3_5)
+HEAD_NORM_FAMILIES = ("gemma3_text", "qwen3_moe", "glm4_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 # families whose q/k norms normalise the whole projection (Hq*D / Hkv*D features): ProjectionShardedNorm
 PROJECTION_NORM_FAMILIES = ("olmoe",)
-# families whose sparse mixture-of-experts blocks run replicated over tp (LocalReplicatedMoE): verified exact there
-REPLICATED_MOE_FAMILIES = ("gpt_oss", "qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "glm4_moe")
+# families whose sparse mixture-of-experts blocks run replicated over tp (LocalReplicatedMoE): verified exact in
+# test_tp_moe_exact.py, test_tp_mla_exact.py (deepseek_v2 / v3) and test_tp_linear_exact.py (qwen3_next, qwen3_5_moe)
+REPLICATED_MOE_FAMILIES = ("gpt_oss", "qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v2",
+                           "deepseek_v3", "qwen3_next", "qwen3_5_moe_text")
 
 
 def sparse_moe_block(mlp: nn.Module, model_type: str) -> bool:

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlsp.config.layer_kinds import LayerKind
+from rlsp.config.layer_kinds import LINEAR, LayerKind
 from rlsp.config.layout import RoleLayout
 from rlsp.config.model_shape import ModelShape
 from rlsp.plan.activations import (
@@ -103,14 +103,39 @@ def _routed(shape: ModelShape, kind: LayerKind) -> int:
 
 def tp_replicated(shape: ModelShape, kind: LayerKind, layout: RoleLayout, active: bool = False) -> float:
     """A layer's parameters that tp does not split: under tp > 1 its MoE block's router and routed experts, which
-    rlsp runs replicated over tp (rlsp.parallel.tp_families.LocalReplicatedMoE), and its shared experts where tp
-    does not divide their width (else split like a dense MLP); `active`: those one token runs through (its routed
-    experts only)."""
-    if layout.tp == 1 or not kind.mlp.moe:
+    rlsp runs replicated over tp (rlsp.parallel.tp_families.LocalReplicatedMoE), its shared experts where tp
+    does not divide their width (else split like a dense MLP) and multi-latent attention's latent projections
+    (`_latent`), and a Gated DeltaNet layer's replicated weights (`_linear_replicated`; not with `active`: a rank
+    computes its own rows of them only); `active`: those one token runs through (its routed experts only)."""
+    if layout.tp == 1:
         return 0
+    linear = 0 if active else _linear_replicated(shape, kind)
+    if not kind.mlp.moe:
+        return _latent(shape, kind) + linear
     routed = _routed(shape, kind) * (kind.mlp.active / kind.mlp.experts if active else 1)
     shared = 3 * shape.hidden * kind.mlp.shared if kind.mlp.shared % layout.tp else 0
-    return routed + shape.hidden * kind.mlp.experts + shared
+    return routed + shape.hidden * kind.mlp.experts + shared + _latent(shape, kind) + linear
+
+
+def _linear_replicated(shape: ModelShape, kind: LayerKind) -> int:
+    """A Gated DeltaNet layer's parameters tp holds whole on every rank (rlsp.parallel.tp_linear_attention): the
+    conv1d weight, A_log, dt_bias, the gated norm's weight and, but for Qwen3-Next's per-group fused projections,
+    the [q | k | v] input projection (in_proj_qkv)."""
+    if kind.attention.kind != LINEAR:
+        return 0
+    kh, vh, kd, vd, conv = kind.attention.linear
+    channels = 2 * kh * kd + vh * vd
+    return (0 if shape.model_type == "qwen3_next" else shape.hidden * channels) + channels * conv + 2 * vh + vd
+
+
+def _latent(shape: ModelShape, kind: LayerKind) -> int:
+    """Multi-latent attention's latent projections and norms (q_a_proj, q_a_layernorm, kv_a_proj_with_mqa,
+    kv_a_layernorm), replicated over tp (rlsp.parallel.tp_latent); their biases (attention_bias, off in the
+    DeepSeek checkpoints) are counted as split."""
+    if not kind.attention.mla:
+        return 0
+    q_rank, kv_rank, rope = kind.attention.latent
+    return (shape.hidden + 1) * q_rank + shape.hidden * (kv_rank + rope) + kv_rank
 
 
 def gathered_layer_params(shape: ModelShape, layout: RoleLayout) -> float:

@@ -1,7 +1,7 @@
 """rlsp.check accepts a tiny DeepSeek-V3 (multi-latent attention, MoE; tests/tiny_deepseek.py) at Ulysses 2 with the
 hf rollout engine and at ring 2 (the layer report names ring attention with v's own head dim), and refuses by name what
-rlsp does not run for it: tensor parallelism (multi-latent attention) and vLLM on CPU (not verified: rollout.name=hf
-serves it)."""
+rlsp does not run for it: vLLM on CPU (not verified: rollout.name=hf serves it); tensor parallelism 2 is accepted
+(multi-latent attention split by heads, rlsp.parallel.tp_latent)."""
 
 from __future__ import annotations
 
@@ -37,12 +37,12 @@ def test_check_accepts_deepseek_v3_at_ulysses_2_with_hf_rollout(tmp_path, deepse
     assert rc == 0, out
 
 
-def test_check_accepts_ring_refuses_tp_and_vllm_cpu_by_name(tmp_path, deepseek_dirs, capsys):
+def test_check_accepts_ring_and_tp_refuses_vllm_cpu_by_name(tmp_path, deepseek_dirs, capsys):
     rc, out = _check(tmp_path, deepseek_dirs, "actor_rollout_ref.actor.ring_sequence_parallel_size=2",
                      "actor_rollout_ref.rollout.name=hf", capsys=capsys)
     assert rc == 0 and "ring attention over 2 ranks" in out and "v dim 6 side by side" in out, out
     rc, out = _check(tmp_path, deepseek_dirs, "actor_rollout_ref.actor.tensor_model_parallel_size=2",
                      "actor_rollout_ref.rollout.name=hf", capsys=capsys)
-    assert rc == 2 and "tensor_model_parallel_size=2: deepseek_v3 has multi-latent attention" in out, out
+    assert rc == 0 and "tp 2: 3 q / 3 kv heads per tp rank" in out, out  # heads split (rlsp.parallel.tp_latent)
     rc, out = _check(tmp_path, deepseek_dirs, "actor_rollout_ref.rollout.name=vllm", capsys=capsys)
     assert rc == 2 and "rollout.name=vllm cannot serve deepseek_v3 on cpu: its multi-latent attention" in out, out

@@ -5,8 +5,8 @@
   of a packed stream (segments of different lengths: the padded SDPA path and the per-segment one).
 - The Ulysses all-to-all carries v with its own head dim: on a single-rank group (sp=1 code path) the shapes
   pass through; the multi-rank exchange is tested in tests/distributed/test_deepseek_exact.py.
-- The checks accept deepseek_v2/v3 for Ulysses, refuse ring, tensor parallelism and vLLM on CPU by name, and keep
-  refusing other multi-latent families.
+- The checks accept deepseek_v2/v3 for Ulysses, ring and tensor parallelism (at the tp sizes that divide the heads:
+  tests/unit/test_tp_mla_support.py), refuse vLLM on CPU by name, and keep refusing other multi-latent families.
 Bounds: tests/tolerances.py (fp32: the router and the grouped expert matmuls compute in fp32).
 """
 
@@ -64,16 +64,15 @@ def _mla_config(model_type: str) -> PretrainedConfig:
     return config
 
 
-def test_checks_accept_ulysses_and_ring_and_refuse_tp_vllm_cpu_by_name() -> None:
+def test_checks_accept_ulysses_ring_and_tp_and_refuse_vllm_cpu_by_name() -> None:
     for variant in VARIANTS:
         config = deepseek_config(variant)
         for sp in (1, 2, 4, 8):
             check_sp_support(config, sp)
         for ring in (1, 2, 4):  # ring carries v's own head dim (tests/unit/test_ring_mla.py)
             check_ring_support(config, ring)
-        check_tp_support(config, 1)
-        with pytest.raises(ValueError, match=rf"tensor_model_parallel_size=2: {config.model_type} has multi-latent"):
-            check_tp_support(config, 2)
+        for tp in (1, 2, 3, 6):  # the heads split over tp (rlsp.parallel.tp_latent)
+            check_tp_support(config, tp)
         error = check_rollout_support(config, "vllm", "cpu")
         assert error is not None and config.model_type in error and "rollout.name=hf" in error, error
         assert check_rollout_support(config, "hf", "cpu") is None

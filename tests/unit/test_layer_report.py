@@ -57,6 +57,12 @@ QWEN3_5_U2 = [
     "full_attention x 1 (layer 1): output-gated q, 4 q / 2 kv heads of dim 16; Ulysses 2 splits q 2+2, kv 1+1; SDPA on "
     "cpu / flash_attn varlen on cuda; dense MLP 48",
 ]
+QWEN3_5_TP2_U2 = [
+    _LINEAR.format(split="split 1+0, 1 rank(s) idle").replace("2 key-head groups", "2 key-head groups, tp 2: 1 per tp "
+                                                                "rank,") + "dense MLP 48",
+    "full_attention x 1 (layer 1): output-gated q, 4 q / 2 kv heads of dim 16; tp 2: 2 q / 1 kv heads per tp rank; "
+    "Ulysses 2 splits q 1+1, kv 1+1 (replicated); SDPA on cpu / flash_attn varlen on cuda; dense MLP 48",
+]
 QWEN2_RING = ["full_attention x 2 (layers 0, 1): 4 q / 2 kv heads of dim 8; tp 2: 2 q / 1 kv heads per tp rank; "
               "Ulysses 2 splits q 1+1, kv 1+1 (replicated); ring attention over 2 ranks, each holding 1/2 of the stream; "
               "dense MLP 48"]
@@ -70,6 +76,7 @@ CASES = {
     "deepseek_v3 ulysses 4": (lambda: deepseek_config("v3"), (4, 1, 1), DEEPSEEK_V3_U4),
     "qwen3_next ulysses 4": (lambda: linear_config("qwen3_next"), (4, 1, 1), QWEN3_NEXT_U4),
     "qwen3_5_text ulysses 2": (lambda: linear_config("qwen3_5_text"), (2, 1, 1), QWEN3_5_U2),
+    "qwen3_5_text tp 2 ulysses 2": (lambda: linear_config("qwen3_5_text"), (2, 1, 2), QWEN3_5_TP2_U2),
     "qwen2 ulysses 2 ring 2 tp 2": (lambda: _QWEN2, (2, 2, 2), QWEN2_RING),
 }
 

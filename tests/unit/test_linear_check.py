@@ -1,6 +1,6 @@
-"""rlsp.check accepts Qwen3-Next and Qwen3.5 (text) with Gated DeltaNet (linear_attention) layers at Ulysses 2 with
-the hf rollout engine, and refuses by name what rlsp does not run for them: ring attention and tensor parallelism
-(linear_attention layers), and the vllm rollout engine on cpu (pointing to rollout.name=hf). Tiny models:
+"""rlsp.check accepts Qwen3-Next and Qwen3.5 (text) with Gated DeltaNet (linear_attention) layers at Ulysses 2 and at
+tensor parallelism 2 with the hf rollout engine, and refuses by name what rlsp does not run for them: ring attention
+(linear_attention layers) and the vllm rollout engine on cpu (pointing to rollout.name=hf). Tiny models:
 tests/tiny_linear.py."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def _check(tmp_path, dirs, family: str, *overrides: str, capsys) -> tuple[int, s
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_check_accepts_linear_attention_at_ulysses_2_and_refuses_the_rest_by_name(tmp_path, linear_dirs, family,
+def test_check_accepts_linear_attention_at_ulysses_2_and_tp_2_and_refuses_the_rest_by_name(tmp_path, linear_dirs, family,
                                                                                    capsys):
     rc, out = _check(tmp_path, linear_dirs, family, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
                      "actor_rollout_ref.ref.ulysses_sequence_parallel_size=2", "actor_rollout_ref.rollout.name=hf",
@@ -44,7 +44,7 @@ def test_check_accepts_linear_attention_at_ulysses_2_and_refuses_the_rest_by_nam
     assert rc == 2 and f"ring_sequence_parallel_size=2: {family} has linear_attention" in out, out
     rc, out = _check(tmp_path, linear_dirs, family, "actor_rollout_ref.actor.tensor_model_parallel_size=2",
                      "actor_rollout_ref.rollout.name=hf", capsys=capsys)
-    assert rc == 2 and "tensor_model_parallel_size=2: " + family in out and "linear_attention" in out, out
+    assert rc == 0, out  # split by key-head groups (rlsp.parallel.tp_linear_attention)
     rc, out = _check(tmp_path, linear_dirs, family, "actor_rollout_ref.rollout.name=vllm", capsys=capsys)
     assert rc == 2 and f"rollout.name=vllm cannot serve {family} on cpu" in out, out
     assert "actor_rollout_ref.rollout.name=hf" in out, out

@@ -173,3 +173,14 @@ def test_check_accepts_images_and_refuses_what_does_not_run_with_them(dirs, tmp_
     assert rc == 2 and "RMSNorm scales by (1 + weight)" in out, out
     rc, out = _check(tmp_path, dirs["qwen3_5"], dirs["train"], "algorithm.adv_estimator=gae", capsys=capsys)
     assert rc == 0, out  # the critic from the actor's model loads its tower too (rlsp.models.critic_vision)
+
+
+def test_tp_takes_the_wrappers_text_model_and_refuses_its_tower(dirs, tmp_path, capsys):
+    """tp 2 runs a wrapper's text model (its Gated DeltaNet split by key-head groups: rlsp.parallel.tp_linear_attention)
+    and is refused by role, naming the images, when the run's rows load the tower."""
+    tp = ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=1", "actor_rollout_ref.actor.tensor_model_parallel_size=2")
+    rc, out = _check(tmp_path, dirs["qwen3_5"], dirs["text"], *tp, capsys=capsys)
+    assert rc == 0, out
+    rc, out = _check(tmp_path, dirs["qwen3_5"], dirs["train"], *tp, capsys=capsys)
+    assert rc == 2 and ("actor_rollout_ref.actor.tensor_model_parallel_size=2: the qwen3_5 checkpoint loads with its "
+                        "vision tower in this run") in out, out
