@@ -14,7 +14,7 @@ tp that does not divide an attention block's heads is refused by name.
 
 Conditioning: a token near a routing tie could take other experts under another summation order; the fixture
 measures the distance of every routing decision of the reference forward from a tie (`deepseek_route_margin`) and
-asserts it exceeds the roundoff bound, so a failure says which it is.
+asserts it exceeds the roundoff bound, so a failure says which it is. deepseek_v3 at tp 2 also with R2 routing replay.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from __future__ import annotations
 import pytest
 import torch
 from _launch import layout_dims, run_distributed
-from test_fsdp_engine import TOKENS, _rollout_batch, policy_engine
+from test_fsdp_engine import TOKENS, _assert_same_step, _rollout_batch, policy_engine
 from test_moe_exact import _assert_same_step_and_load, step_and_count
+from test_tp_moe_exact import replay_step
 from tiny_deepseek import deepseek_config, write_tiny_deepseek
 from tolerances import model_rtol
 
@@ -168,3 +169,15 @@ def test_tp2_x_ulysses2_keeps_deepseek_exact(mla_cases):
     heads; q/k and v with their own head dims), the routers on the Ulysses shard's tokens."""
     cases, reference = mla_cases
     _assert_tp_step(run_distributed(_train_families, 4, cases, 2, 2, True, 3)[0], reference, cases, 2)
+
+
+def test_tp2_router_replay_r2_on_deepseek_v3_equals_one_process(mla_cases):
+    """R2 routing replay on MLA + grouped routing at tp 2 (sequence parallel): the recorded routes equal one
+    process's, and an update replaying them shifted by one expert (of 8) equals one process's, load included."""
+    cases, _ = mla_cases
+    path, batch = cases["deepseek_v3"]
+    ref_routes, reference, ref_counts_LE = run_distributed(replay_step, 1, path, batch, 1, 8)[0]
+    routes, got, counts_LE = run_distributed(replay_step, 2, path, batch, 2, 8)[0]
+    assert torch.equal(routes, ref_routes) and torch.equal(counts_LE, 2 * ref_counts_LE)
+    _assert_same_step(got, reference, path)
+

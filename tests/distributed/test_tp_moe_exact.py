@@ -83,16 +83,16 @@ def test_tp2_x_ulysses2_keeps_moe_families_exact(moe_cases):
     _assert_tp_step(got, reference, cases, 2)
 
 
-def _replay_step(rank: int, world: int, path: str, batch, tp: int):
+def replay_step(rank: int, world: int, path: str, batch, tp: int, experts: int = 4):
     """R2 at tp `tp` (sequence parallel): record the routes of an old-logprob pass, then update replaying other
-    routes (every expert index shifted by one, so the replay visibly overrides the routers): (recorded routes,
+    routes (every expert index shifted by one of `experts`, so the replay visibly overrides the routers): (recorded routes,
     (metrics, full grads, params after the step), expert load of the update)."""
     dims = layout_dims(tp=tp)
     engine = FSDPEngine(TokenLogprobModel(load_causal_lm(path, dtype=torch.float32)), dims, torch.device("cpu"),
                         optim=OptimSettings(lr=LR, grad_clip=0.0), router_replay=True)
     routes = engine.infer_many(batch, P, 3, ("logprobs",), record_routes=True, temperature=1.0)[ROUTES_KEY]
     replayed = batch.select_rows(list(range(len(batch))))
-    replayed.set(ROUTES_KEY, ((routes.long() + 1) % 4).to(routes.dtype))
+    replayed.set(ROUTES_KEY, ((routes.long() + 1) % experts).to(routes.dtype))
     engine.expert_load.reset()
     engine.optimizer.zero_grad(set_to_none=True)
     loss_fn = make_actor_loss(LOSS, *global_counts(replayed, dims.dp_group))
@@ -110,8 +110,8 @@ def test_tp2_router_replay_r2_equals_one_process(moe_cases):
     routes equals one process's replaying them (every tp rank's routers take the routes of the same tokens)."""
     cases, _ = moe_cases
     path, batch = cases["qwen3_moe"]
-    ref_routes, reference, ref_counts_LE = run_distributed(_replay_step, 1, path, batch, 1)[0]
-    routes, got, counts_LE = run_distributed(_replay_step, 2, path, batch, 2)[0]
+    ref_routes, reference, ref_counts_LE = run_distributed(replay_step, 1, path, batch, 1)[0]
+    routes, got, counts_LE = run_distributed(replay_step, 2, path, batch, 2)[0]
     assert torch.equal(routes, ref_routes)
     real = batch["attention_mask"].bool()
     shifted_NLK = (ref_routes[real].long() + 1) % 4
