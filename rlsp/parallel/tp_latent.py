@@ -20,8 +20,9 @@ the sequence-parallel all-gather). o_proj's partial output [1, S, h] becomes the
 or reduce-scatter to this rank's [S/tp] tokens under sequence parallelism; its bias (attention_bias) is added
 by tp rank 0 alone, so the sum carries it once and its gradient is that rank's (Partial).
 Attention (rlsp_ulysses) sees q/k/v with Hq/tp heads (rlsp.parallel.tp_checks.local_head_counts). Under
-sequence parallelism autograd keeps the gathered input [S, h] for the latent (and q_proj) weight gradients, as in
-LocalReplicatedMoE: rlsp.parallel.tp_sp's shard-only saving recognises DTensor inputs, not this local run's.
+sequence parallelism the projections that read the gathered input [S, h] (q_a_proj or q_proj, kv_a_proj_with_mqa)
+save only this rank's shard [S/tp, h] for their weight gradients and backward all-gathers it again, once per block
+call, as the attention and MLP blocks do (rlsp.parallel.tp_sp; the block's `tp_input_saver`).
 
 Legend: S tokens of the sp shard fed to the decoder, h hidden size, Hq q heads (= kv heads after the expansion).
 """
@@ -38,11 +39,14 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from rlsp.config.layer_kinds import MLA_TYPES
 from rlsp.parallel.tp_families import replicate_params
+from rlsp.parallel.tp_sp import ShardedInputSaver
 
 # the head-split projections (by heads: q_b_proj / q_proj and kv_b_proj's output rows, o_proj's input columns)
 HEAD_SPLIT = {"q_proj": 0, "q_b_proj": 0, "kv_b_proj": 0, "o_proj": 1}
 # the latent projections and norms every head reads: replicated over tp
 LATENT = ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm")
+# the projections that read the block input itself (q_a_proj with a q latent, q_proj without one)
+READ_INPUT = ("q_a_proj", "q_proj", "kv_a_proj_with_mqa")
 
 
 def latent_attention(attn: nn.Module | None, model_type: str) -> bool:
@@ -87,10 +91,11 @@ class LatentAttentionParallel(ParallelStyle):
         self.seq = seq
 
     @staticmethod
-    def _full_input(hidden: DTensor) -> torch.Tensor:
+    def _full_input(hidden: DTensor, saver: ShardedInputSaver) -> torch.Tensor:
         """The block input [1, S, h] as a plain tensor whose gradient is declared Partial over tp."""
         if hidden.placements != (Replicate(),):  # all-gather; backward reduce-scatters the partial gradient
             full = hidden.redistribute(placements=[Replicate()])
+            saver.begin(hidden, full)  # the projections reading it save the shard (module docstring)
         else:  # Megatron's f: identity forward, all-reduce of the partial gradient backward
             full = DTensor.from_local(hidden.to_local(), hidden.device_mesh, [Replicate()], run_check=False)
         return full.to_local(grad_placements=(Partial(),))
@@ -98,13 +103,17 @@ class LatentAttentionParallel(ParallelStyle):
     def _run(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[DTensor, Any]:
         by_key = "hidden_states" in kwargs
         hidden = kwargs["hidden_states"] if by_key else args[0]
-        x_1Sh = self._full_input(hidden)
+        saver = module.tp_input_saver
+        x_1Sh = self._full_input(hidden, saver)
         if by_key:
             args, kwargs = args, {**kwargs, "hidden_states": x_1Sh}
         else:
             args = (x_1Sh, *args[1:])
         local = {n: _local_param(n, p) for n, p in module.named_parameters()}
-        partial_1Sh, weights = torch.func.functional_call(module, local, args, kwargs)
+        try:
+            partial_1Sh, weights = torch.func.functional_call(module, local, args, kwargs)
+        finally:
+            saver.end()
         partial = DTensor.from_local(partial_1Sh, hidden.device_mesh, [Partial()], run_check=False)
         return partial.redistribute(placements=[self.seq]), weights
 
@@ -115,6 +124,10 @@ class LatentAttentionParallel(ParallelStyle):
         _split_heads(module, device_mesh)
         for sub in module.modules():  # the latent projections and norms, o_proj's bias
             replicate_params(sub, device_mesh)
+        module.tp_input_saver = ShardedInputSaver()  # inspectable (how often backward re-gathered)
+        for name in READ_INPUT:
+            if getattr(module, name, None) is not None:
+                module.tp_input_saver.attach(getattr(module, name))
         plain_forward = module.forward
 
         def forward(*args: Any, **kwargs: Any) -> Any:

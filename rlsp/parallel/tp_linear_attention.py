@@ -21,8 +21,10 @@ gradient is this rank's groups' share: Partial. The block runs on plain local te
 and all-to-alls have no DTensor rules), as LocalReplicatedMoE does. Exact against one process
 (tests/distributed/test_tp_linear_exact.py). Not split: the memory of Qwen3.5's in_proj_qkv (making a rank's rows
 contiguous would permute the checkpoint's layout, which weight sync and export keep; the planner counts it whole:
-rlsp.plan.memory.tp_replicated), and the gathered [S, H] input the projections save for backward (the attention
-and MLP blocks save only the rank's [S/tp] shard, rlsp.parallel.tp_sp).
+rlsp.plan.memory.tp_replicated). Under sequence parallelism the in_proj_* projections (the module's `_project`,
+which multiplies weight rows with F.linear) save only this rank's [S/tp, H] shard of the gathered input for their
+weight gradients, all-gathered again once per block call in backward, as the attention and MLP blocks do
+(rlsp.parallel.tp_sp; the block's `tp_input_saver`).
 
 Legend: S tokens of the sp shard fed to the decoder, H hidden size, G key-head groups (linear_num_key_heads).
 """
@@ -38,6 +40,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from rlsp.parallel.tp_families import SEQ_DIM, replicate_params
+from rlsp.parallel.tp_sp import ShardedInputSaver
 
 # weight name -> the dim tp shards (contiguous per rank); every other parameter is replicated (rows read per rank)
 SHARDED_WEIGHTS = {"in_proj_qkvz.weight": 0, "in_proj_ba.weight": 0, "in_proj_z.weight": 0, "in_proj_b.weight": 0,
@@ -64,6 +67,19 @@ def _check_module(module: nn.Module) -> None:
     if biased:
         raise ValueError(f"{type(module).__name__} has biases on {biased}; rlsp's tensor parallelism of Gated "
                          "DeltaNet layers supports projections without bias (Qwen3-Next, Qwen3.5)")
+
+
+def _save_shard_only(module: nn.Module) -> None:
+    """Run the module's input projections (`_project`: F.linear on weight rows, which module hooks would not see)
+    within a `ShardedInputSaver` scope; `tp_input_saver` is begun and ended around each block call."""
+    saver, project = ShardedInputSaver(), module._project
+    module.tp_input_saver = saver  # inspectable (how often backward re-gathered)
+
+    def scoped_project(h_SH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with saver.scope():
+            return project(h_SH)
+
+    module._project = scoped_project
 
 
 class GroupShardedGatedDeltaNet(ParallelStyle):
@@ -93,12 +109,16 @@ class GroupShardedGatedDeltaNet(ParallelStyle):
         mesh = hidden.device_mesh
         if hidden.placements != (Replicate(),):
             full = hidden.redistribute(placements=[Replicate()])  # all-gather; backward: reduce-scatter
+            module.tp_input_saver.begin(hidden, full)  # the projections save the shard (module docstring)
         else:  # f: backward all-reduces this rank's Partial share into the complete input gradient
             full = DTensor.from_local(hidden.to_local(), mesh, [Replicate()], run_check=False)
         local = {n: p.to_local(grad_placements=None if any(pl.is_shard() for pl in p.placements) else (Partial(),))
                  for n, p in module.named_parameters()}
         x = full.to_local(grad_placements=(Partial(),))
-        out = torch.func.functional_call(module, local, args, {**kwargs, "hidden_states": x})
+        try:
+            out = torch.func.functional_call(module, local, args, {**kwargs, "hidden_states": x})
+        finally:
+            module.tp_input_saver.end()
         partial = DTensor.from_local(out, mesh, [Partial()], run_check=False)
         return partial.redistribute(placements=[self.seq])  # all-reduce, or reduce-scatter to this rank's tokens
 
@@ -110,6 +130,7 @@ class GroupShardedGatedDeltaNet(ParallelStyle):
             raise ValueError(f"the residual stream is sharded on dim {self.seq.dim}; expected the tokens, {SEQ_DIM}")
         self._distribute(module, device_mesh)
         module.groups = (rank * groups // tp, (rank + 1) * groups // tp)
+        _save_shard_only(module)
         plain_forward = module.forward
 
         def forward(*args: Any, **kwargs: Any) -> Any:

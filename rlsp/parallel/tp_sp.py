@@ -9,11 +9,16 @@ and all-gather it again in backward, once per block, when the first of its proje
 
 `ShardedInputSaver` does it with saved-tensor hooks scoped to the projections' forward calls (inside
 a linear only its input and weight are saved): a tensor whose storage is the block's gathered input
-is packed as a reference to the block's shard, anything else passes through unchanged. Backward
-unpacks the first reference by all-gathering the shard (the same bytes the forward gathered: the
-gradients are bit-identical), serves the block's other projections from that copy and drops it after
-the last one. The gradient of the gathered input is still reduce-scattered by the all-gather's own
-backward (DTensor's redistribute), so nothing else changes.
+is packed as a reference to the block's shard, anything else passes through unchanged. The scope is
+the projection modules (`attach`), or a region of code (`scope`) for a block that multiplies slices
+of a weight with F.linear; the saved tensor is a DTensor (the DTensor blocks) or a plain view of the
+gathered input's local tensor (the blocks that run on local tensors: rlsp.parallel.tp_latent,
+rlsp.parallel.tp_linear_attention), restored as such. Backward unpacks the first reference by
+all-gathering the shard (the same bytes the forward gathered: the gradients are bit-identical),
+serves the block's other projections from that copy and drops it after the last one. The gradient
+of the gathered input is still reduce-scattered by the all-gather's own backward (DTensor's
+redistribute), so nothing else changes. `enabled = False` keeps autograd's own saving (a reference
+for measurements).
 
 The hooks compose with any pair active around the block (activation offload, gradient checkpointing's
 recomputation, a measuring hook): tensors passed through go to that outer pair, and the shard goes to
@@ -27,6 +32,8 @@ Legend: s tokens of this tp rank, S = tp * s tokens of the tp group, h hidden si
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,7 +70,7 @@ class _Regather:
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
-    layout: tuple[Any, ...]  # (mesh, placements, global shape, global stride) of the saved DTensor
+    layout: tuple[Any, ...] | None  # (mesh, placements, global shape, global stride) of a saved DTensor; None: plain
 
 
 @dataclass(frozen=True)
@@ -83,17 +90,20 @@ def _regather(block: _Gathered) -> torch.Tensor:
 
 class ShardedInputSaver:
     """Attach to one column-parallel block: `begin` when the block has gathered its input, `end` after
-    its forward, `attach` each projection that reads the gathered input (see the module docstring)."""
+    its forward, `attach` each projection that reads the gathered input, or run the code that reads it
+    within `scope()` (see the module docstring)."""
 
     def __init__(self) -> None:
         self.current: _Gathered | None = None
         self.regathers = 0  # all-gathers backward has run (one per block call, or per re-run)
         self._pushed: list[bool] = []  # per projection call: whether hooks were pushed (LIFO)
+        self.enabled = True  # False: autograd keeps the gathered input (a reference for measurements)
 
     def begin(self, shard: DTensor, full: DTensor) -> None:
         local = full.to_local()
-        if not (local.is_contiguous() and shard.to_local().shape[1] * full.device_mesh.size() == local.shape[1]):
-            self.current = None  # an unexpected layout: keep autograd's own saving
+        even = shard.to_local().shape[1] * full.device_mesh.size() == local.shape[1]
+        if not (self.enabled and local.is_contiguous() and even):
+            self.current = None  # disabled, or an unexpected layout: keep autograd's own saving
             return
         self.current = _Gathered(shard.detach(), local.untyped_storage().data_ptr(), local.storage_offset(),
                                  full.device_mesh.get_group())
@@ -105,7 +115,16 @@ class ShardedInputSaver:
         projection.register_forward_pre_hook(self._enter)
         projection.register_forward_hook(self._exit, always_call=True)
 
-    def _enter(self, module: nn.Module, args: Any) -> None:
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        """The hooks around a region of code, as around an attached projection's forward call."""
+        self._enter(None, ())
+        try:
+            yield
+        finally:
+            self._exit()
+
+    def _enter(self, module: nn.Module | None, args: Any) -> None:
         push = self.current is not None and torch._C._autograd._saved_tensors_hooks_is_enabled()
         if push:
             # the public saved_tensors_hooks context would hide an outer pair (only the innermost pair
@@ -122,14 +141,15 @@ class ShardedInputSaver:
 
     @staticmethod
     def _pack(block: _Gathered, outer: _Hooks | None, t: torch.Tensor) -> Any:
-        local = t._local_tensor if isinstance(t, DTensor) else t
-        if not isinstance(t, DTensor) or local.untyped_storage().data_ptr() != block.storage:
+        dtensor = isinstance(t, DTensor)
+        local = t._local_tensor if dtensor else t
+        if not (dtensor or type(t) is torch.Tensor) or local.untyped_storage().data_ptr() != block.storage:
             return _Outer(outer[0](t)) if outer is not None else t
         if block.packs == 0:  # the shard goes to the outer pair once per block call
             block.outer = outer
             block.packed_shard = outer[0](block.shard_sh) if outer is not None else block.shard_sh
         block.packs += 1
-        layout = (t.device_mesh, t.placements, t.shape, t.stride())
+        layout = (t.device_mesh, t.placements, t.shape, t.stride()) if dtensor else None
         return _Regather(block, tuple(local.size()), tuple(local.stride()), local.storage_offset() - block.offset, layout)
 
     def _unpack(self, outer: _Hooks | None, packed: Any) -> torch.Tensor:
@@ -146,5 +166,7 @@ class ShardedInputSaver:
         # keep the copy for the block's other projections; the last one (or a re-run) lets it go
         block.full_Sh = full if block.unpacks < block.packs else None
         local = full.as_strided(packed.size, packed.stride, full.storage_offset() + packed.offset)
+        if packed.layout is None:  # a plain view of the gathered local tensor
+            return local
         mesh, placements, shape, stride = packed.layout
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
