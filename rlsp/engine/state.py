@@ -23,6 +23,7 @@ from rlsp.engine.fsdp_offload import to_device
 from rlsp.models.vision_inputs import TIED_EMBED_NAMES
 from rlsp.parallel.ep_state import convert_state
 from rlsp.parallel.expert_parallel import expert_sharded_names, gather_full
+from rlsp.parallel.tp_experts import convert_strided_state, strided_placements
 
 
 class EngineState:
@@ -47,12 +48,16 @@ class EngineState:
             state["scheduler"] = self.scheduler.state_dict()
         if self.ep_names:  # expert slices as pieces of the whole HF tensors (rlsp.parallel.ep_state)
             convert_state(state, expert_sharded_names(self.module), self.dims.ep_save_mesh, to_whole=True)
+        if strided := strided_placements(self.module):  # expert-tp gate_up_proj: contiguous pieces for DCP
+            convert_strided_state(state, strided, to_checkpoint=True)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict()` returned; the optimizer keeps (does not copy) the given tensors."""
         if self.ep_names:
             convert_state(state, expert_sharded_names(self.module), self.dims.ep_replicate_mesh, to_whole=False)
+        if strided := strided_placements(self.module):
+            convert_strided_state(state, strided, to_checkpoint=False)
         set_model_state_dict(self.module, state["model"],
                              options=StateDictOptions(strict=self._trainable_only() is None))
         if self.optimizer is not None:

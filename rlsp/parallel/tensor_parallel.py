@@ -18,8 +18,8 @@ Everything else (embedding, norms, rotary buffers, `lm.lm_head`, the critic's va
 replicated over tp as Replicate DTensors; rotary embeddings are computed from the full position ids.
 Gemma 2/3's extra norms are replicated like the others; per-head q/k norms (Gemma 3, Qwen3-MoE, GLM-4-MoE), OLMoE's
 whole-projection q/k norms, gpt-oss's sinks (sharded like the q heads) and the sparse MoE blocks of the MoE families
-(router and routed experts replicated, shared experts split like an MLP; dense layers take the MLP plan above):
-rlsp.parallel.tp_families. Multi-latent attention (deepseek_v2 / v3: heads split, latent projections replicated):
+(router replicated; routed experts split by their width, rlsp.parallel.tp_experts, or replicated where tp does not
+split it; shared experts split like an MLP; dense layers take the MLP plan above): rlsp.parallel.tp_families. Multi-latent attention (deepseek_v2 / v3: heads split, latent projections replicated):
 rlsp.parallel.tp_latent; Gated DeltaNet layers (qwen3_next, qwen3_5: split by key-head groups):
 rlsp.parallel.tp_linear_attention. Both run their block on local tensors, their input gathered once per block.
 The heads read their weights through `tp_local_param`, which declares how the local gradient relates

@@ -6,11 +6,15 @@
 - `ProjectionShardedNorm`: OLMoE's q_norm / k_norm, an RMSNorm over the whole projection (Hq*D or Hkv*D features),
   on this tp rank's column shard: the weight is sharded like the projection's columns and the mean of squares is
   summed over tp (an all-reduce of [S, 1] per norm, each way).
-- `LocalReplicatedMoE`: a sparse mixture-of-experts block (router + routed experts) replicated over tp and run on
-  plain local tensors on all the micro-batch's tokens; exact, not memory-saving for the routed experts. The shared
-  experts inside it (qwen2_moe, glm4_moe, deepseek_v2 / v3, qwen3_next, qwen3_5_moe) are split over tp like a dense
-  MLP (`shard_shared_experts`). A family's dense layers (glm4_moe's / deepseek's first_k_dense_replace, qwen2/3_moe's
-  mlp_only_layers) keep the column/row-parallel MLP plan: `sparse_moe_block` tells them apart.
+- `LocalReplicatedMoE`: a sparse mixture-of-experts block run on plain local tensors on all the micro-batch's
+  tokens. Where rlsp.parallel.tp_experts can split its routed experts over tp by their width (the fused bias-free
+  experts of its SPLIT_EXPERT_FAMILIES, widths tp divides into aligned shares: `split_expert_block`) it applies
+  that style (`SplitExpertsMoE`: expert tensor parallelism, a tp rank holds 1/tp of every expert); otherwise
+  (gpt_oss, other widths) the router and routed experts are replicated over tp: exact, not memory-saving for the
+  routed experts, and the shared experts inside it (qwen2_moe, glm4_moe, deepseek_v2 / v3, qwen3_next,
+  qwen3_5_moe) are split over tp like a dense MLP (`shard_shared_experts`). A family's dense layers (glm4_moe's /
+  deepseek's first_k_dense_replace, qwen2/3_moe's mlp_only_layers) keep the column/row-parallel MLP plan:
+  `sparse_moe_block` tells them apart.
 - `shard_sinks`: attention sinks (gpt-oss, one logit per q head) sharded over tp like q_proj's heads.
 Verified exact in tests/distributed/test_tp_window_exact.py (gemma, gpt_oss) and test_tp_moe_exact.py (the MoE
 families) for the families listed below.
@@ -29,6 +33,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from rlsp.parallel.tp_experts import SplitExpertsMoE, split_expert_block
+
 SEQ_DIM = 1  # activations inside the decoder are [1, tokens, hidden]
 
 
@@ -46,7 +52,8 @@ def replicate_params(module: nn.Module, mesh: DeviceMesh) -> None:
 HEAD_NORM_FAMILIES = ("gemma3_text", "qwen3_moe", "glm4_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 # families whose q/k norms normalise the whole projection (Hq*D / Hkv*D features): ProjectionShardedNorm
 PROJECTION_NORM_FAMILIES = ("olmoe",)
-# families whose sparse mixture-of-experts blocks run replicated over tp (LocalReplicatedMoE): verified exact in
+# families whose sparse mixture-of-experts blocks run on local tensors over tp (LocalReplicatedMoE: routed experts
+# split by rlsp.parallel.tp_experts where it can, else replicated): verified exact in
 # test_tp_moe_exact.py, test_tp_mla_exact.py (deepseek_v2 / v3) and test_tp_linear_exact.py (qwen3_next, qwen3_5_moe)
 REPLICATED_MOE_FAMILIES = ("gpt_oss", "qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v2",
                            "deepseek_v3", "qwen3_next", "qwen3_5_moe_text")
@@ -119,7 +126,8 @@ class LocalReplicatedMoE(ParallelStyle):
     tokens): under sequence parallelism the block all-gathers its input (backward: a reduce-scatter) and keeps
     its own [S/tp] slice of the output, so its parameters' and input's gradients are Partial over tp (own
     tokens' share); otherwise every rank computes the same complete gradients (Replicate). Exact, not
-    memory-saving: every tp rank holds every routed expert (shared experts: split, `shard_shared_experts`)."""
+    memory-saving: every tp rank holds every routed expert (shared experts: split, `shard_shared_experts`). A block
+    whose routed experts rlsp.parallel.tp_experts can split (`split_expert_block`) gets `SplitExpertsMoE` instead."""
 
     def __init__(self, seq: Placement) -> None:
         super().__init__()
@@ -141,6 +149,9 @@ class LocalReplicatedMoE(ParallelStyle):
         return (first, *out[1:]) if isinstance(out, tuple) else first
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        model_type = getattr(getattr(getattr(module, "experts", None), "config", None), "model_type", "")
+        if split_expert_block(module, model_type, device_mesh.size()):  # routed experts split over tp instead
+            return SplitExpertsMoE(self.seq)._apply(module, device_mesh)
         shard_shared_experts(module, device_mesh, self.seq)
         for sub in module.modules():
             replicate_params(sub, device_mesh)

@@ -3,9 +3,10 @@
 Every number is bytes on ONE rank, for one micro-batch stream of `budget x token_shards` tokens
 (the budget is `*_max_token_len_per_gpu`). Terms (e = compute dtype bytes):
   state      trainable role: fp32 master 4 + fp32 gradient 4 + AdamW 8 bytes per parameter; frozen
-             reference: e per parameter. Layer weights are split over tp (but for MoE blocks' routers and
-             routed experts, which rlsp runs replicated over tp: every expert on every tp rank) and then over
-             the FSDP shard group;
+             reference: e per parameter. Layer weights are split over tp (but for what `tp_replicated` counts
+             whole: MoE routers, routed experts whose width tp does not split (rlsp.parallel.tp_experts
+             splits the others), MLA latents, Gated DeltaNet's replicated weights) and then over the FSDP
+             shard group;
              the embedding, lm_head and final norm are replicated over tp (rlsp's TP plan) and sharded over
              the FSDP group. Parameters count every layer by its kind (MoE: every expert); with
              expert parallelism (ep) the routed experts are split over ep ranks and sharded over the ranks
@@ -53,6 +54,7 @@ from dataclasses import dataclass, field
 from rlsp.config.layer_kinds import LINEAR, LayerKind
 from rlsp.config.layout import RoleLayout
 from rlsp.config.model_shape import ModelShape
+from rlsp.parallel.tp_experts import SPLIT_EXPERT_FAMILIES, width_splits
 from rlsp.plan.activations import (
     RING_TILE_TOKENS,
     activation_terms,
@@ -88,7 +90,7 @@ def state_bytes(shape: ModelShape, layout: RoleLayout, role: str, e: int) -> tup
     """(state without gradients, gradients) of one role on one rank."""
     root = shape.critic_root_params if role == "critic" else shape.root_params
     routed = sum(_routed(shape, k) for k in shape.kinds) if layout.ep > 1 else 0
-    whole = sum(tp_replicated(shape, k, layout) for k in shape.kinds)  # MoE blocks under tp: every expert
+    whole = sum(tp_replicated(shape, k, layout) for k in shape.kinds)  # what tp holds whole on every rank
     split = shape.decoder_params - routed - whole
     params = (split / layout.tp + whole + root) / layout.fsdp_shard + routed / layout.fsdp_ranks
     if role == "ref":
@@ -102,18 +104,23 @@ def _routed(shape: ModelShape, kind: LayerKind) -> int:
 
 
 def tp_replicated(shape: ModelShape, kind: LayerKind, layout: RoleLayout, active: bool = False) -> float:
-    """A layer's parameters that tp does not split: under tp > 1 its MoE block's router and routed experts, which
-    rlsp runs replicated over tp (rlsp.parallel.tp_families.LocalReplicatedMoE), its shared experts where tp
-    does not divide their width (else split like a dense MLP) and multi-latent attention's latent projections
-    (`_latent`), and a Gated DeltaNet layer's replicated weights (`_linear_replicated`; not with `active`: a rank
-    computes its own rows of them only); `active`: those one token runs through (its routed experts only)."""
+    """A layer's parameters that tp does not split: under tp > 1 its MoE block's router, its routed experts unless
+    tp splits them by their width (rlsp.parallel.tp_experts: the SPLIT_EXPERT_FAMILIES where tp divides the expert
+    and the shared width into multiples of 8, `width_splits`; else rlsp.parallel.tp_families.LocalReplicatedMoE
+    runs them replicated), its shared experts where tp does not divide their width (else split like a dense MLP)
+    and multi-latent attention's latent projections (`_latent`), and a Gated DeltaNet layer's replicated weights
+    (`_linear_replicated`; not with `active`: a rank computes its own rows of them only); `active`: those one
+    token runs through (its routed experts only)."""
     if layout.tp == 1:
         return 0
     linear = 0 if active else _linear_replicated(shape, kind)
     if not kind.mlp.moe:
         return _latent(shape, kind) + linear
-    routed = _routed(shape, kind) * (kind.mlp.active / kind.mlp.experts if active else 1)
-    shared = 3 * shape.hidden * kind.mlp.shared if kind.mlp.shared % layout.tp else 0
+    shared_split = kind.mlp.shared % layout.tp == 0
+    split = (shape.model_type in SPLIT_EXPERT_FAMILIES and width_splits(kind.mlp.width, layout.tp)
+             and (kind.mlp.shared == 0 or width_splits(kind.mlp.shared, layout.tp)))
+    routed = 0 if split else _routed(shape, kind) * (kind.mlp.active / kind.mlp.experts if active else 1)
+    shared = 0 if shared_split else 3 * shape.hidden * kind.mlp.shared
     return routed + shape.hidden * kind.mlp.experts + shared + _latent(shape, kind) + linear
 
 

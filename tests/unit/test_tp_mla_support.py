@@ -19,6 +19,7 @@ from rlsp.config.layout import RoleLayout, World
 from rlsp.config.model_shape import shape_from_config
 from rlsp.models.family_checks import check_tp_windowed
 from rlsp.parallel.tp_checks import check_tp_support, legal_tp_sizes, local_head_counts
+from rlsp.parallel.tp_experts import split_expert_block
 from rlsp.parallel.tp_families import sparse_moe_block
 from rlsp.parallel.tp_latent import LATENT, latent_attention
 from rlsp.plan.memory import state_bytes
@@ -81,17 +82,20 @@ def test_the_layer_plan_finds_latent_attention_and_the_sparse_blocks(variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_the_planner_counts_latent_projections_and_moe_blocks_whole_on_every_tp_rank(variant):
     """The planner's parameters per rank at tp 2 (one FSDP rank) equal what the layer plan leaves a tp rank of the
-    transformers model: the latent projections and norms and the sparse blocks' router and routed experts whole,
-    the rest of a layer (the head projections, the shared experts, the dense MLP; the layer norms by the planner's
-    convention) halved, the embedding, lm_head and final norm whole."""
+    transformers model: the latent projections and norms and the sparse blocks' router whole (their routed experts
+    too where rlsp.parallel.tp_experts does not split them), the rest of a layer (the head projections, the split
+    routed experts, the shared experts, the dense MLP; the layer norms by the planner's convention) halved, the
+    embedding, lm_head and final norm whole."""
     config = deepseek_config(variant)
     model = AutoModelForCausalLM.from_config(config).model
     per_rank = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("layers."))
     per_rank += config.vocab_size * config.hidden_size  # the untied lm_head
     for layer in model.layers:
         moe = sparse_moe_block(layer.mlp, config.model_type)
+        split = moe and split_expert_block(layer.mlp, config.model_type, 2)  # routed experts split over tp
         for name, p in layer.named_parameters():
-            whole = name.split(".")[1] in LATENT or (moe and name.startswith("mlp.") and ".shared_experts." not in name)
+            whole = name.split(".")[1] in LATENT or (moe and name.startswith("mlp.") and ".shared_experts." not in name
+                                                     and not (split and ".experts." in name))
             per_rank += p.numel() / (1 if whole else 2)
     shape = shape_from_config(config.to_dict(), config.model_type)
     assert shape.tp_refusal() is None

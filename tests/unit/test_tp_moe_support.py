@@ -93,10 +93,12 @@ def test_projection_sharded_norm_refuses_another_norm_by_name():
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "glm4_moe"])
 def test_the_planner_counts_moe_blocks_whole_on_every_tp_rank(family):
     """The planner's parameters per rank at tp 2 (one FSDP rank) equal what the layer plan leaves a tp rank of the
-    transformers model: its sparse blocks' router and routed experts whole, the rest of a layer (glm4_moe's shared
-    experts included) halved, the embedding, lm_head and final norm whole."""
+    transformers model: its sparse blocks' router whole, the routed experts halved where rlsp.parallel.tp_experts
+    splits them (all four here), else whole, the rest of a layer (glm4_moe's shared experts included) halved, the
+    embedding, lm_head and final norm whole."""
     from rlsp.config.layout import RoleLayout, World
     from rlsp.config.model_shape import shape_from_config
+    from rlsp.parallel.tp_experts import split_expert_block
     from rlsp.plan.memory import state_bytes
 
     config = moe_config(family, **EXACT_SHAPE)
@@ -105,7 +107,9 @@ def test_the_planner_counts_moe_blocks_whole_on_every_tp_rank(family):
     per_rank += config.vocab_size * config.hidden_size  # the untied lm_head
     for layer in model.layers:
         whole = sparse_moe_block(layer.mlp, family)
-        per_rank += sum(p.numel() / (1 if whole and n.startswith("mlp.") and ".shared_experts." not in n else 2)
+        split = whole and split_expert_block(layer.mlp, family, 2)  # routed experts split over tp
+        per_rank += sum(p.numel() / (1 if whole and n.startswith("mlp.") and ".shared_experts." not in n
+                                     and not (split and ".experts." in n) else 2)
                         for n, p in layer.named_parameters())
     shape = shape_from_config(config.to_dict(), family)
     assert state_bytes(shape, RoleLayout(World(1, 2), tp=2), "ref", 1)[0] == per_rank
