@@ -178,7 +178,7 @@ def _layer_plan(seq: Placement, layer: nn.Module, model_type: str) -> dict[str, 
         plan = {k: s for k, s in plan.items() if not k.startswith("self_attn")}
         plan["linear_attn"] = GroupShardedGatedDeltaNet(seq)
     if sparse_moe_block(layer.mlp, model_type):  # a dense layer of a MoE family keeps the plan below
-        plan["mlp"] = LocalReplicatedMoE(seq)
+        plan["mlp"] = LocalReplicatedMoE(seq, model_type)
         return plan
     return {**plan, "mlp": _BlockInput(("gate_proj", "up_proj")), "mlp.gate_proj": ColwiseParallel(),
             "mlp.up_proj": ColwiseParallel(),

@@ -42,6 +42,8 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from rlsp.parallel.tp_local import route_dtensor_calls
+
 # families whose routed experts are fused, bias-free [gate | up] tensors split by `.chunk(2, dim=-1)`: verified
 # exact in tests/distributed/test_tp_experts_exact.py and the tp tests of each family (gpt_oss: interleaved
 # gate/up with biases, kept replicated)
@@ -154,14 +156,7 @@ class SplitExpertsMoE(ParallelStyle):
                     _shard(sub, name, device_mesh, Replicate())
         if not self.seq.is_shard():
             _complete_grads_hooks(module, device_mesh)
-        plain_forward = module.forward
-
-        def forward(hidden: Any, *args: Any, **kwargs: Any) -> Any:
-            if not isinstance(hidden, DTensor):  # re-entered by functional_call with local tensors
-                return plain_forward(hidden, *args, **kwargs)
-            return self._run(module, hidden, args, kwargs)
-
-        module.forward = forward
+        route_dtensor_calls(module, lambda args, kwargs: self._run(module, args[0], args[1:], kwargs))
         return module
 
 

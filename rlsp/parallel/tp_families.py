@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from rlsp.parallel.tp_experts import SplitExpertsMoE, split_expert_block
+from rlsp.parallel.tp_local import route_dtensor_calls
 
 SEQ_DIM = 1  # activations inside the decoder are [1, tokens, hidden]
 
@@ -129,9 +130,9 @@ class LocalReplicatedMoE(ParallelStyle):
     memory-saving: every tp rank holds every routed expert (shared experts: split, `shard_shared_experts`). A block
     whose routed experts rlsp.parallel.tp_experts can split (`split_expert_block`) gets `SplitExpertsMoE` instead."""
 
-    def __init__(self, seq: Placement) -> None:
+    def __init__(self, seq: Placement, model_type: str) -> None:
         super().__init__()
-        self.seq = seq
+        self.seq, self.model_type = seq, model_type
 
     def _run(self, module: nn.Module, hidden: DTensor, args: tuple, kwargs: dict) -> Any:
         grad_placements = (Partial(),) if self.seq.is_shard() else (Replicate(),)
@@ -149,20 +150,12 @@ class LocalReplicatedMoE(ParallelStyle):
         return (first, *out[1:]) if isinstance(out, tuple) else first
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        model_type = getattr(getattr(getattr(module, "experts", None), "config", None), "model_type", "")
-        if split_expert_block(module, model_type, device_mesh.size()):  # routed experts split over tp instead
+        if split_expert_block(module, self.model_type, device_mesh.size()):  # routed experts split over tp instead
             return SplitExpertsMoE(self.seq)._apply(module, device_mesh)
         shard_shared_experts(module, device_mesh, self.seq)
         for sub in module.modules():
             replicate_params(sub, device_mesh)
-        plain_forward = module.forward
-
-        def forward(hidden: Any, *args: Any, **kwargs: Any) -> Any:
-            if not isinstance(hidden, DTensor):  # re-entered by functional_call with local tensors
-                return plain_forward(hidden, *args, **kwargs)
-            return self._run(module, hidden, args, kwargs)
-
-        module.forward = forward
+        route_dtensor_calls(module, lambda args, kwargs: self._run(module, args[0], args[1:], kwargs))
         return module
 
 

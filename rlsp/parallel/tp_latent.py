@@ -34,11 +34,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Shard, distribute_tensor
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from rlsp.config.layer_kinds import MLA_TYPES
 from rlsp.parallel.tp_families import replicate_params
+from rlsp.parallel.tp_local import partial_grad_input, route_dtensor_calls
 from rlsp.parallel.tp_sp import ShardedInputSaver
 
 # the head-split projections (by heads: q_b_proj / q_proj and kv_b_proj's output rows, o_proj's input columns)
@@ -90,21 +91,11 @@ class LatentAttentionParallel(ParallelStyle):
         super().__init__()
         self.seq = seq
 
-    @staticmethod
-    def _full_input(hidden: DTensor, saver: ShardedInputSaver) -> torch.Tensor:
-        """The block input [1, S, h] as a plain tensor whose gradient is declared Partial over tp."""
-        if hidden.placements != (Replicate(),):  # all-gather; backward reduce-scatters the partial gradient
-            full = hidden.redistribute(placements=[Replicate()])
-            saver.begin(hidden, full)  # the projections reading it save the shard (module docstring)
-        else:  # Megatron's f: identity forward, all-reduce of the partial gradient backward
-            full = DTensor.from_local(hidden.to_local(), hidden.device_mesh, [Replicate()], run_check=False)
-        return full.to_local(grad_placements=(Partial(),))
-
     def _run(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[DTensor, Any]:
         by_key = "hidden_states" in kwargs
         hidden = kwargs["hidden_states"] if by_key else args[0]
         saver = module.tp_input_saver
-        x_1Sh = self._full_input(hidden, saver)
+        x_1Sh = partial_grad_input(hidden, saver)
         if by_key:
             args, kwargs = args, {**kwargs, "hidden_states": x_1Sh}
         else:
@@ -128,13 +119,5 @@ class LatentAttentionParallel(ParallelStyle):
         for name in READ_INPUT:
             if getattr(module, name, None) is not None:
                 module.tp_input_saver.attach(getattr(module, name))
-        plain_forward = module.forward
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            hidden = kwargs.get("hidden_states", args[0] if args else None)
-            if not isinstance(hidden, DTensor):  # re-entered by functional_call with local tensors
-                return plain_forward(*args, **kwargs)
-            return self._run(module, args, kwargs)
-
-        module.forward = forward
+        route_dtensor_calls(module, lambda args, kwargs: self._run(module, args, kwargs))
         return module

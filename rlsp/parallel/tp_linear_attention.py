@@ -36,10 +36,11 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Shard, distribute_tensor
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from rlsp.parallel.tp_families import SEQ_DIM, replicate_params
+from rlsp.parallel.tp_local import partial_grad_input, route_dtensor_calls
 from rlsp.parallel.tp_sp import ShardedInputSaver
 
 # weight name -> the dim tp shards (contiguous per rank); every other parameter is replicated (rows read per rank)
@@ -107,14 +108,9 @@ class GroupShardedGatedDeltaNet(ParallelStyle):
         else:
             hidden, args = args[0], args[1:]
         mesh = hidden.device_mesh
-        if hidden.placements != (Replicate(),):
-            full = hidden.redistribute(placements=[Replicate()])  # all-gather; backward: reduce-scatter
-            module.tp_input_saver.begin(hidden, full)  # the projections save the shard (module docstring)
-        else:  # f: backward all-reduces this rank's Partial share into the complete input gradient
-            full = DTensor.from_local(hidden.to_local(), mesh, [Replicate()], run_check=False)
+        x = partial_grad_input(hidden, module.tp_input_saver)  # the projections save the shard (module docstring)
         local = {n: p.to_local(grad_placements=None if any(pl.is_shard() for pl in p.placements) else (Partial(),))
                  for n, p in module.named_parameters()}
-        x = full.to_local(grad_placements=(Partial(),))
         try:
             out = torch.func.functional_call(module, local, args, {**kwargs, "hidden_states": x})
         finally:
@@ -131,13 +127,5 @@ class GroupShardedGatedDeltaNet(ParallelStyle):
         self._distribute(module, device_mesh)
         module.groups = (rank * groups // tp, (rank + 1) * groups // tp)
         _save_shard_only(module)
-        plain_forward = module.forward
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            hidden = kwargs.get("hidden_states", args[0] if args else None)
-            if not isinstance(hidden, DTensor):  # re-entered by functional_call with local tensors
-                return plain_forward(*args, **kwargs)
-            return self._run(module, args, dict(kwargs))
-
-        module.forward = forward
+        route_dtensor_calls(module, lambda args, kwargs: self._run(module, args, dict(kwargs)))
         return module

@@ -170,3 +170,4 @@ class ShardedInputSaver:
             return local
         mesh, placements, shape, stride = packed.layout
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
